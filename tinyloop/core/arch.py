@@ -1,0 +1,265 @@
+"""The model family, defined once: dimensions (:class:`ModelConfig`), the tensors a model of those
+dimensions needs (:func:`required_tensors`) and how each tensor may be stored (:class:`TensorQuant`).
+
+Family (see docs/ARCHITECTURE.md)::
+
+    x = embed(ids)                                  # (T, d_model)
+    for b in pre blocks:   x = b(x)                 # n_pre distinct blocks
+    e = x if loop_inject == "add" else None         # residual entering the loop
+    for i in range(L):                              # L = loops, 1..max_loops
+        if e is not None and i > 0: x = x + e       # optional input injection
+        for b in loop blocks: x = b(x)              # n_loop shared layers, reused L times
+    for b in post blocks:  x = b(x)                 # n_post distinct blocks
+    logits = head(rmsnorm(x, final_norm))           # head = embed when tied_embeddings
+
+    block(x): x = x + Wo @ attn(rope(Wq @ n1(x)), rope(Wk @ n1(x)), Wv @ n1(x))   # GQA, causal
+              x = x + Wd @ (silu(Wg @ n2(x)) * (Wu @ n2(x)))                      # SwiGLU
+
+Tensor names (weights are stored out_features x in_features, as y = W @ x):
+
+    embed                      (vocab_size, d_model)
+    {part}.{i}.attn_norm       (d_model,)
+    {part}.{i}.wq              (n_heads * head_dim, d_model)
+    {part}.{i}.wk / wv         (n_kv_heads * head_dim, d_model)
+    {part}.{i}.wo              (d_model, n_heads * head_dim)
+    {part}.{i}.mlp_norm        (d_model,)
+    {part}.{i}.w_gate / w_up   (d_ff, d_model)
+    {part}.{i}.w_down          (d_model, d_ff)
+    final_norm                 (d_model,)
+    head                       (vocab_size, d_model)      absent when tied_embeddings
+
+with part in pre (i < n_pre), loop (i < n_loop), post (i < n_post).
+
+KV-cache layers are numbered 0 .. n_pre + L * n_loop + n_post - 1; loop iteration i owns layers
+n_pre + i * n_loop .. n_pre + (i + 1) * n_loop - 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+from .errors import ConfigError
+
+#: Upper bounds that keep size arithmetic sane; a file declaring more is refused.
+MAX_DIM = 1 << 20
+MAX_BLOCKS = 1024
+MAX_LOOPS = 4096
+
+BLOCK_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+BLOCK_NORMS = ("attn_norm", "mlp_norm")
+PARTS = ("pre", "loop", "post")
+LOOP_INJECT = ("none", "add")
+
+
+def _check_int(name: str, value, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise ConfigError(f"{name}={value} is outside the allowed range [{lo}, {hi}]")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture dimensions of one looped model. Validated on construction."""
+
+    vocab_size: int
+    """Number of token ids; ids are 0 .. vocab_size - 1."""
+    d_model: int
+    """Residual stream width."""
+    n_heads: int
+    """Query heads per attention layer."""
+    n_kv_heads: int
+    """Key/value heads (GQA); must divide n_heads."""
+    d_ff: int
+    """SwiGLU hidden width."""
+    n_pre: int
+    """Distinct blocks before the loop (may be 0)."""
+    n_loop: int
+    """Layers in the shared loop block (at least 1)."""
+    n_post: int = 0
+    """Distinct blocks after the loop (may be 0)."""
+    default_loops: int = 1
+    """Loop count L used when a request does not choose one."""
+    max_loops: int = 1
+    """Largest L a request may ask for."""
+    head_dim: int = 0
+    """Per-head width; 0 means d_model // n_heads. Must be even (RoPE rotates pairs)."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    tied_embeddings: bool = False
+    """When true there is no `head` tensor: logits use `embed`."""
+    loop_inject: str = "none"
+    """"add": the residual entering the loop is added back before every loop iteration after the first."""
+    bos_id: Optional[int] = None
+    """Beginning-of-sequence id, if the model has one."""
+    eos_id: Optional[int] = None
+    """End-of-sequence id; generation stops when it is emitted."""
+
+    def __post_init__(self) -> None:
+        _check_int("vocab_size", self.vocab_size, 1, MAX_DIM * 4)
+        _check_int("d_model", self.d_model, 1, MAX_DIM)
+        _check_int("n_heads", self.n_heads, 1, 4096)
+        _check_int("n_kv_heads", self.n_kv_heads, 1, self.n_heads)
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
+        _check_int("d_ff", self.d_ff, 1, MAX_DIM)
+        _check_int("n_pre", self.n_pre, 0, MAX_BLOCKS)
+        _check_int("n_loop", self.n_loop, 1, MAX_BLOCKS)
+        _check_int("n_post", self.n_post, 0, MAX_BLOCKS)
+        _check_int("max_loops", self.max_loops, 1, MAX_LOOPS)
+        _check_int("default_loops", self.default_loops, 1, self.max_loops)
+        _check_int("head_dim", self.head_dim, 0, MAX_DIM)
+        if self.head_dim == 0:
+            if self.d_model % self.n_heads:
+                raise ConfigError(
+                    f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; set head_dim")
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+        for name in ("rope_theta", "norm_eps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < float(v) < 1e12):
+                raise ConfigError(f"{name}={v!r} must be a finite positive number")
+            object.__setattr__(self, name, float(v))
+        if not isinstance(self.tied_embeddings, bool):
+            raise ConfigError(f"tied_embeddings must be true or false, got {self.tied_embeddings!r}")
+        if self.loop_inject not in LOOP_INJECT:
+            raise ConfigError(f"loop_inject={self.loop_inject!r} is not one of {LOOP_INJECT}")
+        for name in ("bos_id", "eos_id"):
+            v = getattr(self, name)
+            if v is not None:
+                _check_int(name, v, 0, self.vocab_size - 1)
+
+    # ----------------------------------------------------------------- derived sizes
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def n_layers(self, loops: int) -> int:
+        """KV-cache layers a forward at `loops` iterations touches."""
+        return self.n_pre + loops * self.n_loop + self.n_post
+
+    def cache_layer(self, part: str, index: int, iteration: int = 0, loops: int = 0) -> int:
+        """Cache layer of block `index` of `part`; loop layers also need `iteration`, post layers `loops`."""
+        if part == "pre":
+            return index
+        if part == "loop":
+            return self.n_pre + iteration * self.n_loop + index
+        return self.n_pre + loops * self.n_loop + index
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        if not isinstance(d, dict):
+            raise ConfigError(f"model config must be a mapping, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"unknown model config key(s) {unknown}; allowed: {sorted(names)}")
+        missing = sorted(f.name for f in dataclasses.fields(cls)
+                         if f.name not in d and f.default is dataclasses.MISSING)
+        if missing:
+            raise ConfigError(f"model config is missing required key(s) {missing}")
+        return cls(**d)
+
+
+def block_names(part: str, index: int) -> Tuple[str, ...]:
+    p = f"{part}.{index}."
+    return tuple(p + n for n in BLOCK_NORMS + BLOCK_MATRICES)
+
+
+def required_tensors(cfg: ModelConfig) -> Dict[str, Tuple[int, ...]]:
+    """Logical tensors (name -> shape) a model with these dimensions needs, in canonical file order."""
+    d, q, kv, ff = cfg.d_model, cfg.q_dim, cfg.kv_dim, cfg.d_ff
+    shapes = {"attn_norm": (d,), "mlp_norm": (d,), "wq": (q, d), "wk": (kv, d), "wv": (kv, d),
+              "wo": (d, q), "w_gate": (ff, d), "w_up": (ff, d), "w_down": (d, ff)}
+    out: Dict[str, Tuple[int, ...]] = {"embed": (cfg.vocab_size, d)}
+    for part, n in (("pre", cfg.n_pre), ("loop", cfg.n_loop), ("post", cfg.n_post)):
+        for i in range(n):
+            for name in BLOCK_NORMS + BLOCK_MATRICES:
+                out[f"{part}.{i}.{name}"] = shapes[name]
+    out["final_norm"] = (d,)
+    if not cfg.tied_embeddings:
+        out["head"] = (cfg.vocab_size, d)
+    return out
+
+
+def is_matrix(name: str) -> bool:
+    """True for tensors that may be quantized (2-D weights); norms are vectors kept in float."""
+    return name in ("embed", "head") or name.rsplit(".", 1)[-1] in BLOCK_MATRICES
+
+
+# --------------------------------------------------------------------------- quantization
+QUANT_TYPES = ("f32", "f16", "q8", "q4", "q2")
+QUANT_BITS = {"q8": 8, "q4": 4, "q2": 2}
+
+
+@dataclass(frozen=True)
+class TensorQuant:
+    """How one logical tensor is stored.
+
+    f32 / f16: one physical tensor of the logical shape. qN (N in 8, 4, 2): group-wise affine
+    quantization along the input (last) dimension, w = (q - zero) * scale, stored as three physical
+    tensors ``name.q`` (uint8, rows x in*N/8, element 2j in the low nibble for q4, lowest bits
+    first for q2), ``name.scales`` (float16, rows x in/group_size) and ``name.zeros`` (uint8,
+    rows x in/group_size, 0 <= zero < 2**N).
+    """
+
+    type: str = "f32"
+    """One of f32, f16, q8, q4, q2."""
+    group_size: int = 0
+    """Elements per quantization group along the input dimension (qN only); a multiple of 8."""
+
+    def __post_init__(self) -> None:
+        if self.type not in QUANT_TYPES:
+            raise ConfigError(f"quantization type {self.type!r} is not one of {QUANT_TYPES}")
+        if self.type in QUANT_BITS:
+            _check_int("group_size", self.group_size, 8, MAX_DIM)
+            if self.group_size % 8:
+                raise ConfigError(f"group_size={self.group_size} must be a multiple of 8")
+        elif self.group_size != 0:
+            raise ConfigError(f"group_size={self.group_size} given for unquantized type {self.type}")
+
+    @property
+    def bits(self) -> int:
+        return QUANT_BITS.get(self.type, 0)
+
+    def physical(self, name: str, shape: Tuple[int, ...]) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
+        """Physical tensors (name -> (dtype, shape)) storing logical tensor `name` of `shape`.
+        dtype is one of "f32", "f16", "u8". Raises ConfigError when shape and quantization disagree."""
+        if self.type in ("f32", "f16"):
+            return {name: (self.type, tuple(shape))}
+        if len(shape) != 2:
+            raise ConfigError(f"{name}: only 2-D tensors can be quantized, shape is {shape}")
+        rows, cols = shape
+        if cols % self.group_size:
+            raise ConfigError(
+                f"{name}: in_features={cols} is not a multiple of group_size={self.group_size}")
+        groups = cols // self.group_size
+        return {name + ".q": ("u8", (rows, cols * self.bits // 8)),
+                name + ".scales": ("f16", (rows, groups)),
+                name + ".zeros": ("u8", (rows, groups))}
+
+    def to_dict(self) -> dict:
+        d = {"type": self.type}
+        if self.group_size:
+            d["group_size"] = self.group_size
+        return d
+
+    @classmethod
+    def from_dict(cls, d) -> "TensorQuant":
+        if isinstance(d, str):
+            return cls(type=d)
+        if not isinstance(d, dict) or set(d) - {"type", "group_size"}:
+            raise ConfigError(f"quantization entry must be {{type, group_size}}, got {d!r}")
+        return cls(type=d.get("type", "f32"), group_size=d.get("group_size", 0))
