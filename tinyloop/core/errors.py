@@ -46,3 +46,7 @@ class TokenizerError(TinyLoopError):
 
 class ModelFreedError(TinyLoopError):
     """A model handle was used after free_model()."""
+
+
+class ModelBusyError(TinyLoopError):
+    """A model is already running a forward (models are not reentrant; serialize calls)."""

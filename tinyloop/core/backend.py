@@ -1,0 +1,203 @@
+"""The backend-ops interface the looped forward is written against.
+
+A backend owns device memory (weights, workspace, KV caches) and implements a small set of ops over
+*row blocks*: every activation buffer has ``rows`` rows of features and an op touches rows
+``0 .. T-1``. Positions are an opaque *position handle* made by :meth:`Backend.positions` (a Python
+int on the CPU, a device int32[1] on CUDA so that a captured graph replays unchanged); row t of a
+launch is at absolute position ``pos + t`` and its KV lands in cache slot ``pos + t``.
+
+Contract shared by every backend (tested):
+
+* **Batch invariance.** Each output element is reduced in a fixed order that does not depend on T,
+  so row t of a T-row launch is bit-identical to the same row computed alone.
+* **No allocation in ops.** Ops write into buffers made by :meth:`alloc_workspace` /
+  :meth:`alloc_cache`; nothing is allocated inside the decode loop.
+
+Composite ops (:meth:`attn_half`, :meth:`mlp_half`, :meth:`final_logits`) have default
+implementations over the primitives; a backend overrides them with fused kernels where that removes
+launches or passes over memory. The forward only calls composites and the few primitives it needs.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping
+
+from .arch import ModelConfig
+
+
+@dataclass
+class Workspace:
+    """Activation buffers for up to ``rows`` rows (shape legend: T rows x features).
+
+    x (T, d) residual; h (T, d) normed; e (T, d) loop-inject copy; q (T, q_dim); k, v (T, kv_dim);
+    att (T, q_dim); g, u (T, d_ff); logits (T, vocab).
+    """
+
+    rows: int
+    x: Any
+    h: Any
+    e: Any
+    q: Any
+    k: Any
+    v: Any
+    att: Any
+    g: Any
+    u: Any
+    logits: Any
+
+
+@dataclass
+class BlockWeights:
+    """Backend handles of one transformer block's tensors."""
+
+    attn_norm: Any
+    wq: Any
+    wk: Any
+    wv: Any
+    wo: Any
+    mlp_norm: Any
+    w_gate: Any
+    w_up: Any
+    w_down: Any
+
+
+@dataclass
+class ModelWeights:
+    """Backend handles of a whole model, grouped the way the forward walks them."""
+
+    embed: Any
+    pre: list
+    loop: list
+    post: list
+    final_norm: Any
+    head: Any
+    nbytes: int = 0
+
+    @classmethod
+    def from_handles(cls, cfg: ModelConfig, h: Mapping[str, Any], nbytes: int = 0) -> "ModelWeights":
+        def blocks(part: str, n: int) -> list:
+            return [BlockWeights(**{f: h[f"{part}.{i}.{f}"] for f in BlockWeights.__dataclass_fields__})
+                    for i in range(n)]
+        return cls(embed=h["embed"], pre=blocks("pre", cfg.n_pre), loop=blocks("loop", cfg.n_loop),
+                   post=blocks("post", cfg.n_post), final_norm=h["final_norm"],
+                   head=h["embed"] if cfg.tied_embeddings else h["head"], nbytes=nbytes)
+
+
+class Backend(ABC):
+    """Ops over row blocks. Subclasses: tinyloop.cpu.backend.CPUBackend, tinyloop.cuda.backend."""
+
+    name: str = "abstract"
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+
+    # ------------------------------------------------------------------ memory
+    @abstractmethod
+    def load_weights(self, model_file) -> ModelWeights:
+        """Take the model's tensors (a format.ModelFile) into backend memory."""
+
+    @abstractmethod
+    def alloc_workspace(self, rows: int) -> Workspace:
+        """Activation buffers for launches of up to `rows` rows."""
+
+    @abstractmethod
+    def alloc_cache(self, n_layers: int, n_slots: int, kv_dtype: str) -> Any:
+        """A KV cache of n_layers x n_slots x n_kv_heads x head_dim for K and V, stored as kv_dtype."""
+
+    def free(self) -> None:
+        """Release everything this backend holds (weights, workspaces, caches)."""
+
+    def memory_bytes(self) -> int:
+        """Bytes held on the backend's device by weights and workspaces."""
+        return 0
+
+    # ------------------------------------------------------------------ positions / host transfer
+    @abstractmethod
+    def positions(self, pos: int) -> Any:
+        """A position handle for absolute position `pos`."""
+
+    @abstractmethod
+    def set_ids(self, ws: Workspace, ids) -> Any:
+        """Upload token ids (sequence of ints) into a backend id buffer; returns the handle."""
+
+    @abstractmethod
+    def logits_to_host(self, ws: Workspace, row: int):
+        """Row `row` of ws.logits as a host float32 numpy array (a view or copy)."""
+
+    def copy_cache_slots(self, cache, src: int, dst: int, n: int, layers: range) -> None:
+        """Move n cache slots starting at src to dst for the given layers (speculative roll-forward)."""
+        raise NotImplementedError(f"{self.name} backend does not move cache slots")
+
+    # ------------------------------------------------------------------ primitive ops
+    @abstractmethod
+    def embed(self, table, ids, out, T: int) -> None:
+        """out[t] = dequantized row ids[t] of `table`."""
+
+    @abstractmethod
+    def rmsnorm(self, x, w, out, T: int) -> None:
+        """out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w."""
+
+    @abstractmethod
+    def matmul(self, x, W, out, T: int, accumulate: bool = False) -> None:
+        """out[t, n] (+)= sum_k x[t, k] * W[n, k]."""
+
+    @abstractmethod
+    def rope_kv_append(self, q, k, v, cache, layer: int, pos, T: int) -> None:
+        """RoPE on q and k rows at positions pos+t (in place), then K/V rows into cache slots pos+t."""
+
+    @abstractmethod
+    def attention(self, q, cache, layer: int, pos, T: int, out) -> None:
+        """Causal GQA attention of query rows (positions pos+t) over cache slots 0..pos+t."""
+
+    @abstractmethod
+    def swiglu(self, g, u, out, T: int) -> None:
+        """out = silu(g) * u."""
+
+    @abstractmethod
+    def add(self, x, y, T: int) -> None:
+        """x += y."""
+
+    @abstractmethod
+    def copy(self, dst, src, T: int) -> None:
+        """dst[:T] = src[:T]."""
+
+    # ------------------------------------------------------------------ composites (fusable)
+    def attn_half(self, ws: Workspace, b: BlockWeights, cache, layer: int, pos, T: int) -> None:
+        """x += Wo @ attention(rope(Wq n(x)), rope(Wk n(x)), Wv n(x)), KV appended to `layer`."""
+        self.rmsnorm(ws.x, b.attn_norm, ws.h, T)
+        self.matmul(ws.h, b.wq, ws.q, T)
+        self.matmul(ws.h, b.wk, ws.k, T)
+        self.matmul(ws.h, b.wv, ws.v, T)
+        self.rope_kv_append(ws.q, ws.k, ws.v, cache, layer, pos, T)
+        self.attention(ws.q, cache, layer, pos, T, ws.att)
+        self.matmul(ws.att, b.wo, ws.x, T, accumulate=True)
+
+    def mlp_half(self, ws: Workspace, b: BlockWeights, T: int) -> None:
+        """x += Wd @ (silu(Wg n(x)) * Wu n(x))."""
+        self.rmsnorm(ws.x, b.mlp_norm, ws.h, T)
+        self.matmul(ws.h, b.w_gate, ws.g, T)
+        self.matmul(ws.h, b.w_up, ws.u, T)
+        self.swiglu(ws.g, ws.u, ws.g, T)
+        self.matmul(ws.g, b.w_down, ws.x, T, accumulate=True)
+
+    def final_logits(self, ws: Workspace, w: ModelWeights, row0: int, T: int) -> None:
+        """logits[0:T] = head(norm(x[row0:row0+T]))."""
+        self.rmsnorm(self.rows(ws.x, row0), w.final_norm, ws.h, T)
+        self.matmul(ws.h, w.head, ws.logits, T)
+
+    @abstractmethod
+    def rows(self, buf, row0: int):
+        """A view of `buf` starting at row `row0` (for ops on a suffix of rows)."""
+
+    # ------------------------------------------------------------------ optional fast paths
+    def supports(self, feature: str) -> bool:
+        """Whether an optional capability (e.g. "graph", "device_argmax") is present."""
+        return False
+
+
+BACKENDS: Dict[str, str] = {
+    "cpu": "tinyloop.cpu.backend:CPUBackend",
+    "cuda": "tinyloop.cuda.backend:CUDABackend",
+}

@@ -1,0 +1,162 @@
+"""The mode-composition matrix (configs/compat.yaml) loaded as data and checked per request.
+
+``check_request(context, config)`` is called by every entry point before any work. It finds the
+modes the request switches on (each row's ``when`` rule), then raises
+
+* NotImplementedModeError when the context or an active mode is ``planned``;
+* IncompatibleModesError when a cell is ``rejected`` or a ``pairs`` rule matches;
+
+and emits a ``CompatWarning`` for ``partial`` cells. It returns the list of active modes.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import os
+import warnings
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from .errors import ConfigError, IncompatibleModesError, NotImplementedModeError
+
+CELLS = ("ok", "partial", "rejected")
+STATUSES = ("implemented", "planned")
+_OPS = {"==": operator.eq, "!=": operator.ne, ">": operator.gt, ">=": operator.ge,
+        "<": operator.lt, "<=": operator.le}
+
+
+class CompatWarning(UserWarning):
+    """A mode combination marked `partial`: it runs, but is not exhaustively tested."""
+
+
+@dataclass(frozen=True)
+class ModeRule:
+    name: str
+    status: str
+    field: str
+    op: str
+    value: Any
+    cells: Mapping[str, str]
+
+    def active(self, config: Any) -> bool:
+        v = getattr(config, self.field, None)
+        try:
+            return bool(_OPS[self.op](v, self.value))
+        except TypeError:   # e.g. None > 0: the knob is not set
+            return False
+
+    def describe(self, config: Any) -> str:
+        return f"{self.name} ({self.field}={getattr(config, self.field, None)!r})"
+
+
+@dataclass(frozen=True)
+class CompatMatrix:
+    contexts: Mapping[str, str]                       # name -> status
+    modes: Mapping[str, ModeRule]
+    pairs: Tuple[Tuple[frozenset, str], ...]
+    source: str
+
+    def active_modes(self, config: Any) -> List[ModeRule]:
+        return [m for m in self.modes.values() if m.active(config)]
+
+    def check(self, context: str, config: Any) -> List[str]:
+        """Check one request; see the module docstring. Returns the names of its active modes."""
+        if context not in self.contexts:
+            raise IncompatibleModesError(
+                f"unknown decode context {context!r}; {self.source} lists {sorted(self.contexts)}")
+        if self.contexts[context] == "planned":
+            raise NotImplementedModeError(
+                f"{context} decoding is not implemented yet ({self.source}: contexts.{context} is planned)")
+        active = self.active_modes(config)
+        for m in active:
+            if m.status == "planned":
+                raise NotImplementedModeError(
+                    f"mode {m.describe(config)} is not implemented yet ({self.source}: modes.{m.name} "
+                    f"is planned)")
+        for m in active:
+            cell = m.cells[context]
+            if cell == "rejected":
+                raise IncompatibleModesError(
+                    f"mode {m.describe(config)} is rejected in {context} decoding "
+                    f"({self.source}: modes.{m.name}.{context} = rejected)")
+            if cell == "partial":
+                warnings.warn(f"mode {m.name} in {context} decoding is partial: it works but is not "
+                              f"exhaustively tested ({self.source})", CompatWarning, stacklevel=3)
+        names = {m.name for m in active}
+        for pair, reason in self.pairs:
+            if pair <= names:
+                a, b = sorted(pair)
+                raise IncompatibleModesError(
+                    f"modes {a} and {b} cannot be combined: {reason} ({self.source}: pairs)")
+        return sorted(names)
+
+
+def _parse(data: Any, source: str) -> CompatMatrix:
+    def bad(msg: str) -> ConfigError:
+        return ConfigError(f"{source}: {msg}")
+
+    if not isinstance(data, dict) or set(data) - {"version", "contexts", "modes", "pairs"}:
+        raise bad("top level must be a mapping with keys version, contexts, modes, pairs")
+    if data.get("version") != 1:
+        raise bad(f"version {data.get('version')!r} is not supported (expected 1)")
+    contexts: Dict[str, str] = {}
+    for name, c in (data.get("contexts") or {}).items():
+        if not isinstance(c, dict) or c.get("status") not in STATUSES:
+            raise bad(f"contexts.{name}.status must be one of {STATUSES}")
+        contexts[name] = c["status"]
+    modes: Dict[str, ModeRule] = {}
+    for name, m in (data.get("modes") or {}).items():
+        if not isinstance(m, dict) or set(m) - {"status", "when", "cells", "doc"}:
+            raise bad(f"modes.{name} must have keys status, when, cells")
+        if m.get("status") not in STATUSES:
+            raise bad(f"modes.{name}.status must be one of {STATUSES}")
+        when = m.get("when")
+        if not (isinstance(when, list) and len(when) == 3 and when[1] in _OPS):
+            raise bad(f"modes.{name}.when must be [field, op, value] with op in {sorted(_OPS)}")
+        cells = m.get("cells") or {}
+        if set(cells) != set(contexts) or any(v not in CELLS for v in cells.values()):
+            raise bad(f"modes.{name}.cells must give one of {CELLS} for each context {sorted(contexts)}")
+        modes[name] = ModeRule(name, m["status"], when[0], when[1], when[2], dict(cells))
+    pairs = []
+    for i, p in enumerate(data.get("pairs") or []):
+        ms = p.get("modes") if isinstance(p, dict) else None
+        if not (isinstance(ms, list) and len(ms) == 2 and all(x in modes for x in ms)):
+            raise bad(f"pairs[{i}].modes must name two known modes")
+        pairs.append((frozenset(ms), str(p.get("reason", ""))))
+    return CompatMatrix(contexts, modes, tuple(pairs), source)
+
+
+def compat_path() -> str:
+    """The matrix file: $TINYLOOP_COMPAT, the source tree's configs/compat.yaml, or the installed copy."""
+    env = os.environ.get("TINYLOOP_COMPAT")
+    if env:
+        return env
+    tree = Path(__file__).resolve().parents[2] / "configs" / "compat.yaml"
+    if tree.is_file():
+        return str(tree)
+    return str(resources.files("tinyloop.configs").joinpath("compat.yaml"))
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: str) -> CompatMatrix:
+    import yaml
+
+    try:
+        with open(path, "r", encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot load the compat matrix {path}: {exc}") from None
+    return _parse(data, "configs/compat.yaml" if path.endswith("compat.yaml") else path)
+
+
+def load_matrix(path: Optional[str] = None) -> CompatMatrix:
+    """The parsed matrix (cached per path)."""
+    return _load(path or compat_path())
+
+
+def check_request(context: str, config: Any) -> List[str]:
+    """Check a request against configs/compat.yaml before any work; see the module docstring."""
+    return load_matrix().check(context, config)

@@ -1,0 +1,304 @@
+"""Request configurations (frozen dataclasses, validated on construction) and the YAML run config.
+
+Every field has a docstring; every validation error quotes the value and the allowed range. YAML is
+parsed into these classes here and nowhere else; an unknown key is an error naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence, Tuple, Type, TypeVar
+
+from .errors import ConfigError
+
+#: Temperatures at or below this are greedy argmax (spec: "0.0 (or <= 0.01) means greedy").
+GREEDY_TEMPERATURE = 0.01
+MAX_SEED = (1 << 64) - 1
+
+T = TypeVar("T")
+
+
+def _int(name: str, v: Any, lo: int, hi: Optional[int] = None) -> None:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(f"{name} must be an integer, got {v!r}")
+    if v < lo or (hi is not None and v > hi):
+        rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ConfigError(f"{name}={v} is outside the allowed range {rng}")
+
+
+def _float(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+        raise ConfigError(f"{name} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _stop_sequences(v: Any) -> Tuple[Tuple[int, ...], ...]:
+    if v is None:
+        return ()
+    if isinstance(v, (str, bytes)) or not isinstance(v, Sequence):
+        raise ConfigError(f"stop_sequences must be a list of token-id lists, got {v!r}")
+    out = []
+    for i, seq in enumerate(v):
+        if isinstance(seq, (str, bytes)) or not isinstance(seq, Sequence) or len(seq) == 0:
+            raise ConfigError(f"stop_sequences[{i}] must be a non-empty list of token ids, got {seq!r}")
+        for t in seq:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ConfigError(f"stop_sequences[{i}] holds {t!r}; token ids are integers >= 0")
+        out.append(tuple(int(t) for t in seq))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """Decode configuration shared by generate, generate_stream, generate_iter and generate_batch.
+
+    Fields follow the original spec's GenerateConfig; ``cache_mode`` and ``decoder`` are the
+    Python runtime's plugin selectors.
+    """
+
+    max_tokens: int = 64
+    """Upper bound on emitted tokens (prompt excluded). prompt_len + max_tokens <= max_seq_len."""
+    loops: Optional[int] = None
+    """Loop depth L in [1, model.max_loops]; None means the model's default_loops."""
+    temperature: float = 0.0
+    """Softmax temperature, >= 0. At or below 0.01 decoding is greedy argmax."""
+    top_k: int = 50
+    """Keep the k most likely tokens before sampling; >= 1 when sampling. Ignored when greedy."""
+    top_p: float = 1.0
+    """Nucleus threshold in (0, 1], applied after top_k; 1.0 disables."""
+    cache_window: int = 0
+    """Sliding-window cap on the KV cache; 0 means unlimited."""
+    repetition_penalty: float = 1.0
+    """HF-convention penalty (> 0) on tokens already in the prompt or output; 1.0 disables."""
+    stop_sequences: Tuple[Tuple[int, ...], ...] = ()
+    """Token-id sequences that end decoding when they match the tail of the output (included)."""
+    beam_size: int = 0
+    """0 or 1: ordinary decoding; >= 2: deterministic beam search."""
+    length_penalty: float = 1.0
+    """Beam search only: beams rank by log_prob / max(1, len) ** length_penalty."""
+    early_exit_patience: int = 0
+    """0 disables adaptive-depth early exit; > 0 exits after that many stable probes past min_L."""
+    early_exit_min_L: int = 2
+    """First loop iteration at which early exit may probe (>= 1)."""
+    early_exit_peek_every: int = 1
+    """Probe cadence past early_exit_min_L (>= 1)."""
+    early_exit_logit_margin: float = 0.0
+    """> 0 switches early exit from hidden-state L2 stability to logit-margin stability."""
+    sample_seed: int = 0
+    """RNG seed for sampling in [0, 2**64 - 1]; same seed + config + model -> same tokens."""
+    grammar: Any = None
+    """Optional constrained-decoding grammar."""
+    cache_mode: str = "fp16"
+    """KV-cache storage mode: the name of a registered cache-mode plugin (fp16, fp32, ...)."""
+    decoder: Optional[str] = None
+    """Name of a registered decoder plugin; None picks the built-in one the settings imply."""
+
+    def __post_init__(self) -> None:
+        _int("max_tokens", self.max_tokens, 0)
+        if self.loops is not None:
+            _int("loops", self.loops, 1)
+        t = _float("temperature", self.temperature)
+        if t < 0:
+            raise ConfigError(f"temperature={self.temperature} must be >= 0")
+        object.__setattr__(self, "temperature", t)
+        _int("top_k", self.top_k, -(1 << 62))
+        if self.sampling and self.top_k < 1:
+            raise ConfigError(f"top_k={self.top_k} must be >= 1 while sampling (temperature={t})")
+        p = _float("top_p", self.top_p)
+        if not 0.0 < p <= 1.0:
+            raise ConfigError(f"top_p={self.top_p} is outside the allowed range (0, 1]")
+        object.__setattr__(self, "top_p", p)
+        _int("cache_window", self.cache_window, 0)
+        rp = _float("repetition_penalty", self.repetition_penalty)
+        if rp <= 0:
+            raise ConfigError(f"repetition_penalty={self.repetition_penalty} must be > 0")
+        object.__setattr__(self, "repetition_penalty", rp)
+        object.__setattr__(self, "stop_sequences", _stop_sequences(self.stop_sequences))
+        _int("beam_size", self.beam_size, 0)
+        object.__setattr__(self, "length_penalty", _float("length_penalty", self.length_penalty))
+        _int("early_exit_patience", self.early_exit_patience, 0)
+        _int("early_exit_min_L", self.early_exit_min_L, 1)
+        _int("early_exit_peek_every", self.early_exit_peek_every, 1)
+        m = _float("early_exit_logit_margin", self.early_exit_logit_margin)
+        if m < 0:
+            raise ConfigError(f"early_exit_logit_margin={m} must be >= 0")
+        object.__setattr__(self, "early_exit_logit_margin", m)
+        _int("sample_seed", self.sample_seed, 0, MAX_SEED)
+        if not isinstance(self.cache_mode, str) or not self.cache_mode:
+            raise ConfigError(f"cache_mode must be a plugin name, got {self.cache_mode!r}")
+        if self.decoder is not None and (not isinstance(self.decoder, str) or not self.decoder):
+            raise ConfigError(f"decoder must be a plugin name or None, got {self.decoder!r}")
+
+    @property
+    def sampling(self) -> bool:
+        """True when tokens are drawn stochastically (temperature above the greedy threshold)."""
+        return self.temperature > GREEDY_TEMPERATURE
+
+    def replace(self, **changes) -> "GenerateConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Chain self-speculative decoding: draft at draft_loops, verify at verify_loops."""
+
+    max_tokens: int = 64
+    """Total emission cap (prompt excluded)."""
+    draft_loops: int = 2
+    """Cheap draft-pass loop depth (>= 1, < verify_loops)."""
+    verify_loops: int = 8
+    """Verify-pass loop depth (<= model.max_loops)."""
+    draft_ahead: int = 4
+    """Tokens drafted per verify cycle (>= 1)."""
+    temperature: float = 0.0
+    """0 = greedy acceptance (exact); > 0 = speculative sampling."""
+    seed: int = 0
+    """RNG seed for stochastic mode."""
+
+    def __post_init__(self) -> None:
+        _int("max_tokens", self.max_tokens, 0)
+        _int("verify_loops", self.verify_loops, 1)
+        _int("draft_loops", self.draft_loops, 1, max(1, self.verify_loops - 1))
+        _int("draft_ahead", self.draft_ahead, 1, 64)
+        t = _float("temperature", self.temperature)
+        if t < 0:
+            raise ConfigError(f"temperature={t} must be >= 0")
+        _int("seed", self.seed, 0, MAX_SEED)
+
+
+@dataclass(frozen=True)
+class TreeSpeculativeConfig(SpeculativeConfig):
+    """Tree self-speculative decoding: K_branches candidates per draft step, depth draft_ahead."""
+
+    K_branches: int = 2
+    """Candidates kept per draft step (>= 1)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _int("K_branches", self.K_branches, 1, 16)
+
+
+class StopReason(str, enum.Enum):
+    """Why a generation ended."""
+
+    EOS = "EOS"
+    STOP_SEQUENCE = "STOP_SEQUENCE"
+    MAX_TOKENS = "MAX_TOKENS"
+    CALLBACK_ABORT = "CALLBACK_ABORT"
+    GRAMMAR_DEAD_END = "GRAMMAR_DEAD_END"
+
+
+@dataclass
+class GenerateStats:
+    """Per-call statistics, filled by generate_stream / generate_iter when passed in."""
+
+    prefill_ms: float = 0.0
+    """Wall-clock time of the prefill (prompt -> first-token logits ready)."""
+    first_token_ms: float = 0.0
+    """Wall-clock time from call entry to the first emitted token."""
+    decode_ms: float = 0.0
+    """Wall-clock time of the decode loop after the first token."""
+    tokens_emitted: int = 0
+    """Tokens emitted (prompt excluded)."""
+    stop_reason: Optional[StopReason] = None
+    """Why decoding ended."""
+    loops_used: int = 0
+    """Effective loop depth used."""
+    loop_iters_run: int = 0
+    """Shared-block loop iterations executed over all forwards (prefill rows counted once per chunk)."""
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["stop_reason"] = self.stop_reason.value if self.stop_reason else None
+        return d
+
+
+# --------------------------------------------------------------------------- mapping -> dataclass
+def from_mapping(cls: Type[T], data: Mapping[str, Any], where: str) -> T:
+    """Build dataclass `cls` from a mapping; unknown keys are a ConfigError naming them."""
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"unknown key {key!r} in {where}; allowed keys: {', '.join(names)}")
+    try:
+        return cls(**dict(data))
+    except TypeError as exc:  # e.g. a missing required field
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A YAML-configured run (``python -m tinyloop run CFG.yaml``)."""
+
+    model: str = ""
+    """Path of the .tinyloop file (relative paths are relative to the YAML file). Empty: the
+    embedded demo model."""
+    backend: str = "auto"
+    """auto | cpu | cuda."""
+    max_seq_len: int = 2048
+    """Longest sequence (prompt + output) the loaded model serves."""
+    prefill_chunk: int = 0
+    """Rows per prefill launch (bounds activation memory); 0 = min(max_seq_len, 512)."""
+    tokenizer: Optional[str] = None
+    """Directory with vocab.json + merges.txt; None uses TINYLOOP_TOKENIZER_DIR, then the model's
+    embedded tokenizer, then raw bytes."""
+    prompts: Tuple[str, ...] = ()
+    """Prompts given inline."""
+    prompts_file: Optional[str] = None
+    """A text file with one prompt per line (blank lines skipped), or a .jsonl file of
+    {"prompt": ...} objects."""
+    mode: str = "generate"
+    """generate (one prompt after another) or batch (generate_batch over all prompts)."""
+    stream: bool = True
+    """Print tokens to the terminal as they are produced."""
+    output_jsonl: Optional[str] = None
+    """Write one JSON object per prompt (prompt, completion, token ids, stats) to this file."""
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    """Decode settings (GenerateConfig fields)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str):
+            raise ConfigError(f"model must be a file path, got {self.model!r}")
+        if self.backend not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"backend={self.backend!r} is not one of auto, cpu, cuda")
+        _int("max_seq_len", self.max_seq_len, 1, 1 << 20)
+        _int("prefill_chunk", self.prefill_chunk, 0, 1 << 20)
+        if isinstance(self.prompts, str) or not isinstance(self.prompts, (list, tuple)):
+            raise ConfigError(f"prompts must be a list of strings, got {self.prompts!r}")
+        for p in self.prompts:
+            if not isinstance(p, str):
+                raise ConfigError(f"prompts must be strings, got {p!r}")
+        object.__setattr__(self, "prompts", tuple(self.prompts))
+        if self.mode not in ("generate", "batch"):
+            raise ConfigError(f"mode={self.mode!r} is not one of generate, batch")
+        if not isinstance(self.stream, bool):
+            raise ConfigError(f"stream must be true or false, got {self.stream!r}")
+        if isinstance(self.generate, Mapping):
+            object.__setattr__(self, "generate",
+                               from_mapping(GenerateConfig, self.generate, "generate"))
+        elif not isinstance(self.generate, GenerateConfig):
+            raise ConfigError(f"generate must be a mapping of GenerateConfig fields, got {self.generate!r}")
+
+
+def load_run_config(path: str) -> RunConfig:
+    """Parse a YAML run config; errors name the file and the bad key or value."""
+    import yaml
+
+    try:
+        with open(path, "r", encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path!r}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    try:
+        return from_mapping(RunConfig, data, "run config")
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None

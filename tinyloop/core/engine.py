@@ -1,0 +1,419 @@
+"""The engine: model lifecycle, request validation, the decode session and the stop policy.
+
+Canonical decode state machine (generate / generate_stream / generate_iter):
+
+1. Validate the request (ids, lengths, loops) and check it against configs/compat.yaml; resolve
+   the decoder, cache mode and processors. Nothing is allocated before this passes.
+2. Allocate a KV cache for prompt_len + max_tokens slots at the request's loop depth.
+3. The decoder drives the session: prefill, then per token: processors (penalty, mask) -> pick ->
+   emit -> stop checks -> advance the cache with a one-token forward.
+4. Stop policy, checked after each emitted token in this order: EOS, stop-sequence tail match,
+   max_tokens; a consumer that stops iterating (generate_stream's callback returning False) is
+   CALLBACK_ABORT. The emitted token that triggers a stop is included in the output.
+5. The cache is released on every path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+import time
+from typing import Any, Callable, Iterator, List, Optional, Sequence
+
+import numpy as np
+
+from .arch import ModelConfig
+from .backend import BACKENDS, Backend
+from .compat import check_request
+from .config import GenerateConfig, GenerateStats, StopReason
+from .errors import (BackendError, ConfigError, InvalidInputError, ModelBusyError,
+                     ModelFreedError, PluginError)
+from .format import open_model
+from .forward import Forward
+from .plugins import get_plugin_manager
+from .processors import ProcessorChain
+
+DEFAULT_PREFILL_CHUNK = 512
+
+
+def _cuda_available() -> bool:
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        return False
+    try:
+        from numba import cuda
+        return bool(cuda.is_available())
+    except Exception:
+        return False
+
+
+class Model:
+    """A loaded .tinyloop model on one backend. Not reentrant: a second concurrent call raises
+    ModelBusyError. Release with free_model()."""
+
+    def __init__(self, path: str, max_seq_len: int, backend: str, prefill_chunk: int):
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or not 1 <= max_seq_len <= 1 << 20:
+            raise ConfigError(f"max_seq_len={max_seq_len!r} is outside the allowed range [1, 1048576]")
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 0:
+            raise ConfigError(f"prefill_chunk={prefill_chunk!r} must be an integer >= 0 (0 = automatic)")
+        if backend not in ("auto", *BACKENDS):
+            raise ConfigError(f"backend={backend!r} is not one of auto, {', '.join(BACKENDS)}")
+        if backend == "auto":
+            backend = "cuda" if _cuda_available() else "cpu"
+        elif backend == "cuda" and not _cuda_available():
+            raise BackendError("backend='cuda' was requested but no CUDA GPU is available")
+        self.path = str(path)
+        self.max_seq_len = max_seq_len
+        self.file = open_model(path)
+        self._lock = threading.Lock()
+        self._freed = False
+        self._live_cache_bytes = 0
+        try:
+            self.header = self.file.header
+            self.cfg: ModelConfig = self.header.config
+            modname, clsname = BACKENDS[backend].split(":")
+            self.backend: Backend = getattr(importlib.import_module(modname), clsname)(self.cfg, max_seq_len)
+            self.weights = self.backend.load_weights(self.file)
+            rows = min(max_seq_len, prefill_chunk or DEFAULT_PREFILL_CHUNK)
+            self.ws = self.backend.alloc_workspace(rows)
+            self.fwd = Forward(self.cfg, self.backend, self.weights, self.ws)
+        except BaseException:
+            self._release()
+            raise
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    def _release(self) -> None:
+        be = getattr(self, "backend", None)
+        if be is not None:
+            be.free()
+        self.file.close()
+        self._freed = True
+
+    def _check_live(self) -> None:
+        if self._freed:
+            raise ModelFreedError(f"model {self.path!r} was freed; load it again")
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        free_model(self)
+
+
+def load_model(path: str, max_seq_len: int = 2048, backend: str = "auto", prefill_chunk: int = 0) -> Model:
+    """Load a .tinyloop file onto a backend ("auto" picks CUDA when a GPU is present, else CPU).
+
+    prefill_chunk bounds the rows of one forward launch (0 = min(max_seq_len, 512)); it sizes the
+    activation buffer pool, which is allocated here once."""
+    return Model(path, max_seq_len, backend, prefill_chunk)
+
+
+def free_model(model: Model) -> None:
+    """Release the model's backend memory and file. Idempotent."""
+    if not model._freed:
+        model._release()
+
+
+def vram_usage_bytes(model: Model) -> int:
+    """Bytes the model holds on its backend: weights + buffer pool + live KV caches."""
+    model._check_live()
+    return model.backend.memory_bytes() + model._live_cache_bytes
+
+
+# --------------------------------------------------------------------------- validation
+def _as_ids(tokens: Any, what: str) -> List[int]:
+    if isinstance(tokens, (str, bytes)):
+        raise InvalidInputError(f"{what} must be a sequence of token ids, not text; tokenize it first")
+    try:
+        arr = np.asarray(tokens)
+    except Exception:
+        raise InvalidInputError(f"{what} must be a sequence of integer token ids") from None
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidInputError(f"{what} must be a flat sequence of integer token ids, got dtype "
+                                f"{arr.dtype} with shape {arr.shape}")
+    return [int(t) for t in arr]
+
+
+def validate_request(model: Model, prompt: Any, config: GenerateConfig, what: str = "prompt") -> List[int]:
+    """Model-dependent checks of one request; returns the prompt as a list of ints."""
+    ids = _as_ids(prompt, what)
+    V = model.cfg.vocab_size
+    if len(ids) < 1:
+        raise InvalidInputError(f"{what}_len=0: a prompt needs at least 1 token")
+    for i, t in enumerate(ids):
+        if not 0 <= t < V:
+            raise InvalidInputError(f"{what}[{i}]={t} is outside the vocabulary [0, {V})")
+    if len(ids) + config.max_tokens > model.max_seq_len:
+        raise InvalidInputError(
+            f"{what}_len ({len(ids)}) + max_tokens ({config.max_tokens}) = {len(ids) + config.max_tokens} "
+            f"exceeds max_seq_len={model.max_seq_len}")
+    loops = resolve_loops(model, config.loops)
+    del loops
+    for i, seq in enumerate(config.stop_sequences):
+        for t in seq:
+            if t >= V:
+                raise InvalidInputError(f"stop_sequences[{i}] holds {t}, outside the vocabulary [0, {V})")
+    return ids
+
+
+def resolve_loops(model: Model, loops: Optional[int]) -> int:
+    L = model.cfg.default_loops if loops is None else loops
+    if isinstance(L, bool) or not isinstance(L, int) or not 1 <= L <= model.cfg.max_loops:
+        raise InvalidInputError(f"loops={L!r} is outside the allowed range [1, {model.cfg.max_loops}] "
+                                f"(model.max_loops)")
+    return L
+
+
+class _Plan:
+    """Everything a request needs, resolved before any work."""
+
+    def __init__(self, model: Model, config: GenerateConfig, context: str):
+        model._check_live()
+        check_request(context, config)
+        pm = get_plugin_manager()
+        self.decoder_cls = pm.decoder_for(config)
+        if self.decoder_cls.mode is None and context not in self.decoder_cls.contexts:
+            raise PluginError(f"decoder {self.decoder_cls.name!r} does not run in {context} decoding "
+                              f"(it declares {sorted(self.decoder_cls.contexts)})")
+        self.cache_mode = pm.cache_mode_for(config)
+        self.config = config
+        self.loops = resolve_loops(model, config.loops)
+        self.processor_factory = lambda: ProcessorChain(pm.processors_for(config))
+
+
+# --------------------------------------------------------------------------- session
+class Session:
+    """The decode session a decoder drives (see tinyloop.core.decoding)."""
+
+    def __init__(self, model: Model, prompt: List[int], plan: _Plan, chain: ProcessorChain,
+                 stats: GenerateStats):
+        self.model, self.config, self.loops = model, plan.config, plan.loops
+        self.vocab_size = model.cfg.vocab_size
+        self.tokens = list(prompt)
+        self.position = 0                       # tokens whose K/V are in the cache
+        self.chain = chain
+        self.stats = stats
+        self.uncached = os.environ.get("TINYLOOP_DISABLE_KV_CACHE", "") not in ("", "0")
+        n_slots = len(prompt) + plan.config.max_tokens
+        self.cache = model.backend.alloc_cache(model.cfg.n_layers(self.loops), n_slots,
+                                               plan.cache_mode.kv_dtype)
+        self._buf = np.zeros(self.vocab_size, np.float32)
+
+    def _run(self, start: int, stop: int) -> None:
+        """Forward tokens[start:stop] in chunks; logits of the last row pending in ws.logits[0]."""
+        m = self.model
+        rows = m.ws.rows
+        for a in range(start, stop, rows):
+            T = min(rows, stop - a)
+            ids = m.backend.set_ids(m.ws, self.tokens[a:a + T])
+            m.fwd.forward(ids, m.backend.positions(a), T, self.cache, self.loops)
+            self.stats.loop_iters_run += self.loops
+            if a + T == stop:
+                m.fwd.logits(T - 1, 1)
+        self.position = stop
+
+    def start(self) -> None:
+        t = time.perf_counter()
+        self._run(0, len(self.tokens))
+        self.stats.prefill_ms = (time.perf_counter() - t) * 1e3
+
+    def advance(self, token: int) -> None:
+        self.tokens.append(int(token))
+        self._run(0 if self.uncached else self.position, len(self.tokens))
+
+    def logits(self) -> np.ndarray:
+        np.copyto(self._buf, self.model.backend.logits_to_host(self.model.ws, 0))
+        self.chain.apply(self._buf)
+        return self._buf
+
+    def greedy(self) -> int:
+        if self.chain.argmax_invariant:
+            return self.model.backend.argmax(self.model.ws, 0)
+        return int(np.argmax(self.logits()))
+
+    @property
+    def cache_bytes(self) -> int:
+        return int(getattr(self.cache, "nbytes", 0))
+
+
+def _tail_match(out: List[int], seqs) -> bool:
+    for s in seqs:
+        n = len(s)
+        if n <= len(out) and tuple(out[-n:]) == s:
+            return True
+    return False
+
+
+def _decode(model: Model, prompt: List[int], plan: _Plan, stats: GenerateStats) -> Iterator[int]:
+    """The stop policy around a decoder; the caller has validated everything and holds the lock."""
+    config = plan.config
+    t0 = time.perf_counter()
+    stats.loops_used = plan.loops
+    stats.stop_reason = None
+    if config.max_tokens == 0:
+        stats.stop_reason = StopReason.MAX_TOKENS
+        return
+    chain = plan.processor_factory()
+    chain.reset(prompt)
+    session = Session(model, prompt, plan, chain, stats)
+    model._live_cache_bytes += session.cache_bytes
+    gen = plan.decoder_cls(config).decode(session)
+    out: List[int] = []
+    eos = model.cfg.eos_id
+    t_first = None
+    try:
+        for tok in gen:
+            if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, (int, np.integer)) \
+                    or not 0 <= int(tok) < model.cfg.vocab_size:
+                raise PluginError(f"decoder {plan.decoder_cls.name!r} produced {tok!r}, not a token id in "
+                                  f"[0, {model.cfg.vocab_size})")
+            tok = int(tok)
+            out.append(tok)
+            chain.accept(tok)
+            stats.tokens_emitted = len(out)
+            if t_first is None:
+                t_first = time.perf_counter()
+                stats.first_token_ms = (t_first - t0) * 1e3
+            yield tok
+            if eos is not None and tok == eos:
+                stats.stop_reason = StopReason.EOS
+            elif _tail_match(out, config.stop_sequences):
+                stats.stop_reason = StopReason.STOP_SEQUENCE
+            elif len(out) >= config.max_tokens:
+                stats.stop_reason = StopReason.MAX_TOKENS
+            if stats.stop_reason is not None:
+                break
+        else:
+            stats.stop_reason = stats.stop_reason or StopReason.MAX_TOKENS
+    finally:
+        gen.close()
+        if stats.stop_reason is None:
+            stats.stop_reason = StopReason.CALLBACK_ABORT
+        if t_first is not None:
+            stats.decode_ms = (time.perf_counter() - t_first) * 1e3
+        model._live_cache_bytes -= session.cache_bytes
+        session.cache = None
+
+
+def _locked(model: Model):
+    if not model._lock.acquire(blocking=False):
+        raise ModelBusyError(f"model {model.path!r} is already running a request; models are not "
+                             f"reentrant (use one model per worker or a lock)")
+    return model._lock
+
+
+def generate_iter(model: Model, prompt: Sequence[int], config: Optional[GenerateConfig] = None,
+                  stats: Optional[GenerateStats] = None) -> Iterator[int]:
+    """Yield generated token ids one at a time (the prompt is not repeated).
+
+    Validation and the compat check run immediately, before the first ``next()``; closing the
+    generator early stops decoding (stop_reason CALLBACK_ABORT) and frees the cache."""
+    config = config or GenerateConfig()
+    plan = _Plan(model, config, "single")
+    ids = validate_request(model, prompt, config)
+    stats = stats if stats is not None else GenerateStats()
+    return _iter_locked(model, ids, plan, stats)
+
+
+def _iter_locked(model, ids, plan, stats):
+    lock = _locked(model)
+    try:
+        yield from _decode(model, ids, plan, stats)
+    finally:
+        lock.release()
+
+
+def generate_stream(model: Model, prompt: Sequence[int], config: Optional[GenerateConfig] = None,
+                    on_token: Optional[Callable[[int, int], Any]] = None,
+                    stats: Optional[GenerateStats] = None) -> List[int]:
+    """Decode with a per-token callback ``on_token(token, position) -> bool``; returning False aborts
+    after that token (it is still included). Returns prompt + generated tokens; fills `stats`."""
+    stats = stats if stats is not None else GenerateStats()
+    it = generate_iter(model, prompt, config, stats)
+    out = [int(t) for t in prompt]
+    try:
+        for tok in it:
+            out.append(tok)
+            if on_token is not None and on_token(tok, len(out) - 1) is False:
+                break
+    finally:
+        it.close()
+    return out
+
+
+def generate(model: Model, prompt: Sequence[int], config: Optional[GenerateConfig] = None) -> List[int]:
+    """Blocking decode; returns prompt + generated tokens."""
+    return generate_stream(model, prompt, config)
+
+
+def generate_batch(model: Model, prompts: Sequence[Sequence[int]], config: Optional[GenerateConfig] = None,
+                   stats: Optional[List[GenerateStats]] = None) -> List[List[int]]:
+    """Decode several prompts with one shared config; returns one prompt + continuation list each.
+
+    Every prompt is validated before any work. Lanes are decoded one after another on the same
+    model (the spec's sequential batch); `stats`, if given, receives one GenerateStats per prompt."""
+    config = config or GenerateConfig()
+    plan = _Plan(model, config, "batched")
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise InvalidInputError("prompts must be a non-empty list of token-id lists")
+    all_ids = [validate_request(model, p, config, what=f"prompts[{i}]") for i, p in enumerate(prompts)]
+    results = []
+    lock = _locked(model)
+    try:
+        for ids in all_ids:
+            st = GenerateStats()
+            results.append(ids + list(_decode(model, ids, plan, st)))
+            if stats is not None:
+                stats.append(st)
+    finally:
+        lock.release()
+    return results
+
+
+# --------------------------------------------------------------------------- scoring
+def score(model: Model, tokens: Sequence[int], loops: Optional[int] = None,
+          cache_mode: str = "fp16") -> np.ndarray:
+    """Logits (T, vocab_size) float32 for every position of `tokens` at `loops` iterations."""
+    model._check_live()
+    cfg = GenerateConfig(max_tokens=0, loops=loops, cache_mode=cache_mode)
+    plan = _Plan(model, cfg, "single")
+    ids = validate_request(model, tokens, cfg, what="tokens")
+    out = np.empty((len(ids), model.cfg.vocab_size), np.float32)
+    lock = _locked(model)
+    try:
+        stats = GenerateStats()
+        s = Session(model, ids, plan, ProcessorChain([]), stats)
+        rows = model.ws.rows
+        for a in range(0, len(ids), rows):
+            T = min(rows, len(ids) - a)
+            h = model.backend.set_ids(model.ws, ids[a:a + T])
+            model.fwd.forward(h, model.backend.positions(a), T, s.cache, plan.loops)
+            model.fwd.logits(0, T)
+            for r in range(T):
+                out[a + r] = model.backend.logits_to_host(model.ws, r)
+    finally:
+        lock.release()
+    return out
+
+
+def score_last_token(model: Model, tokens: Sequence[int], loops: Optional[int] = None,
+                     cache_mode: str = "fp16") -> np.ndarray:
+    """Logits (vocab_size,) float32 of the last position only."""
+    model._check_live()
+    cfg = GenerateConfig(max_tokens=0, loops=loops, cache_mode=cache_mode)
+    plan = _Plan(model, cfg, "single")
+    ids = validate_request(model, tokens, cfg, what="tokens")
+    lock = _locked(model)
+    try:
+        s = Session(model, ids, plan, ProcessorChain([]), GenerateStats())
+        s.start()
+        return np.array(model.backend.logits_to_host(model.ws, 0), np.float32)
+    finally:
+        lock.release()

@@ -1,0 +1,39 @@
+"""Plugin hooks (pluggy, project name "tinyloop").
+
+Every hook is a *registry* hook: it is called once when the plugin manager is built, returns a list
+of classes, and never runs per token. Built-in plugins (tinyloop.plugins.*) register through these
+hooks exactly like third-party packages, which are found through the ``tinyloop`` entry-point group.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("tinyloop")
+hookimpl = pluggy.HookimplMarker("tinyloop")
+
+
+@hookspec
+def tinyloop_decoders():
+    """Return a list of Decoder subclasses (tinyloop.core.decoding.Decoder).
+
+    A decoder turns a decode session (prefill / logits / greedy / advance) into a stream of tokens.
+    Its ``name`` selects it (GenerateConfig.decoder); ``matches(config)`` lets it be picked
+    automatically; ``mode`` and ``compat`` tie it to a row of configs/compat.yaml.
+    Result: all implementations' lists, concatenated."""
+
+
+@hookspec
+def tinyloop_cache_modes():
+    """Return a list of CacheMode subclasses (tinyloop.core.cache.CacheMode).
+
+    A cache mode names a KV storage format (GenerateConfig.cache_mode) and the backend storage it
+    needs. Result: all implementations' lists, concatenated."""
+
+
+@hookspec
+def tinyloop_processors():
+    """Return a list of LogitProcessor subclasses (tinyloop.core.processors.LogitProcessor).
+
+    ``from_config(config)`` builds an instance when the request enables it; the chain orders
+    processors by ``stage``. Result: all implementations' lists, concatenated."""

@@ -1,0 +1,134 @@
+"""The plugin manager: built-ins from a default list, third-party packages from entry points.
+
+Core never imports a plugin module except through DEFAULT_PLUGINS, which is loaded exactly the
+way an installed third-party package is: the module is registered with pluggy and its hooks are
+called once. Registries are built once and cached; nothing here runs per token.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from typing import Dict, Iterable, List, Optional, Type
+
+import pluggy
+
+from . import hookspecs
+from .cache import CacheMode
+from .decoding import Decoder
+from .errors import PluginError
+from .processors import LogitProcessor
+
+#: Built-in plugin modules, registered like any third-party plugin.
+DEFAULT_PLUGINS = (
+    "tinyloop.plugins.decoders.greedy",
+    "tinyloop.plugins.decoders.sampling",
+    "tinyloop.plugins.caches.float_cache",
+    "tinyloop.plugins.processors.repetition",
+)
+
+ENTRY_POINT_GROUP = "tinyloop"
+
+
+class PluginManager:
+    """Wraps pluggy's manager and the three registries built from the hooks."""
+
+    def __init__(self, load_entrypoints: bool = True):
+        self.pm = pluggy.PluginManager("tinyloop")
+        self.pm.add_hookspecs(hookspecs)
+        for modname in DEFAULT_PLUGINS:
+            self.pm.register(importlib.import_module(modname), name=modname)
+        if load_entrypoints:
+            try:
+                self.pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+            except Exception as exc:  # a broken third-party package must not take core down silently
+                raise PluginError(f"loading entry points of group {ENTRY_POINT_GROUP!r} failed: {exc}") from exc
+        self.pm.check_pending()
+        self._cache: Dict[str, Dict[str, type]] = {}
+
+    def register(self, plugin, name: Optional[str] = None) -> None:
+        """Register a plugin object or module (e.g. from a test); registries are rebuilt."""
+        self.pm.register(plugin, name=name)
+        self.pm.check_pending()
+        self._cache.clear()
+
+    def unregister(self, plugin=None, name: Optional[str] = None) -> None:
+        self.pm.unregister(plugin=plugin, name=name)
+        self._cache.clear()
+
+    def _registry(self, hook: str, base: type) -> Dict[str, type]:
+        if hook not in self._cache:
+            out: Dict[str, type] = {}
+            for result in getattr(self.pm.hook, hook)():
+                for cls in result or ():
+                    if not (isinstance(cls, type) and issubclass(cls, base)):
+                        raise PluginError(f"{hook} returned {cls!r}, which is not a {base.__name__} subclass")
+                    if not cls.name:
+                        raise PluginError(f"{cls.__qualname__} from {hook} has no name")
+                    if cls.name in out and out[cls.name] is not cls:
+                        raise PluginError(f"two plugins register the {base.__name__} name {cls.name!r}: "
+                                          f"{out[cls.name].__module__} and {cls.__module__}")
+                    out[cls.name] = cls
+            self._cache[hook] = out
+        return self._cache[hook]
+
+    def decoders(self) -> Dict[str, Type[Decoder]]:
+        return self._registry("tinyloop_decoders", Decoder)
+
+    def cache_modes(self) -> Dict[str, Type[CacheMode]]:
+        return self._registry("tinyloop_cache_modes", CacheMode)
+
+    def processors(self) -> Dict[str, Type[LogitProcessor]]:
+        return self._registry("tinyloop_processors", LogitProcessor)
+
+    def all_plugin_classes(self) -> Iterable[type]:
+        yield from self.decoders().values()
+        yield from self.cache_modes().values()
+        yield from self.processors().values()
+
+    # ------------------------------------------------------------------ per-request lookups
+    def decoder_for(self, config) -> Type[Decoder]:
+        decs = self.decoders()
+        if config.decoder is not None:
+            if config.decoder not in decs:
+                raise PluginError(f"decoder={config.decoder!r} is not registered; available: {sorted(decs)}")
+            return decs[config.decoder]
+        found: List[Type[Decoder]] = [d for d in decs.values() if d.matches(config)]
+        if len(found) != 1:
+            raise PluginError(f"{len(found)} decoders match this request ({[d.name for d in found]}); "
+                              f"set GenerateConfig.decoder to one of {sorted(decs)}")
+        return found[0]
+
+    def cache_mode_for(self, config) -> Type[CacheMode]:
+        modes = self.cache_modes()
+        if config.cache_mode not in modes:
+            raise PluginError(f"cache_mode={config.cache_mode!r} is not registered; available: {sorted(modes)}")
+        return modes[config.cache_mode]
+
+    def processors_for(self, config) -> List[LogitProcessor]:
+        out = []
+        for cls in self.processors().values():
+            p = cls.from_config(config)
+            if p is not None:
+                out.append(p)
+        return out
+
+
+_manager: Optional[PluginManager] = None
+_lock = threading.Lock()
+
+
+def get_plugin_manager() -> PluginManager:
+    """The process-wide plugin manager, built on first use."""
+    global _manager
+    with _lock:
+        if _manager is None:
+            _manager = PluginManager()
+        return _manager
+
+
+def reset_plugin_manager() -> None:
+    """Forget the process-wide manager (tests); the next call rebuilds it."""
+    global _manager
+    with _lock:
+        _manager = None

@@ -1,0 +1,91 @@
+"""Logit processors and the chain that runs them.
+
+Processing order, written once (the chain sorts processors by ``stage``):
+
+1. ``Stage.PENALTY`` - history-based rescaling (repetition penalty), on raw logits.
+2. ``Stage.MASK``    - constraint masks (grammar); a row with nothing allowed ends decoding with
+   GRAMMAR_DEAD_END.
+3. The decoder's own selection, which is not a processor: greedy argmax, or
+   temperature -> top-k -> top-p -> draw for sampling.
+
+Interface (after llama.cpp's sampler chain): ``reset(prompt)`` before decoding, ``apply(logits)``
+in place, ``accept(token)`` only for tokens really emitted, ``clone()`` for forked sequences. A
+processor that never changes which token is the argmax sets ``argmax_invariant`` so greedy paths
+can skip it and keep the argmax on the device.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import ClassVar, List, Mapping, Optional, Sequence
+
+import numpy as np
+
+
+class Stage(enum.IntEnum):
+    PENALTY = 10
+    MASK = 20
+
+
+class LogitProcessor:
+    """Base class of processor plugins."""
+
+    name: ClassVar[str] = ""
+    """Unique plugin name."""
+    mode: ClassVar[Optional[str]] = None
+    """Row of configs/compat.yaml this processor provides."""
+    compat: ClassVar[Mapping[str, str]] = {}
+    """Declared compat cells; must equal the YAML row."""
+    stage: ClassVar[Stage] = Stage.PENALTY
+    """Where the processor runs in the chain."""
+    argmax_invariant: ClassVar[bool] = False
+    """True when apply() never changes the argmax (greedy paths may skip it)."""
+
+    @classmethod
+    def from_config(cls, config) -> Optional["LogitProcessor"]:
+        """An instance when `config` enables this processor, else None."""
+        return None
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        """Start a new sequence whose prompt is `prompt`."""
+
+    def apply(self, logits: np.ndarray) -> None:
+        """Transform one row of float32 logits in place."""
+
+    def accept(self, token: int) -> None:
+        """Record a token that was really emitted."""
+
+    def clone(self) -> "LogitProcessor":
+        """An independent copy with the same state."""
+        raise NotImplementedError(f"processor {self.name} cannot be cloned")
+
+
+class ProcessorChain(LogitProcessor):
+    """The chain is itself a processor: it applies its members in stage order."""
+
+    name = "chain"
+
+    def __init__(self, processors: Sequence[LogitProcessor]):
+        self.processors: List[LogitProcessor] = sorted(processors, key=lambda p: int(p.stage))
+
+    @property
+    def argmax_invariant(self) -> bool:  # type: ignore[override]
+        return all(p.argmax_invariant for p in self.processors)
+
+    def __len__(self) -> int:
+        return len(self.processors)
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        for p in self.processors:
+            p.reset(prompt)
+
+    def apply(self, logits: np.ndarray) -> None:
+        for p in self.processors:
+            p.apply(logits)
+
+    def accept(self, token: int) -> None:
+        for p in self.processors:
+            p.accept(token)
+
+    def clone(self) -> "ProcessorChain":
+        return ProcessorChain([p.clone() for p in self.processors])

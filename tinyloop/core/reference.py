@@ -1,0 +1,82 @@
+"""Float64 numpy reference forward: the oracle every backend is checked against.
+
+Deliberately naive: full-sequence causal attention recomputed from scratch, no cache, no fusion.
+Follows the family definition in tinyloop.core.arch exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+
+from .arch import ModelConfig
+
+
+def _rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _rope(x: np.ndarray, n_heads: int, D: int, theta: float) -> np.ndarray:
+    # x (T, n_heads*D); half-split convention: (x[i], x[i + D/2]) rotates by pos * theta^(-2i/D)
+    T = x.shape[0]
+    inv = theta ** (-np.arange(0, D // 2, dtype=np.float64) * 2.0 / D)
+    ang = np.arange(T, dtype=np.float64)[:, None] * inv[None, :]
+    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    xh = x.reshape(T, n_heads, D)
+    a, b = xh[..., : D // 2], xh[..., D // 2:]
+    return np.concatenate([a * c - b * s, a * s + b * c], axis=-1).reshape(T, n_heads * D)
+
+
+def _block(cfg: ModelConfig, W: Mapping[str, np.ndarray], p: str, x: np.ndarray,
+           kv_round: Optional[type]) -> np.ndarray:
+    T, D = x.shape[0], cfg.head_dim
+    h = _rmsnorm(x, W[p + "attn_norm"], cfg.norm_eps)
+    q = _rope(h @ W[p + "wq"].T, cfg.n_heads, D, cfg.rope_theta)
+    k = _rope(h @ W[p + "wk"].T, cfg.n_kv_heads, D, cfg.rope_theta)
+    v = h @ W[p + "wv"].T
+    if kv_round is not None:   # model a reduced-precision KV cache
+        k = k.astype(kv_round).astype(np.float64)
+        v = v.astype(kv_round).astype(np.float64)
+    group = cfg.n_heads // cfg.n_kv_heads
+    qh = q.reshape(T, cfg.n_heads, D).transpose(1, 0, 2)                        # (H, T, D)
+    kh = np.repeat(k.reshape(T, cfg.n_kv_heads, D).transpose(1, 0, 2), group, 0)
+    vh = np.repeat(v.reshape(T, cfg.n_kv_heads, D).transpose(1, 0, 2), group, 0)
+    s = qh @ kh.transpose(0, 2, 1) / np.sqrt(D)                                 # (H, T, T)
+    s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+    s = np.exp(s - s.max(-1, keepdims=True))
+    s /= s.sum(-1, keepdims=True)
+    att = (s @ vh).transpose(1, 0, 2).reshape(T, cfg.q_dim)
+    x = x + att @ W[p + "wo"].T
+    h = _rmsnorm(x, W[p + "mlp_norm"], cfg.norm_eps)
+    g, u = h @ W[p + "w_gate"].T, h @ W[p + "w_up"].T
+    return x + (g / (1.0 + np.exp(-g)) * u) @ W[p + "w_down"].T
+
+
+def reference_hidden(cfg: ModelConfig, weights: Mapping[str, np.ndarray], ids: Sequence[int],
+                     loops: int, kv_round: Optional[type] = None) -> np.ndarray:
+    """Final residual (T, d_model) in float64 before the final norm."""
+    W = {k: np.asarray(v, dtype=np.float64) for k, v in weights.items()}
+    x = W["embed"][np.asarray(ids, dtype=np.int64)]
+    for i in range(cfg.n_pre):
+        x = _block(cfg, W, f"pre.{i}.", x, kv_round)
+    e = x
+    for it in range(loops):
+        if it > 0 and cfg.loop_inject == "add":
+            x = x + e
+        for j in range(cfg.n_loop):
+            x = _block(cfg, W, f"loop.{j}.", x, kv_round)
+    for i in range(cfg.n_post):
+        x = _block(cfg, W, f"post.{i}.", x, kv_round)
+    return x
+
+
+def reference_logits(cfg: ModelConfig, weights: Mapping[str, np.ndarray], ids: Sequence[int],
+                     loops: int, kv_round: Optional[type] = None) -> np.ndarray:
+    """Logits (T, vocab_size) in float64 for every position of `ids` at `loops` iterations.
+
+    kv_round=np.float16 rounds K and V through half precision, modelling an fp16 KV cache."""
+    x = reference_hidden(cfg, weights, ids, loops, kv_round)
+    head = weights["embed"] if cfg.tied_embeddings else weights["head"]
+    return _rmsnorm(x, np.asarray(weights["final_norm"], np.float64), cfg.norm_eps) @ \
+        np.asarray(head, np.float64).T

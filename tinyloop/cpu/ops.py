@@ -1,0 +1,186 @@
+"""CPU kernels (numba @njit), batch-invariant by construction.
+
+Shape legend: T rows in the launch, K input features, N output features, H query heads,
+Hkv key/value heads, D head_dim, S cache slots.
+
+Reduction order. Every dot product runs over k in 8 interleaved float32 partial sums
+(lane j takes k = j mod 8), combined as ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7)), then the tail in
+order. Attention reduces over cache slots 0..p in slot order. None of these depend on T, on which
+thread computes the element, or on how many threads run, so row t of a T-row launch equals the same
+row computed alone (prefill == decode == uncached, bit for bit). fastmath stays off: reassociation
+would let LLVM change the order.
+
+The fp16 KV cache is stored as uint16 bit patterns (numba has no float16 on the CPU); reads convert
+through a 65536-entry float32 table, which is exact.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import float32, int64, njit, prange
+
+_PAR = dict(parallel=True, fastmath=False, cache=True, nogil=True)
+_SEQ = dict(fastmath=False, cache=True, nogil=True)
+
+#: uint16 bit pattern -> float32 value of that IEEE half.
+HALF_TO_FLOAT = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+@njit(inline="always", **_SEQ)
+def _dot(a, b, K):
+    p0 = float32(0.0); p1 = float32(0.0); p2 = float32(0.0); p3 = float32(0.0)
+    p4 = float32(0.0); p5 = float32(0.0); p6 = float32(0.0); p7 = float32(0.0)
+    k = 0
+    while k + 8 <= K:
+        p0 += a[k] * b[k]; p1 += a[k + 1] * b[k + 1]
+        p2 += a[k + 2] * b[k + 2]; p3 += a[k + 3] * b[k + 3]
+        p4 += a[k + 4] * b[k + 4]; p5 += a[k + 5] * b[k + 5]
+        p6 += a[k + 6] * b[k + 6]; p7 += a[k + 7] * b[k + 7]
+        k += 8
+    s = ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))
+    while k < K:
+        s += a[k] * b[k]
+        k += 1
+    return s
+
+
+@njit(**_PAR)
+def matmul(x, W, out, T, accumulate):
+    """out[t, n] (+)= sum_k x[t, k] * W[n, k] for t < T; x (rows, K), W (N, K), out (rows, N)."""
+    N, K = W.shape
+    for t in range(T):
+        xr = x[t]
+        for n in prange(N):
+            s = _dot(xr, W[n], K)
+            if accumulate:
+                out[t, n] += s
+            else:
+                out[t, n] = s
+
+
+@njit(**_SEQ)
+def rmsnorm(x, w, out, T, eps):
+    """out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w."""
+    K = x.shape[1]
+    for t in range(T):
+        ss = _dot(x[t], x[t], K)
+        r = float32(1.0) / np.sqrt(ss / float32(K) + float32(eps))
+        for k in range(K):
+            out[t, k] = x[t, k] * r * w[k]
+
+
+@njit(**_SEQ)
+def embed(table, ids, out, T):
+    """out[t] = table[ids[t]]."""
+    for t in range(T):
+        out[t, :] = table[ids[t]]
+
+
+@njit(**_SEQ)
+def swiglu(g, u, out, T):
+    """out = silu(g) * u, silu(g) = g / (1 + exp(-g))."""
+    F = g.shape[1]
+    for t in range(T):
+        for f in range(F):
+            a = g[t, f]
+            out[t, f] = a / (float32(1.0) + np.exp(-a)) * u[t, f]
+
+
+@njit(**_SEQ)
+def add(x, y, T):
+    """x += y over T rows."""
+    for t in range(T):
+        for k in range(x.shape[1]):
+            x[t, k] += y[t, k]
+
+
+@njit(**_SEQ)
+def rope(x, pos, T, n_heads, D, cos_t, sin_t):
+    """Rotate (x[i], x[i + D/2]) of every head of rows t by angle (pos + t) * inv_freq[i], in place.
+    cos_t / sin_t are (max_pos, D/2) float32 tables."""
+    half = D // 2
+    for t in range(T):
+        p = pos + t
+        for h in range(n_heads):
+            base = h * D
+            for i in range(half):
+                c = cos_t[p, i]
+                s = sin_t[p, i]
+                a = x[t, base + i]
+                b = x[t, base + half + i]
+                x[t, base + i] = a * c - b * s
+                x[t, base + half + i] = a * s + b * c
+
+
+@njit(inline="always", **_SEQ)
+def _load_f32(c, layer, s, h, d, lut):
+    return c[layer, s, h, d]
+
+
+@njit(inline="always", **_SEQ)
+def _load_f16(c, layer, s, h, d, lut):
+    return lut[c[layer, s, h, d]]
+
+
+def _make_attention(_load):
+    @njit(**_PAR)
+    def attention(q, kc, vc, layer, pos, T, n_heads, n_kv, D, out, scores, lut):
+        """Causal GQA attention: out[t, head h] = softmax_s(q[t,h] . k[s] / sqrt(D)) . v[s], s <= pos + t.
+
+        kc/vc: (L, S, Hkv, D) float32, or uint16 fp16 bit patterns with lut = HALF_TO_FLOAT (else an
+        empty lut). scores: (T*H, S) float32 scratch. Each (t, h) is one task; slots reduce in order."""
+        group = n_heads // n_kv
+        scale = float32(1.0) / np.sqrt(float32(D))
+        for th in prange(T * n_heads):
+            t = th // n_heads
+            h = th % n_heads
+            kvh = h // group
+            n = pos + t + 1
+            sc = scores[th]
+            m = float32(-np.inf)
+            for s in range(n):
+                p0 = float32(0.0); p1 = float32(0.0); p2 = float32(0.0); p3 = float32(0.0)
+                d = 0
+                while d + 4 <= D:
+                    p0 += q[t, h * D + d] * _load(kc, layer, s, kvh, d, lut)
+                    p1 += q[t, h * D + d + 1] * _load(kc, layer, s, kvh, d + 1, lut)
+                    p2 += q[t, h * D + d + 2] * _load(kc, layer, s, kvh, d + 2, lut)
+                    p3 += q[t, h * D + d + 3] * _load(kc, layer, s, kvh, d + 3, lut)
+                    d += 4
+                a = (p0 + p1) + (p2 + p3)
+                while d < D:
+                    a += q[t, h * D + d] * _load(kc, layer, s, kvh, d, lut)
+                    d += 1
+                a *= scale
+                sc[s] = a
+                if a > m:
+                    m = a
+            total = float32(0.0)
+            for s in range(n):
+                e = np.exp(sc[s] - m)
+                sc[s] = e
+                total += e
+            inv = float32(1.0) / total
+            for d in range(D):
+                out[t, h * D + d] = float32(0.0)
+            for s in range(n):
+                w = sc[s] * inv
+                for d in range(D):
+                    out[t, h * D + d] += w * _load(vc, layer, s, kvh, d, lut)
+    return attention
+
+
+attention_f32 = _make_attention(_load_f32)
+attention_f16 = _make_attention(_load_f16)
+
+
+@njit(**_SEQ)
+def argmax(row):
+    """Index of the largest value; ties go to the lowest index."""
+    best = 0
+    bv = row[0]
+    for i in range(1, row.shape[0]):
+        if row[i] > bv:
+            bv = row[i]
+            best = i
+    return best

@@ -1,0 +1,30 @@
+"""Float KV caches: fp16 (the default: half the memory, ~1e-3 relative rounding of K/V) and fp32
+(exact, used to check backends against the float64 reference)."""
+
+from __future__ import annotations
+
+from ...core.cache import CacheMode
+from ...core.hookspecs import hookimpl
+from .. import ALL_CONTEXTS_OK
+
+
+
+class FP16Cache(CacheMode):
+    name = "fp16"
+    mode = "fp16_cache"
+    compat = ALL_CONTEXTS_OK
+    kv_dtype = "fp16"
+    kv_bytes_per_element = 2.0
+
+
+class FP32Cache(CacheMode):
+    name = "fp32"
+    mode = "fp32_cache"
+    compat = ALL_CONTEXTS_OK
+    kv_dtype = "fp32"
+    kv_bytes_per_element = 4.0
+
+
+@hookimpl
+def tinyloop_cache_modes():
+    return [FP16Cache, FP32Cache]

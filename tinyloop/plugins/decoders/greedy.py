@@ -1,0 +1,31 @@
+"""Greedy decoding: the argmax of the processed logits at every step."""
+
+from __future__ import annotations
+
+from ...core.config import GREEDY_TEMPERATURE
+from ...core.decoding import Decoder
+from ...core.hookspecs import hookimpl
+from .. import ALL_CONTEXTS_OK
+
+
+
+class GreedyDecoder(Decoder):
+    name = "greedy"
+    mode = "greedy"
+    compat = ALL_CONTEXTS_OK
+
+    @classmethod
+    def matches(cls, config) -> bool:
+        return config.temperature <= GREEDY_TEMPERATURE and config.beam_size < 2
+
+    def decode(self, session):
+        session.start()
+        while True:
+            token = session.greedy()
+            yield token
+            session.advance(token)
+
+
+@hookimpl
+def tinyloop_decoders():
+    return [GreedyDecoder]

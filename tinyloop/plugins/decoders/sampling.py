@@ -1,0 +1,35 @@
+"""Stochastic sampling: temperature -> top-k -> top-p -> draw (tinyloop.core.sampling), seeded."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...core.config import GREEDY_TEMPERATURE
+from ...core.decoding import Decoder
+from ...core.hookspecs import hookimpl
+from ...core.sampling import sample_token, uniform
+
+
+class SamplingDecoder(Decoder):
+    name = "sampling"
+    mode = "sampling"
+    compat = {"single": "ok", "batched": "ok", "speculative": "partial", "tree_speculative": "partial",
+              "prefix_reuse": "ok", "warm_start": "ok"}
+
+    @classmethod
+    def matches(cls, config) -> bool:
+        return config.temperature > GREEDY_TEMPERATURE and config.beam_size < 2
+
+    def decode(self, session):
+        c = self.config
+        rng = np.random.Generator(np.random.PCG64(c.sample_seed))
+        session.start()
+        while True:
+            token = sample_token(session.logits(), c.temperature, c.top_k, c.top_p, uniform(rng))
+            yield token
+            session.advance(token)
+
+
+@hookimpl
+def tinyloop_decoders():
+    return [SamplingDecoder]
