@@ -1,0 +1,58 @@
+"""Shared fixtures: small looped models written through the real writer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tinyloop.core.arch import ModelConfig, TensorQuant, required_tensors
+from tinyloop.core.format import open_model, write_model
+
+TINY = dict(vocab_size=97, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96, n_pre=1, n_loop=2, n_post=1,
+            default_loops=3, max_loops=8, loop_inject="add", eos_id=None)
+
+
+def random_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.15) -> dict:
+    """Seeded weights with peaky logits (embeddings ~N(0,1)) so greedy choices are not near-ties."""
+    rng = np.random.default_rng(seed)
+    w = {}
+    for name, shape in required_tensors(cfg).items():
+        if len(shape) == 1:
+            w[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        elif name in ("embed", "head"):
+            w[name] = rng.standard_normal(shape).astype(np.float32)
+        else:
+            w[name] = (std * rng.standard_normal(shape)).astype(np.float32)
+    return w
+
+
+def write_tiny(path, seed: int = 0, quant: str = "f16", group_size: int = 0, **overrides) -> ModelConfig:
+    cfg = ModelConfig(**{**TINY, **overrides})
+    write_model(str(path), cfg, random_weights(cfg, seed),
+                default_quant=TensorQuant(quant, group_size))
+    return cfg
+
+
+def logical_weights(path) -> dict:
+    with open_model(str(path)) as mf:
+        return {n: np.array(mf.logical(n)) for n in required_tensors(mf.header.config)}
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory):
+    p = tmp_path_factory.mktemp("models") / "tiny.tinyloop"
+    write_tiny(p)
+    return p
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_path):
+    import tinyloop as tl
+    m = tl.load_model(str(tiny_path), max_seq_len=128, backend="cpu")
+    yield m
+    tl.free_model(m)
+
+
+@pytest.fixture
+def prompt():
+    return [3, 17, 42, 8, 91, 23, 11, 60, 2, 77]

@@ -1,0 +1,54 @@
+"""``tinyloop ppl MODEL --text FILE``: held-out perplexity at one or more loop counts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..core.engine import free_model, load_model
+from ..core.errors import ConfigError
+from ..core.evaluate import perplexity
+from ..core.tokenizer import resolve_tokenizer
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("ppl", help="held-out perplexity of a text file at several loop counts")
+    p.add_argument("model", help=".tinyloop file")
+    p.add_argument("--text", required=True, help="UTF-8 text file to score")
+    p.add_argument("--loops", default="", help="comma-separated loop counts (default: the model's default)")
+    p.add_argument("--window", type=int, default=256, help="tokens per scored window (default 256)")
+    p.add_argument("--max-windows", type=int, default=None, help="score at most this many windows")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: embedded)")
+    p.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--json", default=None, help="write the results as JSON to this file")
+    return p
+
+
+def run(args) -> int:
+    try:
+        text = Path(args.text).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read --text {args.text!r}: {exc.strerror}") from None
+    try:
+        loops = [int(x) for x in args.loops.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--loops={args.loops!r} must be comma-separated integers") from None
+    model = load_model(args.model, max_seq_len=max(args.window, 2), backend=args.backend)
+    try:
+        tok = resolve_tokenizer(model.header.tokenizer, args.tokenizer, model.vocab_size)
+        ids = tok.encode(text)
+        results = []
+        print(f"{'loops':>5} {'ppl':>10} {'nll':>8} {'tokens':>8}")
+        for L in loops or [None]:
+            r = perplexity(model, ids, loops=L, window=args.window, max_windows=args.max_windows)
+            results.append(r)
+            print(f"{r['loops']:>5} {r['ppl']:>10.3f} {r['nll']:>8.4f} {r['tokens']:>8}")
+            sys.stdout.flush()
+        if args.json:
+            Path(args.json).write_text(json.dumps({"model": args.model, "text": args.text,
+                                                   "window": args.window, "results": results}, indent=2))
+    finally:
+        free_model(model)
+    return 0

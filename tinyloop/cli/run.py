@@ -1,0 +1,129 @@
+"""``tinyloop run CFG.yaml``: load a model, tokenize prompts, decode, stream to the terminal.
+
+The YAML maps onto tinyloop.core.config.RunConfig (unknown keys are errors naming the key); its
+``generate`` section onto GenerateConfig. Relative paths are relative to the YAML file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from ..core.config import GenerateStats, RunConfig, load_run_config
+from ..core.engine import free_model, generate_batch, generate_iter, load_model
+from ..core.errors import ConfigError
+from ..core.models import demo_model_path
+from ..core.tokenizer import resolve_tokenizer
+
+
+def _resolve(base: Path, p: Optional[str]) -> Optional[str]:
+    if not p:
+        return p
+    q = Path(os.path.expanduser(p))
+    return str(q if q.is_absolute() else base / q)
+
+
+def read_prompts(cfg: RunConfig, base: Path) -> List[str]:
+    """Inline prompts followed by those of prompts_file (one per line, or JSONL {"prompt": ...})."""
+    prompts = list(cfg.prompts)
+    if cfg.prompts_file:
+        path = _resolve(base, cfg.prompts_file)
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read prompts_file {path!r}: {exc.strerror}") from None
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            if path.endswith(".jsonl"):
+                try:
+                    obj = json.loads(line)
+                    prompts.append(str(obj["prompt"]))
+                except (ValueError, KeyError, TypeError):
+                    raise ConfigError(f"{path}:{n}: expected a JSON object with a \"prompt\" string") from None
+            else:
+                prompts.append(line.replace("\\n", "\n"))
+    if not prompts:
+        raise ConfigError("the run config gives no prompts (set prompts or prompts_file)")
+    return prompts
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("run", help="decode the prompts of a YAML run config",
+                              description="Run a YAML-configured generation job.")
+    p.add_argument("config", help="run config (YAML): see configs/demo.yaml")
+    p.add_argument("--backend", choices=("auto", "cpu", "cuda"), help="override the config's backend")
+    p.add_argument("--no-stream", action="store_true", help="print each completion when it is done")
+    p.add_argument("--output-jsonl", help="override the config's output_jsonl")
+    return p
+
+
+def run(args) -> int:
+    cfg = load_run_config(args.config)
+    over = {}
+    if args.backend:
+        over["backend"] = args.backend
+    if args.no_stream:
+        over["stream"] = False
+    if args.output_jsonl:
+        over["output_jsonl"] = args.output_jsonl
+    cfg = dataclasses.replace(cfg, **over)
+    base = Path(args.config).resolve().parent
+    prompts = read_prompts(cfg, base)
+    model_path = _resolve(base, cfg.model) if cfg.model else demo_model_path()
+    model = load_model(model_path, max_seq_len=cfg.max_seq_len, backend=cfg.backend,
+                       prefill_chunk=cfg.prefill_chunk)
+    try:
+        tok = resolve_tokenizer(model.header.tokenizer, _resolve(base, cfg.tokenizer), model.vocab_size)
+        bos = [model.cfg.bos_id] if model.cfg.bos_id is not None else []
+        encoded = [bos + tok.encode(p) for p in prompts]
+        eos = model.cfg.eos_id
+        records = []
+        out = sys.stdout
+        print(f"[tinyloop] {Path(model_path).name} on {model.backend_name}, loops="
+              f"{cfg.generate.loops or model.cfg.default_loops}, tokenizer {tok.name}", file=sys.stderr)
+        if cfg.mode == "batch":
+            stats_list: List[GenerateStats] = []
+            results = generate_batch(model, encoded, cfg.generate, stats=stats_list)
+            for prompt, ids, res, st in zip(prompts, encoded, results, stats_list):
+                gen = [t for t in res[len(ids):] if t != eos]
+                text = tok.decode(gen)
+                out.write(prompt + text + "\n\n")
+                records.append((prompt, ids, res[len(ids):], text, st))
+        else:
+            for prompt, ids in zip(prompts, encoded):
+                st = GenerateStats()
+                dec = tok.stream_decoder()
+                gen: List[int] = []
+                if cfg.stream:
+                    out.write(prompt)
+                    out.flush()
+                for t in generate_iter(model, ids, cfg.generate, st):
+                    gen.append(t)
+                    if cfg.stream and t != eos:
+                        out.write(dec.push(t))
+                        out.flush()
+                text = tok.decode([t for t in gen if t != eos])
+                if cfg.stream:
+                    out.write(dec.flush() + "\n")
+                else:
+                    out.write(prompt + text + "\n")
+                rate = st.tokens_emitted / (st.decode_ms / 1e3) if st.decode_ms > 0 else float("nan")
+                print(f"[tinyloop] {st.tokens_emitted} tokens, stop {st.stop_reason.value}, prefill "
+                      f"{st.prefill_ms:.1f} ms, decode {rate:.1f} tok/s", file=sys.stderr)
+                out.write("\n")
+                records.append((prompt, ids, gen, text, st))
+        if cfg.output_jsonl:
+            path = _resolve(base, cfg.output_jsonl) if not args.output_jsonl else args.output_jsonl
+            with open(path, "w", encoding="utf-8") as fh:
+                for prompt, ids, gen, text, st in records:
+                    fh.write(json.dumps({"prompt": prompt, "completion": text, "prompt_ids": ids,
+                                         "output_ids": gen, "stats": st.to_dict()}) + "\n")
+    finally:
+        free_model(model)
+    return 0
