@@ -1,0 +1,131 @@
+"""configs/compat.yaml: plugin declarations agree with it; random mode combinations either run or
+raise the typed error before any work."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tinyloop as tl
+from tinyloop.core.compat import CompatWarning, load_matrix
+from tinyloop.core.plugins import PluginManager
+
+
+def test_plugin_declarations_match_yaml():
+    m = load_matrix()
+    pm = PluginManager(load_entrypoints=False)
+    provided = {}
+    for cls in pm.all_plugin_classes():
+        if cls.mode is None:
+            continue
+        assert cls.mode in m.modes, f"{cls.__name__} provides unknown mode {cls.mode}"
+        row = m.modes[cls.mode]
+        assert row.status == "implemented", f"{cls.mode} is planned in the YAML but {cls.__name__} provides it"
+        assert dict(cls.compat) == dict(row.cells), f"{cls.__name__}.compat disagrees with compat.yaml"
+        provided[cls.mode] = cls
+    for name, row in m.modes.items():
+        if row.status == "implemented":
+            assert name in provided, f"compat.yaml says {name} is implemented but no plugin provides it"
+
+
+def test_matrix_mirrors_the_spec_table():
+    m = load_matrix()
+    assert m.modes["beam_search"].cells["batched"] == "rejected"
+    assert m.modes["cache_window"].cells["batched"] == "rejected"
+    assert m.modes["grammar"].cells["speculative"] == "rejected"
+    assert m.modes["int4_cache"].cells["speculative"] == "partial"
+    assert m.modes["int8_cache"].cells["warm_start"] == "partial"
+
+
+MODE_KNOBS = st.fixed_dictionaries({
+    "cache_mode": st.sampled_from(["fp16", "fp32", "int8", "int4"]),
+    "temperature": st.sampled_from([0.0, 0.8]),
+    "repetition_penalty": st.sampled_from([1.0, 1.3]),
+    "beam_size": st.sampled_from([0, 2]),
+    "cache_window": st.sampled_from([0, 16]),
+    "early_exit_patience": st.sampled_from([0, 2]),
+    "grammar": st.sampled_from([None, "root ::= 'a'"]),
+})
+
+
+def expected_outcome(matrix, context, cfg):
+    if matrix.contexts[context] == "planned":
+        return "not_implemented"
+    active = matrix.active_modes(cfg)
+    if any(r.status == "planned" for r in active):
+        return "not_implemented"
+    if any(r.cells[context] == "rejected" for r in active):
+        return "rejected"
+    names = {r.name for r in active}
+    if any(p <= names for p, _ in matrix.pairs):
+        return "rejected"
+    return "ok"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(knobs=MODE_KNOBS, context=st.sampled_from(["single", "batched", "speculative", "tree_speculative"]))
+def test_random_mode_combinations(tiny_model, prompt, monkeypatch, knobs, context):
+    matrix = load_matrix()
+    cfg = tl.GenerateConfig(max_tokens=3, sample_seed=1, **knobs)
+    want = expected_outcome(matrix, context, cfg)
+    allocations = []
+    real_alloc = tiny_model.backend.alloc_cache
+    monkeypatch.setattr(tiny_model.backend, "alloc_cache", lambda *a: allocations.append(a) or real_alloc(*a))
+
+    def call():
+        if context == "single":
+            return [(prompt, tl.generate(tiny_model, prompt, cfg))]
+        if context == "batched":
+            return list(zip([prompt, prompt[:4]], tl.generate_batch(tiny_model, [prompt, prompt[:4]], cfg)))
+        spec = dict(max_tokens=3, draft_loops=1, verify_loops=3, temperature=knobs["temperature"])
+        if context == "speculative":
+            return [(prompt, tl.generate_speculative(tiny_model, prompt, tl.SpeculativeConfig(**spec)))]
+        return [(prompt, tl.generate_tree_speculative(tiny_model, prompt, tl.TreeSpeculativeConfig(**spec)))]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CompatWarning)
+        if want == "ok":
+            outs = call()
+            for p, out in outs:
+                assert out[:len(p)] == p and len(out) == len(p) + 3   # no EOS in this model
+                assert all(0 <= t < tiny_model.vocab_size for t in out)
+            assert allocations
+        else:
+            exc = tl.NotImplementedModeError if want == "not_implemented" else tl.IncompatibleModesError
+            with pytest.raises(exc) as info:
+                call()
+            assert "compat.yaml" in str(info.value) or "not implemented" in str(info.value)
+            assert allocations == []
+    monkeypatch.undo()
+
+
+def test_rejection_names_the_rule(tiny_model, prompt):
+    with pytest.raises(tl.NotImplementedModeError, match=r"beam_search \(beam_size=4\) is not implemented yet"):
+        tl.generate(tiny_model, prompt, tl.GenerateConfig(beam_size=4))
+    with pytest.raises(tl.IncompatibleModesError, match=r"repetition_penalty.*rejected in speculative"):
+        _with_speculative().check("speculative", tl.GenerateConfig(repetition_penalty=1.2))
+    with pytest.raises(tl.NotImplementedModeError, match="speculative decoding is not implemented yet"):
+        tl.generate_speculative(tiny_model, prompt, tl.SpeculativeConfig(verify_loops=4))
+
+
+def _with_speculative():
+    """The real matrix with the speculative context switched on, to exercise its cells."""
+    from tinyloop.core.compat import CompatMatrix
+    m = load_matrix()
+    return CompatMatrix(dict(m.contexts, speculative="implemented"), m.modes, m.pairs, m.source)
+
+
+def test_partial_cell_warns():
+    with pytest.warns(CompatWarning, match="sampling in speculative decoding is partial"):
+        _with_speculative().check("speculative", tl.GenerateConfig(temperature=0.5))
+
+
+def test_malformed_matrix_is_config_error(tmp_path):
+    from tinyloop.core.compat import load_matrix as lm
+    p = tmp_path / "compat.yaml"
+    p.write_text("version: 1\ncontexts: {single: {status: implemented}}\nmodes:\n  x: {status: done, when: [a, '==', 1], cells: {single: ok}}\n")
+    with pytest.raises(tl.ConfigError, match="modes.x.status"):
+        lm(str(p))

@@ -1,0 +1,145 @@
+"""Plugins: hooks documented, built-ins registered like third-party ones, an outside decoder runs
+through generate and through a YAML config."""
+
+from __future__ import annotations
+
+import inspect as pyinspect
+
+import pytest
+import yaml
+
+import tinyloop as tl
+from tinyloop.core import hookspecs
+from tinyloop.core.decoding import Decoder
+from tinyloop.core.hookspecs import hookimpl
+from tinyloop.core.plugins import DEFAULT_PLUGINS, PluginManager, get_plugin_manager
+
+
+class LowestIdDecoder(Decoder):
+    """A third-party decoder: emits the smallest id among the top-2 logits."""
+
+    name = "lowest_of_top2"
+    contexts = frozenset({"single"})
+
+    def decode(self, session):
+        import numpy as np
+        session.start()
+        while True:
+            lg = session.logits()
+            tok = int(min(np.argsort(lg)[-2:]))
+            yield tok
+            session.advance(tok)
+
+
+class ThirdParty:
+    @hookimpl
+    def tinyloop_decoders(self):
+        return [LowestIdDecoder]
+
+
+@pytest.fixture
+def third_party():
+    pm = get_plugin_manager()
+    plugin = ThirdParty()
+    pm.register(plugin, name="third-party-test")
+    yield pm
+    pm.unregister(plugin)
+
+
+def test_every_hook_is_prefixed_and_documented():
+    hooks = [n for n, f in vars(hookspecs).items() if pyinspect.isfunction(f) and n.startswith("tinyloop_")]
+    assert len(hooks) >= 3
+    for name in hooks:
+        assert getattr(hookspecs, name).__doc__ and len(getattr(hookspecs, name).__doc__) > 40
+    pm = PluginManager(load_entrypoints=False)
+    for impl_name in pm.pm.hook.__dict__:
+        if not impl_name.startswith("_"):
+            assert impl_name.startswith("tinyloop_")
+
+
+def test_builtins_registered_as_ordinary_plugins():
+    pm = PluginManager(load_entrypoints=False)
+    names = {n for n, _ in pm.pm.list_name_plugin()}
+    assert set(DEFAULT_PLUGINS) <= names
+    assert {"greedy", "sampling"} <= set(pm.decoders())
+    assert {"fp16", "fp32"} <= set(pm.cache_modes())
+    assert "repetition_penalty" in pm.processors()
+
+
+def test_third_party_decoder_through_generate(third_party, tiny_model, prompt):
+    out = tl.generate(tiny_model, prompt, tl.GenerateConfig(max_tokens=6, decoder="lowest_of_top2"))
+    scores_ok = []
+    for i in range(len(prompt), len(out)):
+        import numpy as np
+        lg = tl.score_last_token(tiny_model, out[:i])
+        scores_ok.append(out[i] == int(min(np.argsort(lg)[-2:])))
+    assert all(scores_ok) and len(out) == len(prompt) + 6
+
+
+def test_third_party_decoder_context_declared(third_party, tiny_model, prompt):
+    with pytest.raises(tl.PluginError, match="does not run in batched"):
+        tl.generate_batch(tiny_model, [prompt], tl.GenerateConfig(max_tokens=2, decoder="lowest_of_top2"))
+
+
+def test_third_party_decoder_through_yaml(third_party, tmp_path):
+    from conftest import write_tiny
+    from tinyloop.cli.main import main
+    path = tmp_path / "bytes.tinyloop"
+    write_tiny(path, vocab_size=256)
+    cfg = {"model": str(path), "backend": "cpu", "max_seq_len": 64, "prompts": ["ab"],
+           "output_jsonl": str(tmp_path / "o.jsonl"), "stream": False,
+           "generate": {"max_tokens": 4, "decoder": "lowest_of_top2"}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["run", str(tmp_path / "c.yaml")]) == 0
+    import json
+    rec = json.loads((tmp_path / "o.jsonl").read_text().splitlines()[0])
+    m = tl.load_model(str(path), max_seq_len=64, backend="cpu")
+    try:
+        expect = tl.generate(m, [ord("a"), ord("b")], tl.GenerateConfig(max_tokens=4, decoder="lowest_of_top2"))
+    finally:
+        tl.free_model(m)
+    assert rec["prompt_ids"] == [ord("a"), ord("b")] and rec["output_ids"] == expect[2:]
+
+
+def test_unknown_plugin_names_are_typed_errors(tiny_model, prompt):
+    with pytest.raises(tl.PluginError, match="decoder='nope' is not registered"):
+        tl.generate(tiny_model, prompt, tl.GenerateConfig(decoder="nope"))
+    with pytest.raises(tl.PluginError, match="cache_mode='bf13' is not registered"):
+        tl.generate(tiny_model, prompt, tl.GenerateConfig(cache_mode="bf13"))
+
+
+def test_duplicate_plugin_name_rejected():
+    class Dup(Decoder):
+        name = "greedy"
+
+    class P:
+        @hookimpl
+        def tinyloop_decoders(self):
+            return [Dup]
+    pm = PluginManager(load_entrypoints=False)
+    pm.register(P())
+    with pytest.raises(tl.PluginError, match="two plugins register"):
+        pm.decoders()
+
+
+def test_bad_decoder_output_is_caught(tiny_model, prompt):
+    class Bad(Decoder):
+        name = "bad"
+
+        def decode(self, session):
+            session.start()
+            yield 10_000
+
+    class P:
+        @hookimpl
+        def tinyloop_decoders(self):
+            return [Bad]
+    pm = get_plugin_manager()
+    p = P()
+    pm.register(p)
+    try:
+        with pytest.raises(tl.PluginError, match="produced 10000"):
+            tl.generate(tiny_model, prompt, tl.GenerateConfig(decoder="bad"))
+        assert tl.vram_usage_bytes(tiny_model) == tiny_model.backend.memory_bytes()
+    finally:
+        pm.unregister(p)
