@@ -87,7 +87,6 @@ def test_stop_sequence_tail_match_included(tiny_model, prompt):
 
 
 def test_eos_stops(tmp_path, prompt):
-    from conftest import write_tiny
     m0 = tl.load_model(str(_write(tmp_path, "a", eos_id=None)), max_seq_len=64, backend="cpu")
     ref = greedy(m0, prompt, n=8)[len(prompt):]
     tl.free_model(m0)

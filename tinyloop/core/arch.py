@@ -37,7 +37,7 @@ n_pre + i * n_loop .. n_pre + (i + 1) * n_loop - 1.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from .errors import ConfigError

@@ -1,11 +1,123 @@
-"""inspect(): what a .tinyloop file holds and what running it costs, without reading the weights."""
+"""inspect(): what a .tinyloop file holds and what running it costs, from its header alone.
+
+Memory estimates (see :mod:`tinyloop.core.memory`): backend ``cpu`` dequantizes every weight to
+float32; backend ``cuda`` keeps the weights packed as stored. KV-cache modes are the registered
+cache-mode plugins (their ``kv_bytes_per_element``).
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+import os
+from typing import Dict, Optional
+
+from .arch import TensorQuant, required_tensors
+from .errors import ModelFormatError
+from .format import read_header
+from .memory import BACKENDS, estimate_memory, parameter_count
+
+BACKEND_NOTES = {"cpu": "weights dequantized to float32",
+                 "cuda": "weights packed as stored in the file"}
+N_LARGEST = 5
+
+
+def cache_modes() -> Dict[str, float]:
+    """{cache mode: KV bytes per element} of every registered cache-mode plugin."""
+    from .plugins import get_plugin_manager
+    return {name: float(cls.kv_bytes_per_element) for name, cls in get_plugin_manager().cache_modes().items()}
+
+
+def _part_of(name: str) -> str:
+    return name.split(".", 1)[0] if "." in name else name
 
 
 def inspect(path: str, max_seq_len: int = 2048, loops: Optional[int] = None) -> dict:
-    """Metadata, architecture, tensor-table summary and memory estimates per backend and cache mode."""
-    from ..cli.inspect_cmd import describe
-    return describe(path, max_seq_len=max_seq_len, loops=loops)
+    """Metadata, architecture, tensor-table summary, embedded tokenizer and memory estimates per
+    backend and cache mode, as a JSON-serializable dict. Reads the header only, never the weights."""
+    if not os.path.exists(path):
+        raise ModelFormatError(f"no such file: {path}")
+    if os.path.isdir(path):
+        raise ModelFormatError(f"{path} is a directory, not a model file")
+    h = read_header(path)
+    cfg = h.config
+    shapes = required_tensors(cfg)
+    quant = dict(h.quant or {})
+
+    # logical -> its physical tensors
+    phys_owner = {}
+    for name, shape in shapes.items():
+        tq = quant.get(name, TensorQuant("f32"))
+        for pname in tq.physical(name, shape):
+            phys_owner[pname] = name
+    by_dtype: Dict[str, dict] = {}
+    bytes_by_quant: Dict[str, int] = {}
+    tensors_by_quant: Dict[str, int] = {}
+    logical_bytes: Dict[str, int] = {}
+    for t in h.tensors:
+        d = by_dtype.setdefault(str(t.dtype), {"count": 0, "bytes": 0})
+        d["count"] += 1
+        d["bytes"] += int(t.nbytes)
+        owner = phys_owner.get(t.name, t.name)
+        logical_bytes[owner] = logical_bytes.get(owner, 0) + int(t.nbytes)
+    for name in shapes:
+        tq = quant.get(name, TensorQuant("f32"))
+        key = tq.type if not tq.bits else f"{tq.type}/g{tq.group_size}"
+        bytes_by_quant[key] = bytes_by_quant.get(key, 0) + logical_bytes.get(name, 0)
+        tensors_by_quant[key] = tensors_by_quant.get(key, 0) + 1
+    largest = sorted(h.tensors, key=lambda t: (-int(t.nbytes), t.name))[:N_LARGEST]
+
+    params_by_part: Dict[str, int] = {}
+    for name, shape in shapes.items():
+        n = 1
+        for s in shape:
+            n *= s
+        params_by_part[_part_of(name)] = params_by_part.get(_part_of(name), 0) + n
+    params = parameter_count(cfg)
+
+    tok = h.tokenizer
+    if isinstance(tok, dict):
+        vocab = tok.get("vocab") if isinstance(tok.get("vocab"), dict) else {}
+        ids = [i for i in vocab.values() if isinstance(i, int)]
+        tok_info = {"embedded": True, "type": tok.get("type"), "tokens": len(vocab),
+                    "vocab_size": (max(ids) + 1) if ids else 0,
+                    "merges": len(tok.get("merges") or [])}
+    else:
+        tok_info = {"embedded": False}
+
+    loops = cfg.default_loops if loops is None else loops
+    modes = cache_modes()
+    memory = {}
+    for backend in BACKENDS:
+        memory[backend] = {"note": BACKEND_NOTES[backend], "cache_modes": {}}
+        for mode, kvb in modes.items():
+            memory[backend]["cache_modes"][mode] = estimate_memory(
+                h, max_seq_len, loops, kvb, backend=backend)
+
+    return {
+        "file": path,
+        "file_size": int(h.file_size),
+        "version": h.version,
+        "data_offset": int(h.data_offset),
+        "metadata": dict(h.metadata or {}),
+        "config": cfg.to_dict(),
+        "architecture": {
+            "q_dim": cfg.q_dim, "kv_dim": cfg.kv_dim, "head_dim": cfg.head_dim,
+            "gqa_group": cfg.n_heads // cfg.n_kv_heads,
+            "distinct_blocks": cfg.n_pre + cfg.n_loop + cfg.n_post,
+            "layers_at_default_loops": cfg.n_layers(cfg.default_loops),
+            "layers_at_max_loops": cfg.n_layers(cfg.max_loops),
+        },
+        "parameters": params,
+        "parameters_by_part": params_by_part,
+        "tensors": {
+            "count": len(h.tensors),
+            "bytes": sum(int(t.nbytes) for t in h.tensors),
+            "by_dtype": by_dtype,
+            "logical_by_quant": tensors_by_quant,
+            "bytes_by_quant": bytes_by_quant,
+            "largest": [{"name": t.name, "dtype": str(t.dtype), "shape": list(t.shape),
+                         "bytes": int(t.nbytes)} for t in largest],
+        },
+        "tokenizer": tok_info,
+        "memory": {"max_seq_len": max_seq_len, "loops": loops, "cache_modes": modes,
+                   "backends": memory},
+    }

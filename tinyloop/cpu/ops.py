@@ -17,7 +17,7 @@ through a 65536-entry float32 table, which is exact.
 from __future__ import annotations
 
 import numpy as np
-from numba import float32, int64, njit, prange
+from numba import float32, njit, prange
 
 _PAR = dict(parallel=True, fastmath=False, cache=True, nogil=True)
 _SEQ = dict(fastmath=False, cache=True, nogil=True)

@@ -1,0 +1,361 @@
+"""``tinyloop convert``: turn a safetensors checkpoint of the model family into a .tinyloop file.
+
+The checkpoint's tensor names must be the logical names of :mod:`tinyloop.core.arch` (``embed``,
+``pre.0.wq``, ``loop.0.w_down``, ``final_norm``, ``head`` ...) and the config JSON's keys the
+:class:`~tinyloop.core.arch.ModelConfig` fields; see docs/CONVERT.md. A checkpoint that does not fit
+the family is refused with the reason (every missing / unexpected / misshaped tensor is named).
+
+Reading: tensor headers are parsed from the safetensors header (8-byte little-endian length + JSON)
+before any data is read, so every structural problem is reported up front. F32/F16/F64 tensors are
+loaded with ``safetensors.safe_open(framework="numpy")``; BF16 tensors (which numpy cannot
+represent, so safetensors' numpy API refuses them) are read as raw little-endian uint16 and widened
+exactly to float32 (``bits << 16``). Tensors are loaded one at a time while the output is written,
+and written to a temporary file that replaces the output only on success.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import struct
+import sys
+from typing import Dict, Iterator, List, Mapping, Optional, Tuple
+
+import numpy as np
+
+from ..core.arch import QUANT_TYPES, ModelConfig, TensorQuant, required_tensors
+from ..core.errors import ConfigError, ModelFormatError, TinyLoopError
+from ..core.presets import check_quant_shapes, make_quant
+
+FLOAT_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+ALL_DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+                   "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+MAX_HEADER = 100 << 20
+_VERIFY_CHUNK = 1 << 22
+_INSTALL_HINT = "convert needs the 'safetensors' package: pip install tinyloop[convert]"
+
+
+class TensorInfo:
+    __slots__ = ("name", "file", "dtype", "shape", "start", "end")
+
+    def __init__(self, name, file, dtype, shape, start, end):
+        self.name, self.file, self.dtype, self.shape = name, file, dtype, tuple(shape)
+        self.start, self.end = start, end
+
+
+def read_safetensors_header(path: str) -> Tuple[Dict[str, TensorInfo], dict]:
+    """Parse a safetensors file's header: ({name: TensorInfo (absolute byte range)}, __metadata__)."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise ModelFormatError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > MAX_HEADER or 8 + n > size:
+                raise ModelFormatError(f"{path}: not a safetensors file (header length {n} is "
+                                       f"impossible for a {size}-byte file)")
+            text = f.read(n)
+    except OSError as e:
+        raise ModelFormatError(f"{path}: cannot read: {e}") from None
+    try:
+        header = json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"{path}: not a safetensors file (header is not JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise ModelFormatError(f"{path}: not a safetensors file (header is not a JSON object)")
+    base = 8 + n
+    meta = header.pop("__metadata__", None) or {}
+    out: Dict[str, TensorInfo] = {}
+    for name, e in header.items():
+        try:
+            dtype, shape, (b, end) = e["dtype"], [int(s) for s in e["shape"]], e["data_offsets"]
+            b, end = int(b), int(end)
+        except (KeyError, TypeError, ValueError):
+            raise ModelFormatError(f"{path}: malformed header entry for tensor {name!r}") from None
+        count = 1
+        for s in shape:
+            count *= s
+        item = ALL_DTYPE_SIZES.get(dtype)
+        if item is not None and (end - b != count * item or b < 0 or base + end > size):
+            raise ModelFormatError(f"{path}: tensor {name!r} has an inconsistent byte range "
+                                   f"[{b}, {end}) for {dtype} {shape} (file is truncated?)")
+        out[name] = TensorInfo(name, path, dtype, shape, base + b, base + end)
+    return out, meta
+
+
+def index_checkpoint(path: str) -> Dict[str, TensorInfo]:
+    """{tensor name: TensorInfo} of a .safetensors file or a directory of *.safetensors shards."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise ModelFormatError(f"checkpoint directory {path!r} contains no *.safetensors files")
+    elif os.path.isfile(path):
+        files = [path]
+    else:
+        raise ModelFormatError(f"checkpoint {path!r} does not exist")
+    index: Dict[str, TensorInfo] = {}
+    for f in files:
+        tensors, _ = read_safetensors_header(f)
+        for name, info in tensors.items():
+            if name in index:
+                raise ModelFormatError(f"tensor {name!r} appears in two shards: "
+                                       f"{index[name].file} and {f}")
+            index[name] = info
+    return index
+
+
+def check_fits_family(cfg: ModelConfig, index: Mapping[str, TensorInfo]) -> None:
+    """Refuse a checkpoint whose tensors do not match `cfg`: names every missing, unexpected,
+    misshaped or non-float tensor."""
+    want = required_tensors(cfg)
+    problems: List[str] = []
+    missing = [n for n in want if n not in index]
+    unexpected = sorted(n for n in index if n not in want)
+    if missing:
+        problems.append(f"missing tensor(s): {_list(missing)}")
+    if unexpected:
+        hint = ""
+        if "head" in unexpected and cfg.tied_embeddings:
+            hint = " ('head' is present but the config says tied_embeddings=true)"
+        problems.append(f"unexpected tensor(s) not in this model family/config: "
+                        f"{_list(unexpected)}{hint}")
+    for name, shape in want.items():
+        info = index.get(name)
+        if info is None:
+            continue
+        if info.dtype not in FLOAT_DTYPES:
+            problems.append(f"{name}: dtype {info.dtype} is not a float type "
+                            f"(allowed: {sorted(FLOAT_DTYPES)})")
+        elif info.shape != tuple(shape):
+            problems.append(f"{name}: wrong shape, expected {tuple(shape)}, got {info.shape}")
+    if problems:
+        raise ModelFormatError("checkpoint does not fit the model family: " + "; ".join(problems))
+
+
+def _list(names: List[str], limit: int = 12) -> str:
+    s = ", ".join(names[:limit])
+    return s + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+class CheckpointWeights(Mapping):
+    """Lazy {logical name: float32 array} over an indexed checkpoint. Loading a tensor with a
+    non-finite value raises ModelFormatError (and records it in ``.error``)."""
+
+    def __init__(self, index: Mapping[str, TensorInfo], names) -> None:
+        self.index = index
+        self.names = list(names)
+        self._nameset = frozenset(self.names)
+        self.error: Optional[Exception] = None
+        self._handles: Dict[str, object] = {}
+
+    def _handle(self, path: str):
+        h = self._handles.get(path)
+        if h is None:
+            try:
+                from safetensors import safe_open
+            except ImportError:
+                raise ConfigError(_INSTALL_HINT) from None
+            h = self._handles[path] = safe_open(path, framework="numpy")
+        return h
+
+    def load(self, name: str) -> np.ndarray:
+        info = self.index[name]
+        if info.dtype == "BF16":
+            count = (info.end - info.start) // 2
+            u = np.fromfile(info.file, dtype="<u2", count=count, offset=info.start)
+            a = (u.astype(np.uint32) << 16).view(np.float32).reshape(info.shape)
+        else:
+            try:
+                a = np.asarray(self._handle(info.file).get_tensor(name))
+            except TinyLoopError:
+                raise
+            except Exception as e:  # safetensors' own errors (truncated file, bad header)
+                raise ModelFormatError(f"{info.file}: cannot read tensor {name!r}: {e}") from None
+            a = a.astype(np.float32) if a.dtype != np.float32 else a
+        if a.size and not np.isfinite(a).all():
+            bad = int(a.size - np.count_nonzero(np.isfinite(a)))
+            err = ModelFormatError(f"{name}: contains {bad} non-finite value(s) (NaN/Inf); "
+                                   f"the checkpoint is corrupt or was saved mid-divergence")
+            self.error = err
+            raise err
+        return a
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._nameset:
+            raise KeyError(name)
+        return self.load(name)
+
+    def __contains__(self, name) -> bool:  # Mapping's default would load the tensor
+        return name in self._nameset
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def tensor_type(name: str) -> str:
+    """Summary group of a logical tensor: embed, head, final_norm, or the block tensor's kind."""
+    return name.rsplit(".", 1)[-1]
+
+
+def parse_metadata(items: Optional[List[str]]) -> Dict[str, str]:
+    out: Dict[str, str] = {}
+    for it in items or []:
+        key, sep, value = it.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--metadata {it!r} must be KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def load_config(path: str) -> ModelConfig:
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            d = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path!r}: {e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config {path!r} is not valid JSON: {e}") from None
+    try:
+        return ModelConfig.from_dict(d)
+    except ConfigError as e:
+        raise ConfigError(f"config {path!r}: {e}") from None
+
+
+def convert(checkpoint: str, config: str, output: str, *, quant: str = "q4",
+            group_size: int = 128, embed_quant: Optional[str] = None,
+            head_quant: Optional[str] = None, tokenizer_dir: Optional[str] = None,
+            metadata: Optional[Dict[str, str]] = None) -> dict:
+    """Convert and verify; returns the summary dict (also what ``convert`` prints)."""
+    from ..core.format import open_model, write_model
+
+    cfg = load_config(config)
+    index = index_checkpoint(checkpoint)
+    check_fits_family(cfg, index)
+    tq = make_quant(cfg, quant, group_size, embed_quant, head_quant)
+    check_quant_shapes(cfg, tq)
+    tok = None
+    if tokenizer_dir:
+        from ..core.tokenizer import BPETokenizer
+        t = BPETokenizer.from_dir(tokenizer_dir)
+        if t.vocab_size > cfg.vocab_size:
+            raise ConfigError(f"tokenizer {tokenizer_dir!r} has ids up to {t.vocab_size - 1}, but "
+                              f"the model's vocab_size is {cfg.vocab_size}")
+        tok = t.to_embedded()
+    meta = {"source_checkpoint": os.path.basename(os.path.normpath(checkpoint))}
+    meta.update(metadata or {})
+
+    out_abs = os.path.abspath(output)
+    if os.path.abspath(checkpoint) == out_abs:
+        raise ConfigError("the output path is the checkpoint itself")
+    d, base = os.path.split(out_abs)
+    tmp = os.path.join(d, f".{base}.{os.getpid()}.partial")
+    weights = CheckpointWeights(index, required_tensors(cfg))
+    try:
+        try:
+            write_model(tmp, cfg, weights, quant=tq, tokenizer=tok, metadata=meta)
+        except Exception:
+            if weights.error is not None:  # report the checkpoint problem, not the writer's wrapper
+                raise weights.error from None
+            raise
+        summary = _verify(open_model, tmp, cfg, weights, tq)
+        os.replace(tmp, out_abs)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    summary.update(output=output, file_size=os.path.getsize(out_abs),
+                   checkpoint=checkpoint, tensors=len(index))
+    return summary
+
+
+def _verify(open_model, path: str, cfg: ModelConfig, weights: CheckpointWeights,
+            tq: Mapping[str, TensorQuant]) -> dict:
+    """Reopen the written file and compare every dequantized tensor with the original."""
+    groups: Dict[str, dict] = {}
+    with open_model(path) as m:
+        for name in required_tensors(cfg):
+            orig = weights.load(name)
+            got = np.asarray(m.logical(name), dtype=np.float32)
+            if got.shape != orig.shape:
+                raise ModelFormatError(f"{name}: written tensor has shape {got.shape}, "
+                                       f"expected {orig.shape}")
+            t = tq[name]
+            key = tensor_type(name)
+            g = groups.setdefault(key, {"quant": set(), "tensors": 0, "sq_diff": 0.0, "sq_orig": 0.0,
+                                        "max_diff": 0.0, "max_orig": 0.0})
+            g["quant"].add(t.type if not t.bits else f"{t.type}/g{t.group_size}")
+            g["tensors"] += 1
+            flat_o, flat_g = orig.reshape(-1), got.reshape(-1)
+            for i in range(0, flat_o.size, _VERIFY_CHUNK):  # bounded float64 temporaries
+                o = flat_o[i:i + _VERIFY_CHUNK].astype(np.float64)
+                diff = flat_g[i:i + _VERIFY_CHUNK].astype(np.float64) - o
+                g["sq_diff"] += float(np.dot(diff, diff))
+                g["sq_orig"] += float(np.dot(o, o))
+                g["max_diff"] = max(g["max_diff"], float(np.max(np.abs(diff))))
+                g["max_orig"] = max(g["max_orig"], float(np.max(np.abs(o))))
+            del orig, got, flat_o, flat_g
+    errors = {}
+    for key, g in groups.items():
+        errors[key] = {
+            "quant": ",".join(sorted(g["quant"])), "tensors": g["tensors"],
+            "max_rel": g["max_diff"] / g["max_orig"] if g["max_orig"] else 0.0,
+            "rms_rel": math.sqrt(g["sq_diff"] / g["sq_orig"]) if g["sq_orig"] else 0.0,
+        }
+    from ..core.memory import parameter_count
+    return {"parameters": parameter_count(cfg), "f32_bytes": 4 * parameter_count(cfg),
+            "quant_error": errors}
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "convert", help="convert a safetensors checkpoint to a .tinyloop file",
+        description="Convert a safetensors checkpoint (tensor names = the logical names of the "
+                    "model family, see docs/CONVERT.md) to a .tinyloop file.")
+    p.add_argument("--checkpoint", required=True,
+                   help="a .safetensors file or a directory of *.safetensors shards")
+    p.add_argument("--config", required=True, help="model config JSON (keys = ModelConfig fields)")
+    p.add_argument("-o", "--output", required=True, help="output .tinyloop file")
+    p.add_argument("--quant", choices=QUANT_TYPES, default="q4",
+                   help="storage of the block matrices (default q4)")
+    p.add_argument("--group-size", type=int, default=128,
+                   help="quantization group size along in_features (default 128)")
+    p.add_argument("--embed-quant", choices=QUANT_TYPES, default=None,
+                   help="storage of embed (default: --quant)")
+    p.add_argument("--head-quant", choices=QUANT_TYPES, default=None,
+                   help="storage of head (default: --quant; ignored with tied embeddings)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory (vocab.json + merges.txt) to embed in the file")
+    p.add_argument("--metadata", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="metadata entries to store in the file")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    try:
+        meta = parse_metadata(args.metadata)
+        s = convert(args.checkpoint, args.config, args.output, quant=args.quant,
+                    group_size=args.group_size, embed_quant=args.embed_quant,
+                    head_quant=args.head_quant, tokenizer_dir=args.tokenizer, metadata=meta)
+    except (TinyLoopError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from ..core.memory import format_bytes
+    print(f"converted {s['checkpoint']} -> {s['output']}")
+    print(f"  parameters: {s['parameters']:,}")
+    print(f"  file size:  {format_bytes(s['file_size'])} (float32 would be "
+          f"{format_bytes(s['f32_bytes'])})")
+    print("  quantization error, dequantized vs original (max_rel = max|err| / max|w|, "
+          "rms_rel = ||err|| / ||w||):")
+    print(f"    {'tensor':<12} {'storage':<10} {'count':>5} {'max_rel':>10} {'rms_rel':>10}")
+    for key, e in s["quant_error"].items():
+        print(f"    {key:<12} {e['quant']:<10} {e['tensors']:>5} {e['max_rel']:>10.2e} "
+              f"{e['rms_rel']:>10.2e}")
+    return 0

@@ -1,0 +1,84 @@
+"""``tinyloop inspect FILE``: print tinyloop.inspect() (header only, no weight is read) as text or
+JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..core.errors import TinyLoopError
+from ..core.inspect import inspect
+from ..core.memory import format_bytes
+
+
+def _print_text(d: dict, out) -> None:
+    cfg, arch = d["config"], d["architecture"]
+    w = lambda s="": print(s, file=out)  # noqa: E731
+    w(f"file: {d['file']}  ({format_bytes(d['file_size'])}, format version {d['version']})")
+    if d["metadata"]:
+        w("metadata:")
+        for k, v in sorted(d["metadata"].items()):
+            w(f"  {k}: {v}")
+    w("architecture:")
+    w(f"  vocab {cfg['vocab_size']}, d_model {cfg['d_model']}, heads {cfg['n_heads']} "
+      f"(kv {cfg['n_kv_heads']}, head_dim {arch['head_dim']}), d_ff {cfg['d_ff']}")
+    w(f"  blocks: pre {cfg['n_pre']} + loop {cfg['n_loop']} x L + post {cfg['n_post']}; "
+      f"L default {cfg['default_loops']}, max {cfg['max_loops']} "
+      f"(layers {arch['layers_at_default_loops']} .. {arch['layers_at_max_loops']})")
+    w(f"  tied embeddings: {cfg['tied_embeddings']}, loop inject: {cfg['loop_inject']}, "
+      f"rope_theta {cfg['rope_theta']:g}, norm_eps {cfg['norm_eps']:g}, "
+      f"bos {cfg['bos_id']}, eos {cfg['eos_id']}")
+    parts = ", ".join(f"{k} {v:,}" for k, v in d["parameters_by_part"].items())
+    w(f"parameters: {d['parameters']:,}  ({parts})")
+    t = d["tensors"]
+    w(f"tensors: {t['count']} physical, {format_bytes(t['bytes'])}")
+    w("  by dtype: " + ", ".join(f"{k} x{v['count']} ({format_bytes(v['bytes'])})"
+                                 for k, v in sorted(t["by_dtype"].items())))
+    w("  by quantization: " + ", ".join(
+        f"{k} x{t['logical_by_quant'][k]} ({format_bytes(v)})"
+        for k, v in sorted(t["bytes_by_quant"].items())))
+    w("  largest:")
+    for e in t["largest"]:
+        w(f"    {e['name']:<24} {e['dtype']:<4} {str(tuple(e['shape'])):<16} {format_bytes(e['bytes'])}")
+    tok = d["tokenizer"]
+    if tok["embedded"]:
+        w(f"tokenizer: embedded {tok['type']}, {tok['tokens']} tokens (ids < {tok['vocab_size']}), "
+          f"{tok['merges']} merges")
+    else:
+        w("tokenizer: none embedded (byte fallback unless --tokenizer / TINYLOOP_TOKENIZER_DIR)")
+    m = d["memory"]
+    w(f"memory estimate (max_seq_len {m['max_seq_len']}, loops {m['loops']}, batch 1):")
+    for backend, b in m["backends"].items():
+        w(f"  {backend} ({b['note']}):")
+        for mode, e in b["cache_modes"].items():
+            w(f"    kv {mode:<6} total {format_bytes(e['total_bytes']):>11}  = weights "
+              f"{format_bytes(e['weights_bytes'])} + kv {format_bytes(e['kv_cache_bytes'])} + "
+              f"scratch {format_bytes(e['scratch_bytes'])}")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("inspect", help="describe a .tinyloop model file (header only)",
+                              description="Describe a .tinyloop file without reading its weights.")
+    p.add_argument("file", help=".tinyloop model file")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--max-seq-len", type=int, default=2048,
+                   help="sequence length for the memory estimate (default 2048)")
+    p.add_argument("--loops", type=int, default=None,
+                   help="loop count for the memory estimate (default: the model's default_loops)")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    try:
+        d = inspect(args.file, args.max_seq_len, args.loops)
+    except (TinyLoopError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump(d, sys.stdout, indent=2, sort_keys=False)
+        sys.stdout.write("\n")
+    else:
+        _print_text(d, sys.stdout)
+    return 0
