@@ -40,6 +40,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
+import numpy as np
+
 from .errors import ConfigError
 
 #: Upper bounds that keep size arithmetic sane; a file declaring more is refused.
@@ -54,7 +56,7 @@ LOOP_INJECT = ("none", "add")
 
 
 def _check_int(name: str, value, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise ConfigError(f"{name} must be an integer, got {value!r}")
     if not lo <= value <= hi:
         raise ConfigError(f"{name}={value} is outside the allowed range [{lo}, {hi}]")
@@ -113,6 +115,9 @@ class ModelConfig:
         _check_int("max_loops", self.max_loops, 1, MAX_LOOPS)
         _check_int("default_loops", self.default_loops, 1, self.max_loops)
         _check_int("head_dim", self.head_dim, 0, MAX_DIM)
+        for f in ("vocab_size", "d_model", "n_heads", "n_kv_heads", "d_ff", "n_pre", "n_loop", "n_post",
+                  "max_loops", "default_loops", "head_dim"):
+            object.__setattr__(self, f, int(getattr(self, f)))   # numpy ints -> int (JSON-safe)
         if self.head_dim == 0:
             if self.d_model % self.n_heads:
                 raise ConfigError(
@@ -122,8 +127,9 @@ class ModelConfig:
             raise ConfigError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
         for name in ("rope_theta", "norm_eps"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < float(v) < 1e12):
-                raise ConfigError(f"{name}={v!r} must be a finite positive number")
+            ok = not isinstance(v, bool) and isinstance(v, (int, float)) and 0 < v < 1e12
+            if not ok:
+                raise ConfigError(f"{name}={v!r} must be a finite positive number below 1e12")
             object.__setattr__(self, name, float(v))
         if not isinstance(self.tied_embeddings, bool):
             raise ConfigError(f"tied_embeddings must be true or false, got {self.tied_embeddings!r}")
@@ -133,6 +139,7 @@ class ModelConfig:
             v = getattr(self, name)
             if v is not None:
                 _check_int(name, v, 0, self.vocab_size - 1)
+                object.__setattr__(self, name, int(v))
 
     # ----------------------------------------------------------------- derived sizes
     @property

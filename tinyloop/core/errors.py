@@ -45,7 +45,7 @@ class TokenizerError(TinyLoopError):
 
 
 class ModelFreedError(TinyLoopError):
-    """A model handle was used after free_model()."""
+    """A model (or an opened model file) was used after free_model() / close()."""
 
 
 class ModelBusyError(TinyLoopError):

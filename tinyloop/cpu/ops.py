@@ -48,10 +48,11 @@ def _dot(a, b, K):
 def matmul(x, W, out, T, accumulate):
     """out[t, n] (+)= sum_k x[t, k] * W[n, k] for t < T; x (rows, K), W (N, K), out (rows, N)."""
     N, K = W.shape
-    for t in range(T):
-        xr = x[t]
-        for n in prange(N):
-            s = _dot(xr, W[n], K)
+    # weight row outermost: each W row is read from memory once and reused for every input row
+    for n in prange(N):
+        wr = W[n]
+        for t in range(T):
+            s = _dot(x[t], wr, K)
             if accumulate:
                 out[t, n] += s
             else:
