@@ -648,7 +648,8 @@ def fuzz_dir(tmp_path_factory):
 
 
 def _open_and_check(path):
-    """Only ModelFormatError or a model whose every logical tensor is finite is acceptable."""
+    """Only ModelFormatError, or a model whose every logical tensor is finite and that loads and
+    generates, is acceptable."""
     try:
         m = open_model(path)
     except ModelFormatError:
@@ -656,6 +657,13 @@ def _open_and_check(path):
     with m:
         for name in required_tensors(m.header.config):
             assert np.isfinite(m.logical(name)).all()
+    import tinyloop as tl
+    model = tl.load_model(str(path), max_seq_len=8, backend="cpu")
+    try:
+        out = tl.generate(model, [0], tl.GenerateConfig(max_tokens=2, loops=1))
+        assert len(out) in (2, 3) and all(0 <= t < model.vocab_size for t in out)
+    finally:
+        tl.free_model(model)
     return True
 
 
