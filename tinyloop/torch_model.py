@@ -1,0 +1,347 @@
+"""PyTorch implementation of the looped-transformer family defined in :mod:`tinyloop.core.arch`.
+
+Used to *train* the demo model (tools/train_demo.py) and as a GPU baseline for benchmarks. torch is
+an optional extra (``pip install tinyloop[torch]``); it is imported only by this module.
+
+Semantics follow arch.py exactly::
+
+    x = embed(ids)
+    for b in pre:  x = b(x)
+    e = x                                   (loop_inject == "add")
+    for i in range(L):
+        if i > 0 and loop_inject == "add": x = x + e
+        for b in loop: x = b(x)             (shared weights, reused L times)
+    for b in post: x = b(x)
+    logits = rmsnorm(x, final_norm) @ head.T        head = embed when tied_embeddings
+
+    block: x = x + wo @ attn(rope(wq @ n1(x)), rope(wk @ n1(x)), wv @ n1(x))     GQA, causal
+           x = x + w_down @ (silu(w_gate @ n2(x)) * (w_up @ n2(x)))
+
+* RMSNorm is computed in float32: ``x * rsqrt(mean(x^2) + eps) * w``, cast back to x's dtype.
+* RoPE uses the half-split convention: for i < hd/2 the pair (x[i], x[i + hd/2]) rotates by
+  ``pos * rope_theta ** (-2 i / hd)``; angles are computed in float64, applied in float32.
+* GQA: query head h reads kv head ``h // (n_heads // n_kv_heads)``; scores scaled by 1/sqrt(hd).
+* No biases anywhere. Parameters are registered under the logical names themselves
+  (``embed``, ``pre.0.wq``, ``loop.1.w_down``, ``final_norm``, ``head``), so
+  :meth:`LoopedLM.state_dict_logical` is a plain rename-free view and equals
+  ``required_tensors(config)`` in names, order and shapes.
+
+Inference paths (batch B, one sequence per row, all rows at the same position):
+
+* :meth:`LoopedLM.prefill` runs ``ids`` (B, T) from position 0 and writes K/V of every layer into a
+  static cache preallocated for ``max_seq_len`` positions (:meth:`LoopedLM.allocate_cache`).
+* :meth:`LoopedLM.decode_one` runs one token per row at position ``pos``. It attends over the whole
+  static cache with a ``arange(S) <= pos`` mask, indexes the RoPE tables with ``pos`` and writes
+  the cache with ``index_copy_``: with ``token`` and ``pos`` given as device tensors it performs no
+  host synchronisation and no allocation that depends on ``pos``, so it can be captured in a CUDA
+  graph (one graph per loop count L) and replayed after updating ``token`` / ``pos`` in place.
+
+Cache layers are numbered as in arch.py (``ModelConfig.cache_layer``):
+``0 .. n_pre-1`` pre, ``n_pre + i*n_loop + j`` loop iteration i layer j, and
+``n_pre + L*n_loop + j`` post. The cache holds ``config.n_layers(config.max_loops)`` layers; a
+sequence must be prefilled and decoded at one L (post layers move with L).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Mapping, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .core.arch import BLOCK_NORMS, ModelConfig, required_tensors
+from .core.errors import ConfigError, InvalidInputError, ModelFormatError
+
+__all__ = ["LoopedLM", "rms_norm", "apply_rope", "rope_tables"]
+
+_HAS_RMS_NORM = hasattr(F, "rms_norm")
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2, -1) + eps) * w`` in float32, returned in x's dtype (torch's fused
+    F.rms_norm where available: same formula)."""
+    xf, wf = x.float(), w.float()
+    if _HAS_RMS_NORM:
+        y = F.rms_norm(xf, (xf.shape[-1],), wf, eps)
+    else:  # pragma: no cover - torch < 2.4
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * wf
+    return y.to(x.dtype)
+
+
+def rope_tables(head_dim: int, theta: float, n_pos: int, device=None):
+    """cos, sin tables (n_pos, head_dim // 2), float32; angle = pos * theta ** (-2 i / head_dim)."""
+    half = head_dim // 2
+    inv = theta ** (-torch.arange(half, dtype=torch.float64) * 2.0 / head_dim)
+    ang = torch.arange(n_pos, dtype=torch.float64)[:, None] * inv[None, :]
+    return (torch.cos(ang).to(torch.float32).to(device),
+            torch.sin(ang).to(torch.float32).to(device))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split RoPE on x (..., T, hd) with cos/sin (T, hd/2); computed in float32."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    a, b = xf[..., :half], xf[..., half:]
+    out = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+    return out.to(x.dtype)
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block; parameters named exactly as the logical tensors."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, q, kv, ff = cfg.d_model, cfg.q_dim, cfg.kv_dim, cfg.d_ff
+        self.attn_norm = nn.Parameter(torch.ones(d))
+        self.mlp_norm = nn.Parameter(torch.ones(d))
+        self.wq = nn.Parameter(torch.empty(q, d))
+        self.wk = nn.Parameter(torch.empty(kv, d))
+        self.wv = nn.Parameter(torch.empty(kv, d))
+        self.wo = nn.Parameter(torch.empty(d, q))
+        self.w_gate = nn.Parameter(torch.empty(ff, d))
+        self.w_up = nn.Parameter(torch.empty(ff, d))
+        self.w_down = nn.Parameter(torch.empty(d, ff))
+        self.n_heads, self.n_kv, self.hd, self.eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
+        self.group = cfg.n_heads // cfg.n_kv_heads
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def _qkv(self, x, cos, sin):
+        B, T, _ = x.shape
+        h = rms_norm(x, self.attn_norm, self.eps)
+        q = F.linear(h, self.wq).view(B, T, self.n_heads, self.hd).transpose(1, 2)
+        k = F.linear(h, self.wk).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        v = F.linear(h, self.wv).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _expand(self, t):
+        # (B, n_kv, S, hd) -> (B, n_heads, S, hd): query head h reads kv head h // group
+        return t if self.group == 1 else t.repeat_interleave(self.group, dim=1)
+
+    def _finish(self, x, att):
+        B, _, T, _ = att.shape
+        x = x + F.linear(att.transpose(1, 2).reshape(B, T, self.n_heads * self.hd), self.wo)
+        h = rms_norm(x, self.mlp_norm, self.eps)
+        return x + F.linear(F.silu(F.linear(h, self.w_gate)) * F.linear(h, self.w_up), self.w_down)
+
+    def forward(self, x, cos, sin, cache_k=None, cache_v=None):
+        """Causal block over a full sequence starting at position 0. If cache_k / cache_v
+        (B, n_kv, S, hd) are given, K (after RoPE) and V of positions 0..T-1 are written into them."""
+        q, k, v = self._qkv(x, cos, sin)
+        if cache_k is not None:
+            T = x.shape[1]
+            cache_k[:, :, :T].copy_(k)
+            cache_v[:, :, :T].copy_(v)
+        att = F.scaled_dot_product_attention(q, self._expand(k), self._expand(v),
+                                             is_causal=True, scale=self.scale)
+        return self._finish(x, att)
+
+    def step(self, x, cos, sin, pos_idx, mask, cache_k, cache_v):
+        """One new row per sequence (x: (B, 1, d)) at position pos_idx (1-element long tensor):
+        write its K/V into the cache, attend over cache positions where mask is true."""
+        q, k, v = self._qkv(x, cos, sin)
+        cache_k.index_copy_(2, pos_idx, k)
+        cache_v.index_copy_(2, pos_idx, v)
+        att = F.scaled_dot_product_attention(q, self._expand(cache_k), self._expand(cache_v),
+                                             attn_mask=mask, scale=self.scale)
+        return self._finish(x, att)
+
+
+class LoopedLM(nn.Module):
+    """The looped LM of one :class:`ModelConfig`. ``max_seq_len`` bounds the RoPE tables and the
+    decode cache (training windows may use up to max_seq_len positions)."""
+
+    def __init__(self, config: ModelConfig, max_seq_len: int = 2048, device=None):
+        super().__init__()
+        if not isinstance(config, ModelConfig):
+            raise ConfigError(f"config must be a ModelConfig, got {type(config).__name__}")
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
+            raise ConfigError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
+        self.config = cfg = config
+        self.max_seq_len = max_seq_len
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
+        self.pre = nn.ModuleList(Block(cfg) for _ in range(cfg.n_pre))
+        self.loop = nn.ModuleList(Block(cfg) for _ in range(cfg.n_loop))
+        self.post = nn.ModuleList(Block(cfg) for _ in range(cfg.n_post))
+        self.final_norm = nn.Parameter(torch.ones(cfg.d_model))
+        self.head = None if cfg.tied_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
+        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_seq_len)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("_positions", torch.arange(max_seq_len), persistent=False)
+        self.k_cache: Optional[torch.Tensor] = None
+        self.v_cache: Optional[torch.Tensor] = None
+        self.reset_parameters()
+        if device is not None:
+            self.to(device)
+
+    # ------------------------------------------------------------------ parameters
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02, generator: Optional[torch.Generator] = None) -> None:
+        """Norms to 1; matrices ~ N(0, std); output projections (wo, w_down) scaled by
+        1/sqrt(2 * effective depth at default_loops) (GPT-2 style residual scaling)."""
+        cfg = self.config
+        depth = cfg.n_layers(cfg.default_loops)
+        for name, p in self.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in BLOCK_NORMS or name == "final_norm":
+                p.fill_(1.0)
+            elif leaf in ("wo", "w_down"):
+                p.normal_(0.0, std / math.sqrt(2 * depth), generator=generator)
+            else:
+                p.normal_(0.0, std, generator=generator)
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embed if self.head is None else self.head
+
+    def state_dict_logical(self) -> Dict[str, torch.Tensor]:
+        """{logical name: tensor} in required_tensors(config) order (detached, same device/dtype)."""
+        params = dict(self.named_parameters())
+        out = {}
+        for name, shape in required_tensors(self.config).items():
+            t = params[name].detach()
+            if tuple(t.shape) != tuple(shape):  # pragma: no cover - construction guarantees it
+                raise ModelFormatError(f"{name}: shape {tuple(t.shape)} != {shape}")
+            out[name] = t
+        return out
+
+    @classmethod
+    def from_logical(cls, config: ModelConfig, tensors: Mapping[str, "torch.Tensor"],
+                     max_seq_len: int = 2048, device=None) -> "LoopedLM":
+        """Build a model from {logical name: tensor or array}; names and shapes must match
+        required_tensors(config) exactly. Values are copied (cast to float32)."""
+        need = required_tensors(config)
+        missing = sorted(set(need) - set(tensors))
+        extra = sorted(set(tensors) - set(need))
+        if missing or extra:
+            raise ModelFormatError(f"logical tensors do not match the config: missing {missing}, "
+                                   f"unexpected {extra}")
+        model = cls(config, max_seq_len=max_seq_len)
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, shape in need.items():
+                t = torch.as_tensor(tensors[name])
+                if tuple(t.shape) != tuple(shape):
+                    raise ModelFormatError(f"{name}: shape {tuple(t.shape)}, the config needs {shape}")
+                params[name].copy_(t.to(torch.float32))
+        if device is not None:
+            model.to(device)
+        return model
+
+    # ------------------------------------------------------------------ helpers
+    def _check_loops(self, loops: Optional[int]) -> int:
+        cfg = self.config
+        if loops is None:
+            return cfg.default_loops
+        if isinstance(loops, bool) or not isinstance(loops, int) or not 1 <= loops <= cfg.max_loops:
+            raise InvalidInputError(f"loops={loops!r} must be an integer in [1, {cfg.max_loops}]")
+        return loops
+
+    def _check_ids(self, ids: torch.Tensor):
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+            raise InvalidInputError("ids must be an int64/int32 torch tensor")
+        squeeze = ids.dim() == 1
+        if squeeze:
+            ids = ids[None]
+        if ids.dim() != 2 or ids.shape[1] < 1:
+            raise InvalidInputError(f"ids must have shape (T,) or (B, T) with T >= 1, got {tuple(ids.shape)}")
+        if ids.shape[1] > self.max_seq_len:
+            raise InvalidInputError(f"sequence length {ids.shape[1]} exceeds max_seq_len={self.max_seq_len}")
+        return ids, squeeze
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(rms_norm(x, self.final_norm, self.config.norm_eps), self.head_weight())
+
+    def _trunk(self, x: torch.Tensor, loops: int, block_fn) -> torch.Tensor:
+        """Runs the family's structure; block_fn(block, x, cache_layer) applies one block."""
+        cfg = self.config
+        for i, b in enumerate(self.pre):
+            x = block_fn(b, x, cfg.cache_layer("pre", i))
+        e = x if cfg.loop_inject == "add" else None
+        for it in range(loops):
+            if e is not None and it > 0:
+                x = x + e
+            for j, b in enumerate(self.loop):
+                x = block_fn(b, x, cfg.cache_layer("loop", j, iteration=it))
+        for i, b in enumerate(self.post):
+            x = block_fn(b, x, cfg.cache_layer("post", i, loops=loops))
+        return x
+
+    # ------------------------------------------------------------------ training forward
+    def hidden(self, ids: torch.Tensor, loops: Optional[int] = None) -> torch.Tensor:
+        """Final residual (B, T, d_model) before the final norm."""
+        loops = self._check_loops(loops)
+        ids, _ = self._check_ids(ids)
+        T = ids.shape[1]
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        x = F.embedding(ids, self.embed)
+        return self._trunk(x, loops, lambda b, x, layer: b(x, cos, sin))
+
+    def forward(self, ids: torch.Tensor, loops: Optional[int] = None) -> torch.Tensor:
+        """Logits for every position of ids ((B, T) -> (B, T, V); (T,) -> (T, V)), no cache."""
+        _, squeeze = self._check_ids(ids)
+        logits = self._logits(self.hidden(ids, loops))
+        return logits[0] if squeeze else logits
+
+    # ------------------------------------------------------------------ static-cache inference
+    def allocate_cache(self, batch_size: int = 1, max_seq_len: Optional[int] = None, dtype=None) -> None:
+        """Preallocate the K/V cache: (n_layers(max_loops), B, n_kv_heads, S, head_dim) each, zeroed,
+        on the model's device; dtype defaults to the embedding's dtype."""
+        cfg = self.config
+        S = self.max_seq_len if max_seq_len is None else max_seq_len
+        if not 1 <= S <= self.max_seq_len:
+            raise ConfigError(f"cache length {S} must be in [1, max_seq_len={self.max_seq_len}]")
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        shape = (cfg.n_layers(cfg.max_loops), batch_size, cfg.n_kv_heads, S, cfg.head_dim)
+        dtype = self.embed.dtype if dtype is None else dtype
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.embed.device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.embed.device)
+
+    def free_cache(self) -> None:
+        self.k_cache = self.v_cache = None
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, loops: Optional[int] = None) -> torch.Tensor:
+        """Run ids ((B, T) or (T,)) from position 0, filling the cache (allocated on first use with
+        batch B). Returns logits for every position, shaped like forward()."""
+        loops = self._check_loops(loops)
+        ids, squeeze = self._check_ids(ids)
+        B, T = ids.shape
+        if self.k_cache is None or self.k_cache.shape[1] != B:
+            self.allocate_cache(batch_size=B)
+        if T > self.k_cache.shape[3]:
+            raise InvalidInputError(f"prompt of {T} tokens exceeds the cache length {self.k_cache.shape[3]}")
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        kc, vc = self.k_cache, self.v_cache
+        x = F.embedding(ids, self.embed)
+        x = self._trunk(x, loops, lambda b, x, layer: b(x, cos, sin, kc[layer], vc[layer]))
+        logits = self._logits(x)
+        return logits[0] if squeeze else logits
+
+    @torch.no_grad()
+    def decode_one(self, token: Union[int, torch.Tensor], pos: Union[int, torch.Tensor],
+                   loops: Optional[int] = None) -> torch.Tensor:
+        """One token per cache row at position pos (all earlier positions must be in the cache).
+        token: int, or long tensor (B,) / (B, 1); pos: int or long tensor (0-d or (1,)).
+        Returns logits (B, V). Graph-capturable when token and pos are device tensors."""
+        loops = self._check_loops(loops)
+        if self.k_cache is None:
+            raise InvalidInputError("decode_one needs a cache: call prefill() or allocate_cache() first")
+        dev = self.embed.device
+        B, S = self.k_cache.shape[1], self.k_cache.shape[3]
+        if not isinstance(pos, torch.Tensor):
+            if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < S:
+                raise InvalidInputError(f"pos={pos!r} must be an integer in [0, {S})")
+            pos = torch.tensor([pos], dtype=torch.long, device=dev)
+        pos_idx = pos.reshape(1).to(torch.long)
+        if not isinstance(token, torch.Tensor):
+            token = torch.full((B,), int(token), dtype=torch.long, device=dev)
+        token = token.reshape(B, 1).to(torch.long)
+        cos, sin = self.rope_cos[pos_idx], self.rope_sin[pos_idx]          # (1, hd/2)
+        mask = (self._positions[:S] <= pos_idx).view(1, 1, 1, S)          # (1, 1, 1, S) bool
+        kc, vc = self.k_cache, self.v_cache
+        x = F.embedding(token, self.embed)                                   # (B, 1, d)
+        x = self._trunk(x, loops, lambda b, x, layer: b.step(x, cos, sin, pos_idx, mask, kc[layer], vc[layer]))
+        return self._logits(x)[:, 0]
