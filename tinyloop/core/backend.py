@@ -106,6 +106,9 @@ class Backend(ABC):
     def alloc_cache(self, n_layers: int, n_slots: int, kv_dtype: str) -> Any:
         """A KV cache of n_layers x n_slots x n_kv_heads x head_dim for K and V, stored as kv_dtype."""
 
+    def release_cache(self, cache) -> None:
+        """A request is done with `cache` (a backend may keep it for the next request)."""
+
     def free(self) -> None:
         """Release everything this backend holds (weights, workspaces, caches)."""
 
@@ -191,10 +194,19 @@ class Backend(ABC):
     def rows(self, buf, row0: int):
         """A view of `buf` starting at row `row0` (for ops on a suffix of rows)."""
 
-    # ------------------------------------------------------------------ optional fast paths
-    def supports(self, feature: str) -> bool:
-        """Whether an optional capability (e.g. "graph", "device_argmax") is present."""
-        return False
+    # ------------------------------------------------------------------ greedy pick and graphs
+    def launch_argmax(self, ws: Workspace) -> None:
+        """Start computing argmax of ws.logits[0] where the logits live (part of a captured step)."""
+
+    @abstractmethod
+    def read_argmax(self, ws: Workspace) -> int:
+        """The argmax of ws.logits[0] (ties to the lowest id); only the id reaches the host."""
+
+    def replay(self, key, fn) -> None:
+        """Run `fn` (a fixed sequence of ops). A backend with graphs captures it under `key` on first
+        use and replays the captured graph afterwards; positions and ids live in device buffers that
+        the caller updates before each call, so the same graph serves every step."""
+        fn()
 
 
 BACKENDS: Dict[str, str] = {

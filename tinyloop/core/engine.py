@@ -204,19 +204,38 @@ class Session:
         n_slots = len(prompt) + plan.config.max_tokens
         self.cache = model.backend.alloc_cache(model.cfg.n_layers(self.loops), n_slots,
                                                plan.cache_mode.kv_dtype)
+        model._live_cache_bytes += self.cache_bytes
         self._buf = np.zeros(self.vocab_size, np.float32)
 
+    def close(self) -> None:
+        """Hand the cache back to the backend (idempotent)."""
+        if self.cache is not None:
+            self.model._live_cache_bytes -= self.cache_bytes
+            self.model.backend.release_cache(self.cache)
+            self.cache = None
+
     def _run(self, start: int, stop: int) -> None:
-        """Forward tokens[start:stop] in chunks; logits of the last row pending in ws.logits[0]."""
-        m = self.model
-        rows = m.ws.rows
+        """Forward tokens[start:stop] in chunks; the last row's logits (and their argmax, started on
+        the device) are pending in ws.logits[0]. A one-token step is a fixed op sequence that the
+        backend may capture once and replay (positions and ids live in backend buffers)."""
+        m, be, fwd, ws = self.model, self.model.backend, self.model.fwd, self.model.ws
+        rows = ws.rows
         for a in range(start, stop, rows):
             T = min(rows, stop - a)
-            ids = m.backend.set_ids(m.ws, self.tokens[a:a + T])
-            m.fwd.forward(ids, m.backend.positions(a), T, self.cache, self.loops)
+            ids = be.set_ids(ws, self.tokens[a:a + T])
+            pos = be.positions(a)
+            last = a + T == stop
+
+            def step(ids=ids, pos=pos, T=T, last=last):
+                fwd.forward(ids, pos, T, self.cache, self.loops)
+                if last:
+                    fwd.logits(T - 1, 1)
+                    be.launch_argmax(ws)
+            if T == 1 and last:
+                be.replay(("step", self.loops, self.cache), step)
+            else:
+                step()
             self.stats.loop_iters_run += self.loops
-            if a + T == stop:
-                m.fwd.logits(T - 1, 1)
         self.position = stop
 
     def start(self) -> None:
@@ -235,7 +254,7 @@ class Session:
 
     def greedy(self) -> int:
         if self.chain.argmax_invariant:
-            return self.model.backend.argmax(self.model.ws, 0)
+            return self.model.backend.read_argmax(self.model.ws)
         return int(np.argmax(self.logits()))
 
     @property
@@ -262,13 +281,13 @@ def _decode(model: Model, prompt: List[int], plan: _Plan, stats: GenerateStats) 
         return
     chain = plan.processor_factory()
     chain.reset(prompt)
-    session = Session(model, prompt, plan, chain, stats)
-    model._live_cache_bytes += session.cache_bytes
-    gen = plan.decoder_cls(config).decode(session)
     out: List[int] = []
     eos = model.cfg.eos_id
     t_first = None
+    session = Session(model, prompt, plan, chain, stats)
+    gen = None
     try:
+        gen = plan.decoder_cls(config).decode(session)
         for tok in gen:
             if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, (int, np.integer)) \
                     or not 0 <= int(tok) < model.cfg.vocab_size:
@@ -293,13 +312,13 @@ def _decode(model: Model, prompt: List[int], plan: _Plan, stats: GenerateStats) 
         else:
             stats.stop_reason = stats.stop_reason or StopReason.MAX_TOKENS
     finally:
-        gen.close()
+        if gen is not None:
+            gen.close()
         if stats.stop_reason is None:
             stats.stop_reason = StopReason.CALLBACK_ABORT
         if t_first is not None:
             stats.decode_ms = (time.perf_counter() - t_first) * 1e3
-        model._live_cache_bytes -= session.cache_bytes
-        session.cache = None
+        session.close()
 
 
 def _locked(model: Model):
@@ -390,14 +409,17 @@ def score(model: Model, tokens: Sequence[int], loops: Optional[int] = None,
     try:
         stats = GenerateStats()
         s = Session(model, ids, plan, ProcessorChain([]), stats)
-        rows = model.ws.rows
-        for a in range(0, len(ids), rows):
-            T = min(rows, len(ids) - a)
-            h = model.backend.set_ids(model.ws, ids[a:a + T])
-            model.fwd.forward(h, model.backend.positions(a), T, s.cache, plan.loops)
-            model.fwd.logits(0, T)
-            for r in range(T):
-                out[a + r] = model.backend.logits_to_host(model.ws, r)
+        try:
+            rows = model.ws.rows
+            for a in range(0, len(ids), rows):
+                T = min(rows, len(ids) - a)
+                h = model.backend.set_ids(model.ws, ids[a:a + T])
+                model.fwd.forward(h, model.backend.positions(a), T, s.cache, plan.loops)
+                model.fwd.logits(0, T)
+                for r in range(T):
+                    out[a + r] = model.backend.logits_to_host(model.ws, r)
+        finally:
+            s.close()
     finally:
         lock.release()
     return out
@@ -413,7 +435,10 @@ def score_last_token(model: Model, tokens: Sequence[int], loops: Optional[int] =
     lock = _locked(model)
     try:
         s = Session(model, ids, plan, ProcessorChain([]), GenerateStats())
-        s.start()
-        return np.array(model.backend.logits_to_host(model.ws, 0), np.float32)
+        try:
+            s.start()
+            return np.array(model.backend.logits_to_host(model.ws, 0), np.float32)
+        finally:
+            s.close()
     finally:
         lock.release()

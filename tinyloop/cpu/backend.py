@@ -153,8 +153,5 @@ class CPUBackend(Backend):
     def copy(self, dst, src, T: int) -> None:
         dst[:T] = src[:T]
 
-    def argmax(self, ws: Workspace, row: int) -> int:
-        return int(ops.argmax(ws.logits[row]))
-
-    def supports(self, feature: str) -> bool:
-        return feature in ("device_argmax",)
+    def read_argmax(self, ws: Workspace) -> int:
+        return int(ops.argmax(ws.logits[0]))

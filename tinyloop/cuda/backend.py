@@ -1,0 +1,289 @@
+"""The CUDA backend: the backend ops on numba-cuda kernels (tinyloop/cuda/kernels, one op per file).
+
+Memory (all taken at load, released by free()):
+  weights     packed as stored in the file (q8/q4/q2 + fp16 scales + uint8 zeros, or fp16/fp32);
+  workspace   the BufferPool: float32 activations for `rows` rows, the logits rows, ids, the
+              position, the argmax token, and pinned host staging buffers;
+  KV caches   fp16 or fp32 (n_layers, slots, n_kv_heads, head_dim); a released cache is kept and
+              handed to the next request that fits, so captured graphs stay valid across requests.
+
+Decode steps run as captured CUDA graphs (``replay``): the first step of a (loops, cache) pair runs
+eagerly (compiling kernels), the second is captured on this backend's stream through the driver API
+and every later one replays it. Positions and token ids live in device buffers written before each
+replay. ``TINYLOOP_CUDA_GRAPHS=0`` runs every step eagerly (same tokens). Only the argmax token id
+(4 bytes) crosses to the host per greedy step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+from numba import cuda
+
+from ..core.backend import Backend, ModelWeights, Workspace
+from ..core.errors import BackendError, OutOfMemoryError
+from .kernels import add as k_add
+from .kernels import argmax as k_argmax
+from .kernels import attention as k_attention
+from .kernels import embed as k_embed
+from .kernels import matmul as k_matmul
+from .kernels import rmsnorm as k_rmsnorm
+from .kernels import rope as k_rope
+from .kernels import swiglu as k_swiglu
+
+MAX_GRAPHS = 16
+_DT = {"fp16": np.float16, "fp32": np.float32}
+
+
+class CUDAWeight:
+    """A weight on the device: `w` plus `scales` / `zeros` when quantized."""
+
+    def __init__(self, w, scales=None, zeros=None):
+        self.w, self.scales, self.zeros = w, scales, zeros
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in (self.w, self.scales, self.zeros) if a is not None)
+
+
+class CUDACache:
+    """K and V (n_layers, n_slots, n_kv_heads, head_dim) on the device."""
+
+    def __init__(self, k, v, kv_dtype: str):
+        self.k, self.v, self.kv_dtype = k, v, kv_dtype
+        self.n_layers, self.n_slots = int(k.shape[0]), int(k.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.k.nbytes + self.v.nbytes)
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return "OUT_OF_MEMORY" in str(exc).upper() or "out of memory" in str(exc).lower()
+
+
+class CUDABackend(Backend):
+    """numba-cuda implementation of the backend ops, with graph-captured decode steps."""
+
+    name = "cuda"
+
+    def __init__(self, cfg, max_seq_len: int):
+        super().__init__(cfg)
+        self.max_seq_len = max_seq_len
+        self.stream = cuda.stream()
+        self.inv_freq = cuda.to_device(k_rope.inv_freq(cfg.head_dim, cfg.rope_theta), stream=self.stream)
+        self.pos = cuda.device_array(1, np.int32)
+        self._pos_host = cuda.pinned_array(1, np.int32)
+        self._tok_host = cuda.pinned_array(1, np.int32)
+        self._held = 0
+        self._spare_cache = None
+        self._graphs: "OrderedDict[Any, tuple]" = OrderedDict()
+        self.use_graphs = os.environ.get("TINYLOOP_CUDA_GRAPHS", "1") not in ("0", "false", "no")
+        self.profile = os.environ.get("TINYLOOP_CUDA_PROFILE", "") not in ("", "0")
+        self.graph_launches = 0
+        self.kernel_launches = 0
+
+    # ------------------------------------------------------------------ memory
+    def _to_device(self, a: np.ndarray):
+        try:
+            d = cuda.to_device(np.ascontiguousarray(a), stream=self.stream)
+        except Exception as exc:
+            if _is_oom(exc):
+                raise OutOfMemoryError(f"uploading {a.nbytes} bytes to the GPU failed: out of memory") from exc
+            raise
+        self._held += int(d.nbytes)
+        return d
+
+    def _empty(self, shape, dtype):
+        try:
+            d = cuda.device_array(shape, dtype)
+        except Exception as exc:
+            if _is_oom(exc):
+                nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+                raise OutOfMemoryError(f"allocating {nbytes} bytes on the GPU failed: out of memory") from exc
+            raise
+        return d
+
+    def load_weights(self, model_file) -> ModelWeights:
+        handles = {}
+        t = model_file.tensors
+        for name, tq in model_file.header.quant.items():
+            if name.endswith("norm"):      # norm weights are read as float32 by the kernels
+                handles[name] = CUDAWeight(self._to_device(np.asarray(t[name], np.float32)))
+            elif tq.type in ("f32", "f16"):
+                handles[name] = CUDAWeight(self._to_device(t[name]))
+            else:
+                handles[name] = CUDAWeight(self._to_device(t[name + ".q"]), self._to_device(t[name + ".scales"]),
+                                           self._to_device(t[name + ".zeros"]))
+        self.stream.synchronize()
+        nbytes = sum(w.nbytes for w in handles.values())
+        return ModelWeights.from_handles(self.cfg, handles, nbytes=nbytes)
+
+    def alloc_workspace(self, rows: int) -> Workspace:
+        c = self.cfg
+        f = np.float32
+        bufs = dict(x=(rows, c.d_model), h=(rows, c.d_model), e=(rows, c.d_model), q=(rows, c.q_dim),
+                    k=(rows, c.kv_dim), v=(rows, c.kv_dim), att=(rows, c.q_dim), g=(rows, c.d_ff),
+                    u=(rows, c.d_ff), logits=(rows, c.vocab_size))
+        arrays = {n: self._empty(s, f) for n, s in bufs.items()}
+        ws = Workspace(rows=rows, **arrays)
+        ws.ids = self._empty(rows, np.int32)
+        ws.tok = self._empty(1, np.int32)
+        ws.ids_host = cuda.pinned_array(rows, np.int32)
+        ws.logits_host = cuda.pinned_array(c.vocab_size, np.float32)
+        self._held += sum(int(a.nbytes) for a in arrays.values()) + int(ws.ids.nbytes) + 4
+        return ws
+
+    def alloc_cache(self, n_layers: int, n_slots: int, kv_dtype: str) -> CUDACache:
+        if kv_dtype not in _DT:
+            raise BackendError(f"cuda backend stores KV as fp32 or fp16, not {kv_dtype!r}")
+        sp = self._spare_cache
+        if sp is not None and sp.kv_dtype == kv_dtype and sp.n_layers == n_layers and sp.n_slots >= n_slots:
+            self._spare_cache = None
+            return sp
+        self._drop_spare()
+        shape = (n_layers, n_slots, self.cfg.n_kv_heads, self.cfg.head_dim)
+        k = self._empty(shape, _DT[kv_dtype])
+        v = self._empty(shape, _DT[kv_dtype])
+        return CUDACache(k, v, kv_dtype)
+
+    def release_cache(self, cache: CUDACache) -> None:
+        """Keep the cache for the next request (its graphs stay valid); drop any older spare."""
+        if cache is not self._spare_cache:
+            self._drop_spare()
+            self._spare_cache = cache
+
+    def _drop_spare(self) -> None:
+        sp, self._spare_cache = self._spare_cache, None
+        if sp is not None:
+            for key in [k for k in self._graphs if any(part is sp for part in k)]:
+                del self._graphs[key]
+
+    def memory_bytes(self) -> int:
+        spare = self._spare_cache.nbytes if self._spare_cache is not None else 0
+        return self._held + spare
+
+    def free(self) -> None:
+        self._graphs.clear()
+        self._spare_cache = None
+        self._held = 0
+        cuda.current_context().deallocations.clear()
+
+    # ------------------------------------------------------------------ positions / transfer
+    def positions(self, pos: int):
+        self._pos_host[0] = pos
+        self.pos.copy_to_device(self._pos_host, stream=self.stream)
+        return self.pos
+
+    def set_ids(self, ws: Workspace, ids):
+        n = len(ids)
+        ws.ids_host[:n] = ids
+        ws.ids[:n].copy_to_device(ws.ids_host[:n], stream=self.stream)
+        return ws.ids[:n]
+
+    def logits_to_host(self, ws: Workspace, row: int) -> np.ndarray:
+        ws.logits[row].copy_to_host(ws.logits_host, stream=self.stream)
+        self.stream.synchronize()
+        return ws.logits_host
+
+    def rows(self, buf, row0: int):
+        return buf[row0:]
+
+    def launch_argmax(self, ws: Workspace) -> None:
+        k_argmax.argmax(ws.tok, ws.logits[:1], stream=self.stream)
+
+    def read_argmax(self, ws: Workspace) -> int:
+        ws.tok.copy_to_host(self._tok_host, stream=self.stream)
+        self.stream.synchronize()
+        return int(self._tok_host[0])
+
+    # ------------------------------------------------------------------ graphs
+    def replay(self, key, fn) -> None:
+        if not self.use_graphs:
+            fn()
+            return
+        entry = self._graphs.get(key)
+        if entry is None:
+            # first use: run eagerly so every kernel is compiled and loaded (module loading is not
+            # allowed while a stream captures), then capture on the next call
+            fn()
+            self._graphs[key] = ("warm", None)
+            self._trim()
+            return
+        if entry[0] == "warm":
+            gexec = self._capture(fn)
+            self._graphs[key] = ("graph", gexec)
+            entry = self._graphs[key]
+        self._graphs.move_to_end(key)
+        from cuda.bindings import driver as drv
+        (err,) = drv.cuGraphLaunch(entry[1], self._stream_handle())
+        self._check(err, "cuGraphLaunch")
+        self.graph_launches += 1
+
+    def _trim(self) -> None:
+        while len(self._graphs) > MAX_GRAPHS:
+            self._graphs.popitem(last=False)
+
+    def _stream_handle(self):
+        from cuda.bindings import driver as drv
+        h = self.stream.handle
+        if isinstance(h, drv.CUstream):
+            return h
+        return drv.CUstream(int(getattr(h, "value", h) or 0))
+
+    @staticmethod
+    def _check(err, what: str) -> None:
+        from cuda.bindings import driver as drv
+        if err != drv.CUresult.CUDA_SUCCESS:
+            raise BackendError(f"{what} failed: {err}")
+
+    def _capture(self, fn):
+        from cuda.bindings import driver as drv
+        st = self._stream_handle()
+        t0 = time.perf_counter()
+        (err,) = drv.cuStreamBeginCapture(st, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+        self._check(err, "cuStreamBeginCapture")
+        try:
+            fn()
+        finally:
+            err, graph = drv.cuStreamEndCapture(st)
+        self._check(err, "cuStreamEndCapture")
+        err, gexec = drv.cuGraphInstantiate(graph, 0)
+        self._check(err, "cuGraphInstantiate")
+        err, n = drv.cuGraphGetNodes(graph)
+        if err == drv.CUresult.CUDA_SUCCESS:
+            self.kernel_launches = int(n)
+        if self.profile:
+            print(f"[tinyloop cuda] captured a decode step: {self.kernel_launches} nodes in "
+                  f"{(time.perf_counter() - t0) * 1e3:.1f} ms")
+        return gexec
+
+    # ------------------------------------------------------------------ ops
+    def embed(self, table, ids, out, T: int) -> None:
+        k_embed.embed(out[:T], ids[:T], table.w, table.scales, table.zeros, stream=self.stream)
+
+    def rmsnorm(self, x, w, out, T: int) -> None:
+        k_rmsnorm.rmsnorm(out[:T], x[:T], w.w, self.cfg.norm_eps, stream=self.stream)
+
+    def matmul(self, x, W, out, T: int, accumulate: bool = False) -> None:
+        k_matmul.matmul(out[:T], x[:T], W.w, W.scales, W.zeros, accumulate=accumulate, stream=self.stream)
+
+    def rope_kv_append(self, q, k, v, cache: CUDACache, layer: int, pos, T: int) -> None:
+        k_rope.rope_kv_append(q[:T], k[:T], v[:T], cache.k, cache.v, layer, pos, self.inv_freq,
+                              stream=self.stream)
+
+    def attention(self, q, cache: CUDACache, layer: int, pos, T: int, out) -> None:
+        k_attention.attention(out[:T], q[:T], cache.k, cache.v, layer, pos, stream=self.stream)
+
+    def swiglu(self, g, u, out, T: int) -> None:
+        k_swiglu.swiglu(out[:T], g[:T], u[:T], stream=self.stream)
+
+    def add(self, x, y, T: int) -> None:
+        k_add.add(x[:T], y[:T], stream=self.stream)
+
+    def copy(self, dst, src, T: int) -> None:
+        dst[:T].copy_to_device(src[:T], stream=self.stream)
