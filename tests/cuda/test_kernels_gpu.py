@@ -1,0 +1,355 @@
+"""CUDA kernels on a real GPU at realistic sizes: accuracy against float64 references,
+batch invariance (every row of a T-row launch bit-identical to the row launched alone), a q4 GEMV
+2048 x 2048 accuracy check, and CUDA-graph capture/replay with the position advanced on the device.
+
+    python -m pytest -m gpu tests/cuda/test_kernels_gpu.py -q -s
+
+With TINYLOOP_BENCH=1 it also times the matmul kernels (graph replay through PyTorch when it is
+installed, else CUDA events around many launches) and prints a table.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numba
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+from numba import cuda  # noqa: E402
+
+if numba.config.ENABLE_CUDASIM or not cuda.is_available():
+    pytest.skip("needs a real CUDA GPU (and NUMBA_ENABLE_CUDASIM unset)", allow_module_level=True)
+
+from tinyloop.cuda.kernels import (add, argmax, attention, embed, matmul, rmsnorm,  # noqa: E402
+                                   rope, sample, swiglu)
+
+import sys  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for the shared references
+from test_kernels_sim import (close, make_weight, ref_attention, ref_rmsnorm,  # noqa: E402
+                              ref_rope)
+
+D = cuda.to_device
+
+
+def host(a):
+    return a.copy_to_host()
+
+
+def rel_err(got, ref):
+    got = np.asarray(got, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert not np.isnan(got).any()
+    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
+def rows_alone(launch, T):
+    """Run launch(t) for each row t alone and stack the single-row outputs."""
+    return np.stack([launch(t) for t in range(T)])
+
+
+# =============================================================================== matmul
+@pytest.mark.parametrize("kind,group", [("q4", 128), ("q4", 32), ("q8", 64), ("q2", 64),
+                                        ("f16", 0), ("f32", 0), ("q4", 8)])
+@pytest.mark.parametrize("N,K", [(2048, 2048), (1000, 5632)])
+def test_matmul_gpu(kind, group, N, K):
+    rng = np.random.default_rng(N + K)
+    arrays, W = make_weight(rng, kind, N, K, group)
+    dev = {k: D(v) for k, v in arrays.items()}
+    T = 7
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    out = D(np.full((T, N), np.nan, np.float32))
+    matmul.matmul(out, D(x), dev["w"], dev.get("scales"), dev.get("zeros"))
+    got = host(out)
+    assert rel_err(got, x.astype(np.float64) @ W.T) < 1e-5
+
+    def one(t):
+        o = D(np.full((1, N), np.nan, np.float32))
+        matmul.matmul(o, D(x[t:t + 1]), dev["w"], dev.get("scales"), dev.get("zeros"))
+        return host(o)[0]
+    assert np.array_equal(rows_alone(one, T), got)
+
+
+def test_q4_gemv_2048_accuracy():
+    rng = np.random.default_rng(2048)
+    arrays, W = make_weight(rng, "q4", 2048, 2048, 128)
+    dev = {k: D(v) for k, v in arrays.items()}
+    x = rng.standard_normal((1, 2048)).astype(np.float32)
+    base = rng.standard_normal((1, 2048)).astype(np.float32)
+    out = D(base.copy())
+    matmul.matmul(out, D(x), dev["w"], dev["scales"], dev["zeros"], accumulate=True)
+    ref = base.astype(np.float64) + x.astype(np.float64) @ W.T
+    assert rel_err(host(out), ref) < 1e-6
+    assert matmul.uses_fast_path("q4", 2048, 128, dev["w"])
+
+
+def test_matmul_prefill_rows_match_decode():
+    """A 64-row prefill against 64 decode launches (GEMM vs GEMV configurations)."""
+    rng = np.random.default_rng(64)
+    arrays, W = make_weight(rng, "q4", 512, 2048, 64)
+    dev = {k: D(v) for k, v in arrays.items()}
+    T = 64
+    x = rng.standard_normal((T, 2048)).astype(np.float32)
+    out = D(np.zeros((T, 512), np.float32))
+    matmul.matmul(out, D(x), dev["w"], dev["scales"], dev["zeros"])
+    got = host(out)
+
+    def one(t):
+        o = D(np.zeros((1, 512), np.float32))
+        matmul.matmul(o, D(x[t:t + 1]), dev["w"], dev["scales"], dev["zeros"])
+        return host(o)[0]
+    assert np.array_equal(rows_alone(one, T), got)
+
+
+# =============================================================================== others
+def test_rmsnorm_add_swiglu_embed_gpu():
+    rng = np.random.default_rng(1)
+    T, Dm = 9, 4096
+    x = rng.standard_normal((T, Dm)).astype(np.float32)
+    w = rng.standard_normal(Dm).astype(np.float32)
+    out = D(np.zeros((T, Dm), np.float32))
+    rmsnorm.rmsnorm(out, D(x), D(w), 1e-6)
+    got = host(out)
+    close(got, ref_rmsnorm(x, w, 1e-6), 1e-5)
+
+    def one(t):
+        o = D(np.zeros((1, Dm), np.float32))
+        rmsnorm.rmsnorm(o, D(x[t:t + 1]), D(w), 1e-6)
+        return host(o)[0]
+    assert np.array_equal(rows_alone(one, T), got)
+
+    y = rng.standard_normal((T, Dm)).astype(np.float32)
+    xd = D(x)
+    add.add(xd, D(y))
+    assert np.array_equal(host(xd), x + y)
+
+    gu = rng.standard_normal((T, 2 * Dm)).astype(np.float32) * 5
+    o = D(np.zeros((T, Dm), np.float32))
+    swiglu.swiglu_fused(o, D(gu))
+    g = gu[:, :Dm].astype(np.float64)
+    close(host(o), g / (1 + np.exp(-g)) * gu[:, Dm:], 1e-6)
+
+    arrays, W = make_weight(rng, "q4", 32000, 2048, 64)
+    ids = rng.integers(0, 32000, 17).astype(np.int32)
+    o = D(np.zeros((17, 2048), np.float32))
+    embed.embed(o, D(ids), *(D(arrays[k]) for k in ("w", "scales", "zeros")))
+    close(host(o), W[ids], 1e-6)
+
+
+def test_rope_attention_long_context_gpu():
+    rng = np.random.default_rng(2)
+    T, H, Hk, hd, L, S, layer = 4, 16, 4, 128, 3, 8192, 2
+    p0 = S - T
+    inv = rope.inv_freq(hd, 500000.0)
+    q = rng.standard_normal((T, H * hd)).astype(np.float32)
+    k = rng.standard_normal((T, Hk * hd)).astype(np.float32)
+    v = rng.standard_normal((T, Hk * hd)).astype(np.float32)
+    kc_h = rng.standard_normal((L, S, Hk, hd)).astype(np.float16)
+    vc_h = rng.standard_normal((L, S, Hk, hd)).astype(np.float16)
+    kc, vc = D(kc_h), D(vc_h)
+    pos = D(np.array([p0], np.int32))
+    qd, kd = D(q), D(k)
+    rope.rope_kv_append(qd, kd, D(v), kc, vc, layer, pos, D(inv))
+    gq = host(qd)
+    close(gq, ref_rope(q, p0, inv), 1e-5)
+    kc_h[layer, p0:] = host(kc)[layer, p0:]
+    vc_h[layer, p0:] = host(vc)[layer, p0:]
+    out = D(np.zeros((T, H * hd), np.float32))
+    attention.attention(out, qd, kc, vc, layer, pos)
+    got = host(out)
+    assert rel_err(got, ref_attention(gq, kc_h, vc_h, layer, p0, H, Hk, hd)) < 1e-5
+
+    def one(t):
+        o = D(np.zeros((1, H * hd), np.float32))
+        attention.attention(o, D(gq[t:t + 1]), kc, vc, layer, D(np.array([p0 + t], np.int32)))
+        return host(o)[0]
+    assert np.array_equal(rows_alone(one, T), got)
+
+
+def test_argmax_sample_large_vocab_gpu():
+    rng = np.random.default_rng(3)
+    Vv = 151936
+    logits = (rng.standard_normal((3, Vv)) * 3).astype(np.float32)
+    logits[1, [5, 150000]] = 99.0
+    out = D(np.zeros(3, np.int32))
+    argmax.argmax(out, D(logits))
+    assert host(out).tolist() == [int(np.argmax(logits[0])), 5, int(np.argmax(logits[2]))]
+    row = logits[0]
+    for temp, k, p in [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 50, 1.0), (1.0, 0, 0.9),
+                       (0.8, 40, 0.95), (2.0, 2000, 1.0)]:
+        for step in range(3):
+            o = D(np.full(1, -1, np.int32))
+            u = D(np.zeros(1))
+            sample.sample(o, D(row), D(np.array([temp, k, p], np.float32)),
+                          D(np.array([11, step], np.int64)), u_out=u)
+            uu = float(host(u)[0])
+            assert uu == sample.uniform(11, step)
+            assert int(host(o)[0]) == sample.reference_sample(row, temp, k, p, uu), (temp, k, p)
+
+
+# =============================================================================== graph capture
+def test_graph_capture_replay():
+    """A decode step captured once replays correctly while pos and the RNG step advance on the
+    device (nothing but device arrays changes between replays)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch without CUDA")
+    rng = np.random.default_rng(4)
+    H, Hk, hd, L, S, d = 4, 2, 64, 1, 64, 256
+    inv = D(rope.inv_freq(hd, 10000.0))
+    arrays, W = make_weight(rng, "q4", H * hd, d, 64)
+    wq = {k: D(v) for k, v in arrays.items()}
+    x = D(rng.standard_normal((1, d)).astype(np.float32))
+    kc = D(np.zeros((L, S, Hk, hd), np.float16))
+    vc = D(np.zeros((L, S, Hk, hd), np.float16))
+    q = D(np.zeros((1, H * hd), np.float32))
+    k_src = rng.standard_normal((1, Hk * hd)).astype(np.float32)
+    kb, vb = D(k_src), D(k_src)
+    out = D(np.zeros((1, H * hd), np.float32))
+    pos = D(np.array([0], np.int32))
+    logits = D(rng.standard_normal(1000).astype(np.float32))
+    params = D(np.array([1.0, 0, 1.0], np.float32))
+    state = D(np.array([5, 0], np.int64))
+    tok = D(np.zeros(1, np.int32))
+
+    def step(stream):
+        matmul.matmul(q, x, wq["w"], wq["scales"], wq["zeros"], stream=stream)
+        rope.rope_kv_append(q, kb, vb, kc, vc, 0, pos, inv, stream=stream)
+        attention.attention(out, q, kc, vc, 0, pos, stream=stream)
+        sample.sample(tok, logits, params, state, advance=True, stream=stream)
+
+    step(0)  # compile and load every kernel before capture
+    cuda.synchronize()
+    pos.copy_to_device(np.array([0], np.int32))
+    state.copy_to_device(np.array([5, 0], np.int64))
+    kc.copy_to_device(np.zeros((L, S, Hk, hd), np.float16))
+    s = torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        step(cuda.external_stream(s.cuda_stream))
+    tokens = []
+    for p in range(3):
+        pos.copy_to_device(np.array([p], np.int32))
+        kb.copy_to_device(k_src)  # rope rotated kb in place last replay
+        g.replay()
+        torch.cuda.synchronize()
+        tokens.append(int(host(tok)[0]))
+        assert host(state)[1] == p + 1
+        assert not np.isnan(host(out)).any()
+        assert np.abs(host(kc)[0, p]).sum() > 0
+    assert tokens == [sample.reference_sample(host(logits), 1.0, 0, 1.0, sample.uniform(5, p))
+                      for p in range(3)]
+
+
+# =============================================================================== benchmark
+def _timer():
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return torch
+    except Exception:
+        pass
+    return None
+
+
+def _time_us(fn, reps=200):
+    """Median-free simple timing: graph replay of `reps` launches via PyTorch if present, else
+    events around `reps` direct launches (then launch overhead dominates small kernels)."""
+    torch = _timer()
+    fn(0)
+    cuda.synchronize()
+    if torch is not None:
+        s = torch.cuda.Stream()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            ns = cuda.external_stream(s.cuda_stream)
+            for _ in range(reps):
+                fn(ns)
+        g.replay()
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(5):
+            e0 = torch.cuda.Event(enable_timing=True)
+            e1 = torch.cuda.Event(enable_timing=True)
+            e0.record()
+            g.replay()
+            e1.record()
+            torch.cuda.synchronize()
+            best = min(best, e0.elapsed_time(e1) * 1e3 / reps)
+        return best
+    e0, e1 = cuda.event(), cuda.event()
+    e0.record()
+    for _ in range(reps):
+        fn(0)
+    e1.record()
+    e1.synchronize()
+    return cuda.event_elapsed_time(e0, e1) * 1e3 / reps
+
+
+@pytest.mark.skipif(not os.environ.get("TINYLOOP_BENCH"), reason="set TINYLOOP_BENCH=1 to time")
+def test_bench_matmul():
+    """Times every (TT, R, NW, KC) candidate; none changes the reduction order."""
+    rng = np.random.default_rng(9)
+    saved = (matmul.GEMV_CONFIG, matmul.GEMM_CONFIG)
+    gemv_cfgs = [(1, 2, 8, 4096), (1, 1, 16, 4096), (1, 1, 8, 4096), (1, 2, 4, 4096)]
+    gemm_cfgs = [(4, 4, 4, 1024), (4, 2, 4, 1024)]
+    shapes = [("q4", 2048, 2048, 128), ("q4", 5632, 2048, 128), ("q4", 2048, 5632, 128),
+              ("q8", 2048, 2048, 128), ("f16", 2048, 2048, 0), ("q4", 32000, 2048, 128)]
+    print("\nkind     N     K    T  config              us      GB/s(w)  TFLOP/s", flush=True)
+    try:
+        for kind, N, K, grp in shapes:
+            arrays, _ = make_weight(rng, kind, N, K, grp)
+            dev = {k: D(v) for k, v in arrays.items()}
+            wbytes = sum(v.nbytes for v in arrays.values())
+            for T, cfgs in ((1, gemv_cfgs), (16, gemm_cfgs), (256, gemm_cfgs)):
+                if N > 8192 and T > 1:
+                    continue
+                x = D(rng.standard_normal((T, K)).astype(np.float32))
+                out = D(np.zeros((T, N), np.float32))
+                for cfg in cfgs:
+                    if T == 1:
+                        matmul.GEMV_CONFIG = cfg
+                    else:
+                        matmul.GEMM_CONFIG = cfg
+                    us = _time_us(lambda st: matmul.matmul(out, x, dev["w"], dev.get("scales"),
+                                                           dev.get("zeros"), stream=st),
+                                  reps=100 if T <= 16 else 10)
+                    print(f"{kind:4s} {N:6d} {K:5d} {T:4d}  {str(cfg):20s} {us:8.2f} "
+                          f"{wbytes / us / 1e3:9.1f} {2 * T * N * K / us / 1e6:8.3f}", flush=True)
+    finally:
+        matmul.GEMV_CONFIG, matmul.GEMM_CONFIG = saved
+
+
+@pytest.mark.skipif(not os.environ.get("TINYLOOP_BENCH"), reason="set TINYLOOP_BENCH=1 to time")
+def test_bench_other_kernels():
+    rng = np.random.default_rng(10)
+    H, Hk, hd, S = 16, 4, 128, 8192
+    kc = D(rng.standard_normal((1, S, Hk, hd)).astype(np.float16))
+    vc = D(rng.standard_normal((1, S, Hk, hd)).astype(np.float16))
+    res = []
+    for ctx in (128, 1024, 8191):
+        q = D(rng.standard_normal((1, H * hd)).astype(np.float32))
+        o = D(np.zeros((1, H * hd), np.float32))
+        pos = D(np.array([ctx - 1], np.int32))
+        res.append((f"attention T=1 ctx={ctx}",
+                    _time_us(lambda st: attention.attention(o, q, kc, vc, 0, pos, stream=st),
+                             reps=20)))
+        print(res[-1], flush=True)
+    x = D(rng.standard_normal((1, 2048)).astype(np.float32))
+    w = D(rng.standard_normal(2048).astype(np.float32))
+    res.append(("rmsnorm 1x2048", _time_us(lambda st: rmsnorm.rmsnorm(x, x, w, 1e-5, stream=st))))
+    lg = D(rng.standard_normal(151936).astype(np.float32))
+    lg2 = D(rng.standard_normal((1, 151936)).astype(np.float32))
+    tok = D(np.zeros(1, np.int32))
+    st_ = D(np.array([1, 0], np.int64))
+    res.append(("argmax V=151936", _time_us(lambda st: argmax.argmax(tok, lg2, stream=st), 50)))
+    for name, pr in (("sample full", [1.0, 0, 1.0]), ("sample top-k 50", [1.0, 50, 1.0]),
+                     ("sample top-p 0.9", [1.0, 0, 0.9])):
+        p = D(np.array(pr, np.float32))
+        res.append((name, _time_us(lambda st: sample.sample(tok, lg, p, st_, stream=st), 20)))
+    print()
+    for name, us in res:
+        print(f"{name:28s} {us:9.2f} us", flush=True)

@@ -1,0 +1,68 @@
+"""Every CUDA kernel compiles to PTX for sm_90 with the signatures its launcher uses (no GPU
+needed). Kernels that call other @cuda.jit device functions make numba ask the current device
+for its compute capability; without a GPU that lookup is answered with (9, 0) for the duration
+of the test."""
+
+from __future__ import annotations
+
+import types
+
+import numba
+import pytest
+
+if numba.config.ENABLE_CUDASIM:
+    pytest.skip("PTX compilation is not available under the CUDA simulator",
+                allow_module_level=True)
+
+from numba import cuda  # noqa: E402
+
+
+def _toolchain_error():
+    try:
+        def k(a):
+            a[0] = 1.0
+        cuda.compile_ptx(k, "void(float32[::1])", cc=(9, 0))
+    except Exception as e:  # NVVM / NVRTC missing or unusable
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+_ERR = _toolchain_error()
+if _ERR:
+    pytest.skip(f"NVVM/NVRTC not usable: {_ERR}", allow_module_level=True)
+
+from tinyloop.cuda.kernels import (add, argmax, attention, embed, matmul, rmsnorm,  # noqa: E402
+                                   rope, sample, swiglu)
+
+MODULES = (matmul, rmsnorm, rope, attention, swiglu, embed, add, argmax, sample)
+SIGNATURES = [s for m in MODULES for s in m.ptx_signatures()]
+
+
+@pytest.fixture
+def cc90_device(monkeypatch):
+    if not cuda.is_available():
+        import numba.cuda.dispatcher as dispatcher
+        monkeypatch.setattr(dispatcher, "get_current_device",
+                            lambda: types.SimpleNamespace(compute_capability=(9, 0)))
+
+
+@pytest.mark.parametrize("name,fn,sig", SIGNATURES, ids=[s[0] for s in SIGNATURES])
+def test_compiles_for_sm90(cc90_device, name, fn, sig):
+    ptx, resty = cuda.compile_ptx(fn, sig, cc=(9, 0))
+    assert ".target sm_90" in ptx
+    assert ".entry" in ptx
+    if name.startswith("matmul_fast"):
+        # 8-byte weight loads, butterfly shuffles, and the register accumulators kept out of
+        # local memory (a local-memory spill would multiply the GEMV's cost).
+        assert "ld.global.u64" in ptx or "ld.global.nc.u64" in ptx
+        assert "shfl.sync.bfly" in ptx
+        assert "ld.local" not in ptx and "st.local" not in ptx
+    if name.startswith(("matmul", "rmsnorm", "attention", "swiglu", "add", "embed", "argmax")):
+        # No accidental float64 arithmetic (an untyped 0.0 literal promotes a float32 chain).
+        assert ".f64" not in ptx, f"{name} uses float64 arithmetic"
+
+
+def test_every_module_lists_signatures():
+    assert {m.__name__.rsplit(".", 1)[1] for m in MODULES} == {
+        "matmul", "rmsnorm", "rope", "attention", "swiglu", "embed", "add", "argmax", "sample"}
+    assert all(m.ptx_signatures() for m in MODULES)

@@ -1,0 +1,377 @@
+"""CUDA kernels against naive numpy references, plus batch-invariance checks (row t of a T-row
+launch must be bit-identical to the same row launched alone).
+
+Run under the CUDA simulator in its own process (the variable must be set before numba is
+imported)::
+
+    NUMBA_ENABLE_CUDASIM=1 python -m pytest -m cudasim tests/cuda -q
+
+or on a real GPU with ``python -m pytest -m cudasim tests/cuda -q``. Shapes are tiny because the
+simulator runs every CUDA thread as a Python thread; they are chosen to reach edge paths
+(partial tiles, several chunks, both matmul kernels, GQA ratios, ties).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.cudasim
+
+from numba import cuda  # noqa: E402
+
+if not numba.config.ENABLE_CUDASIM and not cuda.is_available():
+    pytest.skip("needs NUMBA_ENABLE_CUDASIM=1 (set before numba is imported) or a CUDA GPU",
+                allow_module_level=True)
+
+from tinyloop.core.errors import BackendError  # noqa: E402
+from tinyloop.cuda.kernels import (add, argmax, attention, embed, matmul, rmsnorm,  # noqa: E402
+                                   rope, sample, swiglu)
+
+
+# =============================================================================== references
+def pack_q(q, bits):
+    """uint8 (N, K) values < 2**bits -> packed uint8 (N, K*bits/8), element k in byte k*bits//8
+    at bit offset (k % (8/bits))*bits."""
+    per = 8 // bits
+    out = np.zeros((q.shape[0], q.shape[1] // per), np.uint8)
+    for j in range(per):
+        out |= (q[:, j::per].astype(np.uint8) << (j * bits)).astype(np.uint8)
+    return out
+
+
+def make_weight(rng, kind, N, K, group=0):
+    """(device-ready arrays dict, dense float64 W) for one storage kind."""
+    if kind == "f32":
+        w = rng.standard_normal((N, K)).astype(np.float32)
+        return {"w": w}, w.astype(np.float64)
+    if kind == "f16":
+        w = rng.standard_normal((N, K)).astype(np.float16)
+        return {"w": w}, w.astype(np.float64)
+    bits = {"q8": 8, "q4": 4, "q2": 2}[kind]
+    G = K // group
+    q = rng.integers(0, 2 ** bits, (N, K)).astype(np.uint8)
+    s = (rng.random((N, G)) * 0.2 + 0.01).astype(np.float16)
+    z = rng.integers(0, 2 ** bits, (N, G)).astype(np.uint8)
+    W = (q.astype(np.float64) - np.repeat(z, group, 1)) * np.repeat(s.astype(np.float64), group, 1)
+    return {"w": pack_q(q, bits), "scales": s, "zeros": z}, W
+
+
+def ref_rmsnorm(x, w, eps):
+    x = x.astype(np.float64)
+    return x / np.sqrt((x * x).mean(axis=1, keepdims=True) + eps) * w
+
+
+def ref_rope(x, p0, inv_freq):
+    """Half-split RoPE on (T, heads*hd) with float32 angles, like the kernel."""
+    half = inv_freq.shape[0]
+    hd = 2 * half
+    T = x.shape[0]
+    out = x.astype(np.float64).copy()
+    for t in range(T):
+        a = (np.float32(p0 + t) * inv_freq).astype(np.float32).astype(np.float64)
+        c, s = np.cos(a), np.sin(a)
+        for h in range(x.shape[1] // hd):
+            x0 = x[t, h * hd:h * hd + half].astype(np.float64)
+            x1 = x[t, h * hd + half:(h + 1) * hd].astype(np.float64)
+            out[t, h * hd:h * hd + half] = x0 * c - x1 * s
+            out[t, h * hd + half:(h + 1) * hd] = x1 * c + x0 * s
+    return out
+
+
+def ref_attention(q, kc, vc, layer, p0, H, Hk, hd):
+    T = q.shape[0]
+    out = np.zeros((T, H * hd))
+    g = H // Hk
+    for t in range(T):
+        n = p0 + t + 1
+        for h in range(H):
+            kv = h // g
+            K = kc[layer, :n, kv, :].astype(np.float64)
+            V = vc[layer, :n, kv, :].astype(np.float64)
+            s = K @ q[t, h * hd:(h + 1) * hd].astype(np.float64) / math.sqrt(hd)
+            e = np.exp(s - s.max())
+            out[t, h * hd:(h + 1) * hd] = (e / e.sum()) @ V
+    return out
+
+
+def ref_swiglu(g, u):
+    g = g.astype(np.float64)
+    return g / (1.0 + np.exp(-g)) * u
+
+
+def ref_argmax(row):
+    ok = ~np.isnan(row)
+    if not ok.any():
+        return 0
+    return int(np.flatnonzero(row == row[ok].max())[0])
+
+
+def close(got, ref, rtol):
+    """Max abs error within rtol of the reference's largest magnitude (and no NaN)."""
+    got = np.asarray(got, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert got.shape == ref.shape
+    assert not np.isnan(got).any()
+    scale = max(1.0, float(np.abs(ref).max()))
+    err = float(np.abs(got - ref).max())
+    assert err <= rtol * scale, f"max abs error {err:.3g} > {rtol:g} * {scale:.3g}"
+
+
+D = cuda.to_device
+
+
+def host(a):
+    return a.copy_to_host()
+
+
+# =============================================================================== matmul
+MATMUL_CASES = [
+    # kind, N, K, group, expected fast path
+    ("q4", 13, 64, 16, True),
+    ("q4", 9, 48, 8, False),      # group 8 < 16 elements per word: simple kernel
+    ("q8", 12, 40, 8, True),
+    ("q2", 10, 64, 32, True),
+    ("q2", 6, 32, 16, False),     # group 16 < 32 elements per word: simple kernel
+    ("f16", 11, 36, 0, True),
+    ("f16", 5, 37, 0, False),     # odd K: simple kernel
+    ("f32", 9, 34, 0, True),
+    ("f32", 7, 33, 0, False),
+]
+
+
+@pytest.mark.parametrize("kind,N,K,group,fast", MATMUL_CASES)
+def test_matmul_reference_and_batch_invariance(kind, N, K, group, fast):
+    rng = np.random.default_rng(N * 1000 + K)
+    arrays, W = make_weight(rng, kind, N, K, group)
+    assert matmul.uses_fast_path(kind, K, group) == fast
+    T = 5  # one full tile of 4 rows and a partial one
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    dev = {k: D(v) for k, v in arrays.items()}
+    out = D(np.full((T, N), np.nan, np.float32))
+    matmul.matmul(out, D(x), dev["w"], dev.get("scales"), dev.get("zeros"))
+    got = host(out)
+    close(got, x.astype(np.float64) @ W.T, 1e-5 * math.sqrt(K))
+    # Batch invariance: the last row alone (T == 1 uses the GEMV configuration).
+    o1 = D(np.full((1, N), np.nan, np.float32))
+    matmul.matmul(o1, D(x[T - 1:T]), dev["w"], dev.get("scales"), dev.get("zeros"))
+    assert np.array_equal(host(o1)[0], got[T - 1])
+
+
+def test_matmul_accumulate_and_chunks():
+    """K spanning several staged chunks (T > 1: KC=1024 -> 2 chunks; T == 1: one chunk) with the
+    residual add fused."""
+    rng = np.random.default_rng(7)
+    N, K, group = 5, 1536, 64
+    arrays, W = make_weight(rng, "q4", N, K, group)
+    dev = {k: D(v) for k, v in arrays.items()}
+    T = 2
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    base = rng.standard_normal((T, N)).astype(np.float32)
+    out = D(base.copy())
+    matmul.matmul(out, D(x), dev["w"], dev["scales"], dev["zeros"], accumulate=True)
+    got = host(out)
+    close(got, base + x.astype(np.float64) @ W.T, 1e-4)
+    o1 = D(base[1:2].copy())
+    matmul.matmul(o1, D(x[1:2]), dev["w"], dev["scales"], dev["zeros"], accumulate=True)
+    assert np.array_equal(host(o1)[0], got[1])
+
+
+def test_matmul_argument_errors():
+    x = D(np.zeros((2, 16), np.float32))
+    out = D(np.zeros((2, 4), np.float32))
+    with pytest.raises(BackendError, match="device array"):
+        matmul.matmul(out, np.zeros((2, 16), np.float32), D(np.zeros((4, 16), np.float32)))
+    with pytest.raises(BackendError, match="shape"):
+        matmul.matmul(out, x, D(np.zeros((5, 16), np.float32)))
+    with pytest.raises(BackendError, match="infer"):
+        matmul.matmul(out, x, D(np.zeros((4, 5), np.uint8)))
+    with pytest.raises(BackendError, match="scales"):
+        matmul.matmul(out, x, D(np.zeros((4, 8), np.uint8)))
+    with pytest.raises(BackendError, match="dtype"):
+        matmul.matmul(D(np.zeros((2, 4), np.float64)), x, D(np.zeros((4, 16), np.float32)))
+
+
+# =============================================================================== norm, add, swiglu
+def test_rmsnorm():
+    rng = np.random.default_rng(1)
+    T, Dm = 3, 300
+    x = rng.standard_normal((T, Dm)).astype(np.float32)
+    w = rng.standard_normal(Dm).astype(np.float32)
+    out = D(np.full((T, Dm), np.nan, np.float32))
+    rmsnorm.rmsnorm(out, D(x), D(w), 1e-5)
+    got = host(out)
+    close(got, ref_rmsnorm(x, w, 1e-5), 1e-5)
+    o1 = D(np.zeros((1, Dm), np.float32))
+    rmsnorm.rmsnorm(o1, D(x[2:3]), D(w), 1e-5)
+    assert np.array_equal(host(o1)[0], got[2])
+    # In place.
+    xd = D(x)
+    rmsnorm.rmsnorm(xd, xd, D(w), 1e-5)
+    assert np.array_equal(host(xd), got)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # simulator exp(100)
+def test_add_and_swiglu():
+    rng = np.random.default_rng(2)
+    T, F = 3, 70
+    a = rng.standard_normal((T, F)).astype(np.float32)
+    b = rng.standard_normal((T, F)).astype(np.float32)
+    ad = D(a)
+    add.add(ad, D(b))
+    assert np.array_equal(host(ad), a + b)
+    g = (rng.standard_normal((T, F)) * 4).astype(np.float32)
+    g[0, :3] = [-100.0, 100.0, 0.0]
+    u = rng.standard_normal((T, F)).astype(np.float32)
+    out = D(np.full((T, F), np.nan, np.float32))
+    swiglu.swiglu(out, D(g), D(u))
+    got = host(out)
+    close(got, ref_swiglu(g, u), 1e-6)
+    out2 = D(np.full((T, F), np.nan, np.float32))
+    swiglu.swiglu_fused(out2, D(np.concatenate([g, u], axis=1)))
+    assert np.array_equal(host(out2), got)
+    with pytest.raises(BackendError, match="shape"):
+        swiglu.swiglu_fused(out2, D(np.zeros((T, 2 * F + 1), np.float32)))
+
+
+# =============================================================================== embed
+@pytest.mark.parametrize("kind,group", [("f32", 0), ("f16", 0), ("q8", 8), ("q4", 16),
+                                        ("q2", 8)])
+def test_embed(kind, group):
+    rng = np.random.default_rng(3)
+    Vv, Dm = 11, 48
+    arrays, W = make_weight(rng, kind, Vv, Dm, group)
+    ids = np.array([3, 0, 10, 3], np.int32)
+    out = D(np.full((4, Dm), np.nan, np.float32))
+    embed.embed(out, D(ids), D(arrays["w"]),
+                *(D(arrays[k]) for k in ("scales", "zeros") if k in arrays))
+    got = host(out)
+    # Dequantization is exact up to one float32 rounding of (q - z) * s.
+    close(got, W[ids], 1e-6)
+    assert np.array_equal(got[0], got[3])
+
+
+# =============================================================================== rope
+def test_rope_and_kv_append():
+    rng = np.random.default_rng(4)
+    T, H, Hk, hd, p0 = 3, 4, 2, 8, 5
+    inv = rope.inv_freq(hd, 10000.0)
+    q = rng.standard_normal((T, H * hd)).astype(np.float32)
+    k = rng.standard_normal((T, Hk * hd)).astype(np.float32)
+    v = rng.standard_normal((T, Hk * hd)).astype(np.float32)
+    pos = D(np.array([p0], np.int32))
+    qd, kd = D(q), D(k)
+    rope.rope(qd, kd, pos, D(inv))
+    gq, gk = host(qd), host(kd)
+    close(gq, ref_rope(q, p0, inv), 1e-6)
+    close(gk, ref_rope(k, p0, inv), 1e-6)
+    # Batch invariance: row 2 alone at position p0 + 2.
+    q1, k1 = D(q[2:3]), D(k[2:3])
+    rope.rope(q1, k1, D(np.array([p0 + 2], np.int32)), D(inv))
+    assert np.array_equal(host(q1)[0], gq[2]) and np.array_equal(host(k1)[0], gk[2])
+
+    for cdt in (np.float16, np.float32):
+        L, S = 3, 12
+        kc = D(np.zeros((L, S, Hk, hd), cdt))
+        vc = D(np.zeros((L, S, Hk, hd), cdt))
+        qd, kd = D(q), D(k)
+        rope.rope_kv_append(qd, kd, D(v), kc, vc, 1, pos, D(inv))
+        assert np.array_equal(host(qd), gq) and np.array_equal(host(kd), gk)
+        hk, hv = host(kc), host(vc)
+        assert np.array_equal(hk[1, p0:p0 + T], gk.reshape(T, Hk, hd).astype(cdt))
+        assert np.array_equal(hv[1, p0:p0 + T], v.reshape(T, Hk, hd).astype(cdt))
+        hk[1, p0:p0 + T] = 0
+        hv[1, p0:p0 + T] = 0
+        assert not hk.any() and not hv.any()
+    with pytest.raises(BackendError, match="layer"):
+        rope.rope_kv_append(qd, kd, D(v), kc, vc, 3, pos, D(inv))
+
+
+# =============================================================================== attention
+@pytest.mark.parametrize("T,H,Hk,hd,p0,cdt", [
+    (3, 4, 2, 8, 4, np.float32),       # GQA 2:1
+    (2, 2, 1, 6, attention.C - 1, np.float16),  # MQA; row 1 reaches a second chunk
+    (1, 2, 2, 4, 0, np.float32),       # MHA, a single slot
+])
+def test_attention(T, H, Hk, hd, p0, cdt):
+    rng = np.random.default_rng(5)
+    L, S, layer = 2, p0 + T + 2, 1
+    kc = rng.standard_normal((L, S, Hk, hd)).astype(cdt)
+    vc = rng.standard_normal((L, S, Hk, hd)).astype(cdt)
+    q = rng.standard_normal((T, H * hd)).astype(np.float32)
+    kd, vd = D(kc), D(vc)
+    out = D(np.full((T, H * hd), np.nan, np.float32))
+    attention.attention(out, D(q), kd, vd, layer, D(np.array([p0], np.int32)))
+    got = host(out)
+    close(got, ref_attention(q, kc, vc, layer, p0, H, Hk, hd), 1e-5)
+    t = T - 1
+    o1 = D(np.zeros((1, H * hd), np.float32))
+    attention.attention(o1, D(q[t:t + 1]), kd, vd, layer, D(np.array([p0 + t], np.int32)))
+    assert np.array_equal(host(o1)[0], got[t])
+
+
+# =============================================================================== argmax
+def test_argmax_ties_nan_inf():
+    rows = np.array([
+        [1.0, 5.0, 5.0, -2.0, 5.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+        [np.nan, -1.0, np.nan, -1.0, -3.0, -5.0, -9.0, -1.0, -7.0, -8.0],
+        [-np.inf] * 10,
+        [np.nan] * 10,
+    ], np.float32)
+    big = np.random.default_rng(6).standard_normal((1, 10)).astype(np.float32)
+    logits = np.concatenate([rows, big])
+    out = D(np.full(5, -7, np.int32))
+    argmax.argmax(out, D(logits))
+    assert host(out).tolist() == [1, 1, 0, 0, ref_argmax(big[0])]
+    wide = np.random.default_rng(8).standard_normal((2, 1000)).astype(np.float32)
+    wide[1, 777] = wide[1, 900] = 50.0
+    out = D(np.zeros(2, np.int32))
+    argmax.argmax(out, D(wide))
+    assert host(out).tolist() == [ref_argmax(wide[0]), 777]
+
+
+# =============================================================================== sample
+SAMPLE_CASES = [
+    # temperature, top_k, top_p, seed, step
+    (0.0, 0, 1.0, 1, 0),        # greedy
+    (0.8, 0, 1.0, 2, 3),        # full vocabulary
+    (1.3, 400, 1.0, 3, 9),      # top_k >= V: full vocabulary
+    (0.7, 5, 1.0, 4, 1),        # top-k with ties at the threshold
+    (1.0, 0, 0.6, 5, 2),        # top-p alone (candidate cap)
+    (0.9, 12, 0.8, 6, 7),       # top-k then top-p
+    (1.0, 1, 1.0, 7, 0),        # top-k 1 = greedy on z
+    (1.0, 3, 0.0, 8, 4),        # top-p 0 keeps one
+]
+
+
+@pytest.mark.parametrize("temp,top_k,top_p,seed,step", SAMPLE_CASES)
+def test_sample_matches_reference(temp, top_k, top_p, seed, step):
+    rng = np.random.default_rng(seed)
+    Vv = 300
+    logits = (rng.standard_normal(Vv) * 2).astype(np.float32)
+    logits[[10, 20, 30, 40]] = logits.max() + 1.0   # four-way tie at the top
+    logits[[50, 60]] = -np.inf
+    logits[70] = np.nan
+    out = D(np.full(1, -1, np.int32))
+    u_out = D(np.full(1, -1.0))
+    state = D(np.array([seed, step], np.int64))
+    params = D(np.array([temp, top_k, top_p], np.float32))
+    sample.sample(out, D(logits), params, state, u_out=u_out, advance=True)
+    u = float(host(u_out)[0])
+    assert u == sample.uniform(seed, step) and 0.0 <= u < 1.0
+    assert int(host(out)[0]) == sample.reference_sample(logits, temp, top_k, top_p, u)
+    assert host(state).tolist() == [seed, step + 1]
+    # Deterministic for (seed, step): same draw again without advancing, no u_out.
+    out2 = D(np.full(1, -1, np.int32))
+    sample.sample(out2, D(logits), params, D(np.array([seed, step], np.int64)))
+    assert int(host(out2)[0]) == int(host(out)[0])
+
+
+def test_sample_uniform_reference_values():
+    us = [sample.uniform(42, s) for s in range(2000)]
+    assert len(set(us)) == 2000 and min(us) >= 0.0 and max(us) < 1.0
+    assert abs(np.mean(us) - 0.5) < 0.03
+    assert sample.uniform(42, 5) == sample.uniform(42, 5) != sample.uniform(43, 5)

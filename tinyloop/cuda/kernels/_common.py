@@ -1,0 +1,189 @@
+"""Helpers shared by the kernels in this package: deterministic reductions, bit reinterpretation
+and launcher-side argument checks.
+
+Reductions. On a GPU a warp sum is a butterfly of ``shfl_xor_sync`` with lane offsets 16, 8, 4,
+2, 1: at each step lane i adds its partner's value, ``v_i + v_(i^o)``. IEEE addition is
+commutative, so lanes i and i^o compute the same bits and after the 5 steps every lane holds the
+identical total, combined in a fixed tree that depends only on lane numbers. The CUDA simulator
+has no warp shuffles, so when ``numba.config.ENABLE_CUDASIM`` is true the same functions are
+replaced by twins that run the SAME butterfly through a shared-memory scratch row (read partner,
+barrier, write, barrier). Results are therefore identical between the two, up to the simulator's
+own float rounding of ``fma`` (it computes ``a * b + c`` with two roundings).
+
+Calling convention: every thread of the block must call a reduction from uniform control flow
+(the twins use ``cuda.syncthreads()``; on the device ``shfl_xor_sync`` with a full mask needs all
+32 lanes). Each kernel declares a ``(n_warps, 32)`` float32 scratch array (used only by the
+simulator twin, dead code on the device) and passes it with the warp and lane numbers.
+
+Block sums: each warp reduces by the butterfly, lane 0 stores its warp's total, and after a
+barrier every thread adds the warp totals sequentially in warp order 0, 1, 2, ... . The order is
+fixed by the block shape, which every kernel fixes at compile time and never derives from the
+number of rows in a launch.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import cuda, float32, uint32
+
+from ...core.errors import BackendError
+
+SIM = bool(numba.config.ENABLE_CUDASIM)
+FULL_MASK = 0xFFFFFFFF
+NEG_INF = float32(-np.inf)
+
+if not SIM:
+
+    @cuda.jit(device=True)
+    def warp_sum(v, scratch, warp, lane):
+        """Butterfly sum over the 32 lanes of a warp; every lane returns the same total."""
+        v += cuda.shfl_xor_sync(FULL_MASK, v, 16)
+        v += cuda.shfl_xor_sync(FULL_MASK, v, 8)
+        v += cuda.shfl_xor_sync(FULL_MASK, v, 4)
+        v += cuda.shfl_xor_sync(FULL_MASK, v, 2)
+        v += cuda.shfl_xor_sync(FULL_MASK, v, 1)
+        return v
+
+    @cuda.jit(device=True)
+    def warp_max(v, scratch, warp, lane):
+        """Butterfly max over the 32 lanes of a warp (exact: order cannot change the result)."""
+        v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, 16))
+        v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, 8))
+        v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, 4))
+        v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, 2))
+        v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, 1))
+        return v
+
+    @cuda.jit(device=True)
+    def as_float(bits):
+        """Reinterpret the low 32 bits of an integer as a float32."""
+        return cuda.libdevice.int_as_float(bits)
+
+    @cuda.jit(device=True)
+    def as_bits(f):
+        """Reinterpret a float32 as int32 bits."""
+        return cuda.libdevice.float_as_int(f)
+
+else:  # CUDA simulator twins: same butterfly, through shared memory.
+
+    @cuda.jit(device=True)
+    def warp_sum(v, scratch, warp, lane):
+        scratch[warp, lane] = v
+        # Every lane's value must be stored before any lane reads its partner's.
+        cuda.syncthreads()
+        for o in (16, 8, 4, 2, 1):
+            v = scratch[warp, lane] + scratch[warp, lane ^ o]
+            # All partners must have been read before any lane overwrites its slot.
+            cuda.syncthreads()
+            scratch[warp, lane] = v
+            # The new values must be visible before the next step reads them.
+            cuda.syncthreads()
+        return v
+
+    @cuda.jit(device=True)
+    def warp_max(v, scratch, warp, lane):
+        scratch[warp, lane] = v
+        # Every lane's value must be stored before any lane reads its partner's.
+        cuda.syncthreads()
+        for o in (16, 8, 4, 2, 1):
+            v = max(scratch[warp, lane], scratch[warp, lane ^ o])
+            # All partners must have been read before any lane overwrites its slot.
+            cuda.syncthreads()
+            scratch[warp, lane] = v
+            # The new values must be visible before the next step reads them.
+            cuda.syncthreads()
+        return v
+
+    @cuda.jit(device=True)
+    def as_float(bits):
+        return np.uint32(int(bits) & 0xFFFFFFFF).view(np.float32)
+
+    @cuda.jit(device=True)
+    def as_bits(f):
+        return np.float32(f).view(np.int32)
+
+
+@cuda.jit(device=True)
+def block_sum(v, scratch, part, warp, lane, n_warps):
+    """Sum of v over the block, identical bits in every thread: warp butterflies, then the warp
+    totals added in warp order. `part` is a shared float32 array of at least n_warps entries."""
+    w = warp_sum(v, scratch, warp, lane)
+    if lane == 0:
+        part[warp] = w
+    # The warp totals must be stored before any thread adds them up.
+    cuda.syncthreads()
+    tot = part[0]
+    for i in range(1, n_warps):
+        tot += part[i]
+    # Every thread must have read `part` before a later call overwrites it.
+    cuda.syncthreads()
+    return tot
+
+
+@cuda.jit(device=True)
+def block_max(v, scratch, part, warp, lane, n_warps):
+    """Max of v over the block (exact), returned to every thread."""
+    w = warp_max(v, scratch, warp, lane)
+    if lane == 0:
+        part[warp] = w
+    # The warp maxima must be stored before any thread combines them.
+    cuda.syncthreads()
+    m = part[0]
+    for i in range(1, n_warps):
+        m = max(m, part[i])
+    # Every thread must have read `part` before a later call overwrites it.
+    cuda.syncthreads()
+    return m
+
+
+# ----------------------------------------------------------------------------- launcher helpers
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def is_device_array(a) -> bool:
+    if SIM:
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        return isinstance(a, FakeCUDAArray)
+    return cuda.is_cuda_array(a)
+
+
+def check_array(op: str, name: str, a, dtypes, ndim: int, shape=None):
+    """Validate a launcher argument: a C-contiguous device array of one of `dtypes` with `ndim`
+    dimensions and, where `shape` is given, that shape (None entries are free). Host (numpy)
+    arrays are refused: numba would copy them synchronously, which breaks stream ordering and
+    graph capture."""
+    if a is None:
+        raise BackendError(f"{op}: {name} is required")
+    if not is_device_array(a):
+        raise BackendError(f"{op}: {name} must be a device array (numba.cuda.to_device / "
+                           f"device_array), got {type(a).__name__}")
+    if isinstance(dtypes, (str, np.dtype, type)):
+        dtypes = (dtypes,)
+    allowed = tuple(np.dtype(d) for d in dtypes)
+    if np.dtype(a.dtype) not in allowed:
+        raise BackendError(f"{op}: {name} has dtype {np.dtype(a.dtype).name}, expected "
+                           f"{' or '.join(d.name for d in allowed)}")
+    if a.ndim != ndim:
+        raise BackendError(f"{op}: {name} must be {ndim}-D, got shape {tuple(a.shape)}")
+    if shape is not None:
+        for i, (got, want) in enumerate(zip(a.shape, shape)):
+            if want is not None and got != want:
+                raise BackendError(f"{op}: {name} has shape {tuple(a.shape)}, expected "
+                                   f"{tuple('*' if s is None else s for s in shape)}")
+    if not a.flags["C_CONTIGUOUS"]:
+        raise BackendError(f"{op}: {name} must be C-contiguous")
+    return a
+
+
+def device_pointer(a) -> int:
+    """Device address of `a` (0 under the simulator, where alignment is irrelevant)."""
+    if SIM:
+        return 0
+    return int(a.__cuda_array_interface__["data"][0])
+
+
+__all__ = ["SIM", "FULL_MASK", "NEG_INF", "warp_sum", "warp_max", "block_sum", "block_max",
+           "as_float", "as_bits", "cdiv", "is_device_array", "check_array", "device_pointer",
+           "float32", "uint32"]

@@ -1,0 +1,86 @@
+"""Greedy token choice: ``out[t] = argmax_i logits[t, i]`` with ties going to the lowest index.
+
+Shapes (T rows, V = vocab_size)::
+
+    logits  float32 (T, V)
+    out     int32 (T,)          written on the device (no host sync)
+
+NaN logits never win (they compare false); a row with no value above -inf (all -inf or NaN)
+yields the lowest index holding -inf, or 0 if every entry is NaN.
+
+Thread mapping: one block of NT threads per row. Thread i scans i, i+NT, ... keeping the best
+(value, index) under the total order "larger value, then smaller index"; a shared-memory tree
+then merges the NT candidates. The order is a strict total order on (value, index) pairs, so the
+winner is the same whatever the merge order: deterministic and batch-invariant. Shared memory
+only (no shuffles), so the simulator runs the same code.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, float32, int32
+
+from ...core.errors import BackendError
+from ._common import NEG_INF, SIM, check_array
+
+#: Threads per block (a power of two). Fewer under the simulator, where each thread is a
+#: Python thread; the result does not depend on it.
+NT = 128 if SIM else 1024
+_BIG = 2 ** 31 - 1
+
+
+@cuda.jit(device=True)
+def better(v, i, bv, bi):
+    """True when (v, i) beats (bv, bi): larger value, ties to the smaller index."""
+    return v > bv or (v == bv and i < bi)
+
+
+@cuda.jit
+def _argmax_kernel(out, logits):
+    V = logits.shape[1]
+    t = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    sv = cuda.shared.array(NT, float32)
+    si = cuda.shared.array(NT, int32)
+    bv = NEG_INF
+    bi = int32(_BIG)
+    for i in range(tid, V, NT):
+        v = logits[t, i]
+        if better(v, i, bv, bi):
+            bv = v
+            bi = int32(i)
+    sv[tid] = bv
+    si[tid] = bi
+    # All candidates must be stored before the tree reads them.
+    cuda.syncthreads()
+    step = NT // 2
+    while step > 0:
+        if tid < step:
+            if better(sv[tid + step], si[tid + step], sv[tid], si[tid]):
+                sv[tid] = sv[tid + step]
+                si[tid] = si[tid + step]
+        # This level's merges must land before the next level reads them.
+        cuda.syncthreads()
+        step //= 2
+    if tid == 0:
+        r = si[0]
+        if r == _BIG:
+            r = 0
+        out[t] = r
+
+
+def argmax(out, logits, stream=0):
+    """``out[t] = argmax(logits[t])`` (int32, ties to the lowest index), for every row t."""
+    op = "argmax"
+    check_array(op, "logits", logits, np.float32, 2)
+    T, V = logits.shape
+    check_array(op, "out", out, np.int32, 1, (T,))
+    if V == 0:
+        raise BackendError(f"{op}: empty vocabulary")
+    if T == 0:
+        return
+    _argmax_kernel[T, NT, stream](out, logits)
+
+
+def ptx_signatures():
+    return [("argmax", _argmax_kernel.py_func, "void(int32[::1], float32[:, ::1])")]

@@ -1,0 +1,423 @@
+"""Matrix product with a stored weight: ``out[t, n] (+)= sum_k x[t, k] * W[n, k]``.
+
+Shapes (T rows, K = in_features, N = out_features, G = K / group_size groups)::
+
+    x       float32 (T, K)            activations, row-major
+    out     float32 (T, N)            written, or added to when accumulate=True (fused residual)
+    W  f32: float32 (N, K)
+       f16: float16 (N, K)
+       qB : uint8   (N, K*B/8)        B in 8, 4, 2; element j of a row sits in byte j*B//8 at bit
+                                      offset (j % (8/B))*B (q4: element 2j in the LOW nibble)
+            scales float16 (N, G), zeros uint8 (N, G); W[n, k] = (q - zeros[n, g]) * scales[n, g]
+            with g = k // group_size
+
+Two kernels; the launcher picks one from the weight's shape and storage only, never from T:
+
+* fast (``_fast_*``): the weight row is read as 8-byte words (``uint64`` view): E = 64/B
+  elements per word (q2 32, q4 16, q8 8, f16 4, f32 2). Needs K % E == 0, group_size % E == 0 and
+  an 8-byte aligned weight. A block is NW warps; warp w of block b owns output rows
+  ``(b*NW + w)*R .. +R`` (R rows per warp so one staged x value feeds R weights) and
+  TT token rows ``blockIdx.y*TT .. +TT``. The block stages x for its TT rows, KC elements at a
+  time, into shared memory in a word-transposed layout ``xs[tt, i, word]`` (padded by one float per
+  row) so lane reads and staging writes are free of bank conflicts.
+  Dequantization uses the magic-number trick: for a q-bit value, ``int_as_float(0x4B000000 | q)``
+  is exactly 2^23 + q, so subtracting the per-group constant (2^23 + zero) gives ``q - zero``
+  exactly in one FADD; the group scale is applied once per word.
+* simple (``_simple_*``): one warp per (row t, output n); lane l handles k = l, l+32, ...,
+  dequantizing each element on its own. Used when the fast kernel's alignment conditions fail.
+
+Reduction order (batch invariance). In the fast kernel, output (t, n) is computed by ONE warp:
+lane l visits the words w = l, l+32, l+64, ... in ascending order (independent of KC, R, NW and TT,
+because KC is a multiple of 32 words), and for each word forms the partial
+``p = fma(w_{E-1}, x_{E-1}, ... fma(w_0, x_0, 0))`` (quantized: ``w_i = q_i - zero``), then
+``acc = fma(scale, p, acc)`` (floats: scale 1, i.e. acc + p). The 32 lane sums are combined by
+the fixed xor butterfly (offsets 16, 8, 4, 2, 1) of `_common.warp_sum`, then added to out when
+accumulating. Every step is an explicit fma or add, so the compiler has no contraction choice
+to make differently between the instantiations for T == 1 (TT=1) and T > 1 (TT=4) (the
+configurations differ only in TT, R, NW, KC): row t of a T-row launch is bit-identical to the same
+row launched alone. The simple kernel has the same property
+(lane l: k = l, l+32, ..., fma per element, then the butterfly).
+
+Warp reductions use shuffles on the GPU and the shared-memory twin under the simulator
+(see `_common`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, float32, int32, uint32
+
+from ...core.errors import BackendError
+from ._common import as_float, cdiv, check_array, device_pointer, warp_sum
+
+#: Elements per 8-byte word for each storage kind.
+WORD_ELEMS = {"f32": 2, "f16": 4, "q8": 8, "q4": 16, "q2": 32}
+QBITS = {8: "q8", 4: "q4", 2: "q2"}
+
+#: (TT token rows per block, R output rows per warp, NW warps per block, KC x elements staged per
+#: chunk) for T == 1 and for T > 1. KC must be a multiple of 32 * 32 (the largest warp step, q2).
+#: None of these changes the reduction order of an output element, so they are tuned freely
+#: (measured on an H200, see docs/KERNELS.md).
+GEMV_CONFIG = (1, 2, 8, 4096)
+GEMM_CONFIG = (4, 4, 4, 1024)
+#: Largest TT * R * E (fmas per lane per word) the compiler still unrolls fully (read off the
+#: PTX); beyond it the accumulators are indexed at run time and live in local memory, so R is
+#: lowered to fit.
+MAX_UNROLL = 256
+
+
+def config_for(kind: str, T: int):
+    """(TT, R, NW, KC) the fast kernel uses for storage `kind` and T rows."""
+    TT, R, NW, KC = GEMV_CONFIG if T == 1 else GEMM_CONFIG
+    R = max(1, min(R, MAX_UNROLL // (TT * WORD_ELEMS[kind])))
+    return TT, R, NW, KC
+
+
+SIMPLE_WARPS = 4
+
+_U32_MASK = np.uint64(0xFFFFFFFF)
+_SH32 = np.uint64(32)
+_MAGIC = np.uint32(0x4B000000)
+_TWO23 = float32(8388608.0)
+_F16_MAG = np.uint32(0x7FFF)
+_F16_SIGN = np.uint32(0x8000)
+_F16_SCALE = float32(2.0 ** 112)
+
+
+# ----------------------------------------------------------------------------- word decoders
+def _make_decoder(kind):
+    """Device function ``decode(word, wv, c)`` writing the E elements of one 8-byte word into the
+    local array wv. Quantized: ``q_i - zero`` where c = 2^23 + zero (exact). Floats: the value."""
+    E = WORD_ELEMS[kind]
+    EH = E // 2
+
+    if kind == "f32":
+        @cuda.jit(device=True)
+        def decode(word, wv, c):
+            wv[0] = as_float(uint32(word & _U32_MASK))
+            wv[1] = as_float(uint32(word >> _SH32))
+        return decode
+
+    if kind == "f16":
+        @cuda.jit(device=True)
+        def half_to_float(h):
+            # (h & 0x7fff) << 13 is h's exponent and mantissa in float32 position with the float16
+            # bias; scaling by 2^112 rebiases exactly, subnormals included (finite values only).
+            m = as_float((h & _F16_MAG) << uint32(13)) * _F16_SCALE
+            if h & _F16_SIGN:
+                m = -m
+            return m
+
+        @cuda.jit(device=True)
+        def decode(word, wv, c):
+            lo = uint32(word & _U32_MASK)
+            hi = uint32(word >> _SH32)
+            wv[0] = half_to_float(lo & uint32(0xFFFF))
+            wv[1] = half_to_float(uint32(lo >> uint32(16)))
+            wv[2] = half_to_float(hi & uint32(0xFFFF))
+            wv[3] = half_to_float(uint32(hi >> uint32(16)))
+        return decode
+
+    bits = {"q8": 8, "q4": 4, "q2": 2}[kind]
+    mask = np.uint32((1 << bits) - 1)
+
+    @cuda.jit(device=True)
+    def decode(word, wv, c):
+        lo = uint32(word & _U32_MASK)
+        hi = uint32(word >> _SH32)
+        for i in range(EH):
+            sh = uint32(bits * i)
+            wv[i] = as_float((uint32(lo >> sh) & mask) | _MAGIC) - c
+            wv[i + EH] = as_float((uint32(hi >> sh) & mask) | _MAGIC) - c
+    return decode
+
+
+# ----------------------------------------------------------------------------- fast kernels
+_fast_cache = {}
+
+
+def _make_fast(kind, TT, R, NW, KC):
+    """Build the fast kernel for one storage kind and block configuration (see module doc)."""
+    key = (kind, TT, R, NW, KC)
+    if key in _fast_cache:
+        return _fast_cache[key]
+    E = WORD_ELEMS[kind]
+    NT = NW * 32
+    NWC = KC // E          # words per staged chunk
+    XW = NWC + 1           # padded row: staging writes of consecutive threads hit distinct banks
+    EM1 = E - 1
+    LOG2E = E.bit_length() - 1
+    quant = kind.startswith("q")
+    decode = _make_decoder(kind)
+    assert KC % (32 * 32) == 0
+
+    @cuda.jit(device=True)
+    def stage_x(xs, x, t0, c0, cw, T, tid):
+        """Copy x[t0:t0+TT, c0*E:(c0+cw)*E] into xs (word-transposed); rows past T read as 0."""
+        n_el = cw * E
+        base = c0 * E
+        for tt in range(TT):
+            t = t0 + tt
+            if t < T:
+                for rem in range(tid, n_el, NT):
+                    xs[tt, rem & EM1, rem >> LOG2E] = x[t, base + rem]
+            else:
+                for rem in range(tid, n_el, NT):
+                    xs[tt, rem & EM1, rem >> LOG2E] = float32(0.0)
+
+    @cuda.jit(device=True)
+    def finish(out, acc, scratch, warp, lane, n0, t0, N, T, accumulate):
+        """Butterfly-reduce every accumulator of the warp and store it (optionally added)."""
+        for tt in range(TT):
+            for r in range(R):
+                v = warp_sum(acc[tt, r], scratch, warp, lane)
+                t = t0 + tt
+                n = n0 + r
+                # Every lane holds the total; spread the stores over lanes.
+                if lane == (tt * R + r) % 32 and t < T and n < N:
+                    if accumulate:
+                        v = out[t, n] + v
+                    out[t, n] = v
+
+    if quant:
+        @cuda.jit
+        def kernel(out, x, qw, scales, zeros, gw, accumulate):
+            T = x.shape[0]
+            N = out.shape[1]
+            nwords = qw.shape[1]
+            tid = cuda.threadIdx.x
+            warp = tid // 32
+            lane = tid % 32
+            n0 = (cuda.blockIdx.x * NW + warp) * R
+            t0 = cuda.blockIdx.y * TT
+            xs = cuda.shared.array((TT, E, XW), float32)
+            scratch = cuda.shared.array((NW, 32), float32)
+            acc = cuda.local.array((TT, R), float32)
+            wv = cuda.local.array(E, float32)
+            for tt in range(TT):
+                for r in range(R):
+                    acc[tt, r] = float32(0.0)
+            ugw = uint32(gw)
+            for c0 in range(0, nwords, NWC):
+                cw = min(NWC, nwords - c0)
+                # The previous chunk's reads of xs must be done before it is overwritten.
+                cuda.syncthreads()
+                stage_x(xs, x, t0, c0, cw, T, tid)
+                # The staged chunk must be visible to every warp before the dot products.
+                cuda.syncthreads()
+                for wl in range(lane, cw, 32):
+                    w = c0 + wl
+                    g = uint32(w) // ugw
+                    for r in range(R):
+                        # Rows past N are computed on row N-1 and never stored: the warp stays
+                        # converged for the butterfly.
+                        n = min(n0 + r, N - 1)
+                        word = qw[n, w]
+                        s = float32(scales[n, g])
+                        c = _TWO23 + float32(zeros[n, g])
+                        decode(word, wv, c)
+                        for tt in range(TT):
+                            p = float32(0.0)
+                            for i in range(E):
+                                p = cuda.fma(wv[i], xs[tt, i, wl], p)
+                            acc[tt, r] = cuda.fma(s, p, acc[tt, r])
+            finish(out, acc, scratch, warp, lane, n0, t0, N, T, accumulate)
+    else:
+        @cuda.jit
+        def kernel(out, x, qw, accumulate):
+            T = x.shape[0]
+            N = out.shape[1]
+            nwords = qw.shape[1]
+            tid = cuda.threadIdx.x
+            warp = tid // 32
+            lane = tid % 32
+            n0 = (cuda.blockIdx.x * NW + warp) * R
+            t0 = cuda.blockIdx.y * TT
+            xs = cuda.shared.array((TT, E, XW), float32)
+            scratch = cuda.shared.array((NW, 32), float32)
+            acc = cuda.local.array((TT, R), float32)
+            wv = cuda.local.array(E, float32)
+            for tt in range(TT):
+                for r in range(R):
+                    acc[tt, r] = float32(0.0)
+            for c0 in range(0, nwords, NWC):
+                cw = min(NWC, nwords - c0)
+                # The previous chunk's reads of xs must be done before it is overwritten.
+                cuda.syncthreads()
+                stage_x(xs, x, t0, c0, cw, T, tid)
+                # The staged chunk must be visible to every warp before the dot products.
+                cuda.syncthreads()
+                for wl in range(lane, cw, 32):
+                    w = c0 + wl
+                    for r in range(R):
+                        n = min(n0 + r, N - 1)
+                        decode(qw[n, w], wv, _TWO23)
+                        for tt in range(TT):
+                            p = float32(0.0)
+                            for i in range(E):
+                                p = cuda.fma(wv[i], xs[tt, i, wl], p)
+                            acc[tt, r] = acc[tt, r] + p
+            finish(out, acc, scratch, warp, lane, n0, t0, N, T, accumulate)
+
+    _fast_cache[key] = kernel
+    return kernel
+
+
+# ----------------------------------------------------------------------------- simple kernels
+@cuda.jit
+def _simple_q_kernel(out, x, q, scales, zeros, bits, group, accumulate):
+    T = x.shape[0]
+    K = x.shape[1]
+    N = out.shape[1]
+    tid = cuda.threadIdx.x
+    warp = tid // 32
+    lane = tid % 32
+    scratch = cuda.shared.array((SIMPLE_WARPS, 32), float32)
+    n_raw = cuda.blockIdx.x * SIMPLE_WARPS + warp
+    n = min(n_raw, N - 1)
+    t = cuda.blockIdx.y
+    per = 8 // bits
+    mask = (1 << bits) - 1
+    acc = float32(0.0)
+    for k in range(lane, K, 32):
+        b = int32(q[n, k // per])
+        v = (b >> ((k % per) * bits)) & mask
+        g = k // group
+        wgt = (float32(v) - float32(zeros[n, g])) * float32(scales[n, g])
+        acc = cuda.fma(wgt, x[t, k], acc)
+    acc = warp_sum(acc, scratch, warp, lane)
+    if lane == 0 and n_raw < N and t < T:
+        if accumulate:
+            acc = out[t, n] + acc
+        out[t, n] = acc
+
+
+@cuda.jit
+def _simple_f_kernel(out, x, w, accumulate):
+    T = x.shape[0]
+    K = x.shape[1]
+    N = out.shape[1]
+    tid = cuda.threadIdx.x
+    warp = tid // 32
+    lane = tid % 32
+    scratch = cuda.shared.array((SIMPLE_WARPS, 32), float32)
+    n_raw = cuda.blockIdx.x * SIMPLE_WARPS + warp
+    n = min(n_raw, N - 1)
+    t = cuda.blockIdx.y
+    acc = float32(0.0)
+    for k in range(lane, K, 32):
+        acc = cuda.fma(float32(w[n, k]), x[t, k], acc)
+    acc = warp_sum(acc, scratch, warp, lane)
+    if lane == 0 and n_raw < N and t < T:
+        if accumulate:
+            acc = out[t, n] + acc
+        out[t, n] = acc
+
+
+# ----------------------------------------------------------------------------- launcher
+def weight_kind(w, K: int) -> str:
+    """Storage kind ("f32", "f16", "q8", "q4", "q2") of weight array `w` for in_features K."""
+    dt = np.dtype(w.dtype)
+    if dt == np.float32:
+        return "f32"
+    if dt == np.float16:
+        return "f16"
+    if dt == np.uint8 and w.ndim == 2 and K > 0 and (w.shape[1] * 8) % K == 0:
+        bits = w.shape[1] * 8 // K
+        if bits in QBITS:
+            return QBITS[bits]
+    raise BackendError(
+        f"matmul: cannot infer weight storage from dtype {dt.name} and shape {tuple(w.shape)} "
+        f"for in_features={K} (expected float32/float16 (N, K) or uint8 (N, K*B/8), B in 8, 4, 2)")
+
+
+def uses_fast_path(kind: str, K: int, group_size: int, w=None) -> bool:
+    """True when `matmul` will use the fast (8-byte word) kernel for this weight."""
+    E = WORD_ELEMS[kind]
+    if K % E:
+        return False
+    if kind.startswith("q") and group_size % E:
+        return False
+    if w is not None and device_pointer(w) % 8:
+        return False
+    return True
+
+
+def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0):
+    """``out[t, n] = sum_k x[t, k] * W[n, k]`` (``+=`` when accumulate), for t < T, n < N.
+
+    The storage is inferred: float32 or float16 `w` of shape (N, K), or uint8 `w` of shape
+    (N, K*B/8) with B in 8, 4, 2 together with `scales` float16 (N, G) and `zeros` uint8 (N, G),
+    group_size = K / G. `out` must not alias `x`. Launches asynchronously on `stream`; T == 0 is a
+    no-op."""
+    op = "matmul"
+    check_array(op, "x", x, np.float32, 2)
+    T, K = x.shape
+    check_array(op, "out", out, np.float32, 2, (T, None))
+    N = out.shape[1]
+    if K == 0 or N == 0:
+        raise BackendError(f"{op}: empty dimension (in_features={K}, out_features={N})")
+    if w is None:
+        raise BackendError(f"{op}: w is required")
+    kind = weight_kind(w, K)
+    if kind in ("f32", "f16"):
+        check_array(op, "w", w, w.dtype, 2, (N, K))
+        if scales is not None or zeros is not None:
+            raise BackendError(f"{op}: scales/zeros given for an unquantized {kind} weight")
+        group = 0
+    else:
+        bits = {"q8": 8, "q4": 4, "q2": 2}[kind]
+        check_array(op, "w", w, np.uint8, 2, (N, K * bits // 8))
+        check_array(op, "scales", scales, np.float16, 2, (N, None))
+        G = scales.shape[1]
+        check_array(op, "zeros", zeros, np.uint8, 2, (N, G))
+        if G == 0 or K % G:
+            raise BackendError(f"{op}: in_features={K} is not a whole number of the {G} groups "
+                               f"given by scales {tuple(scales.shape)}")
+        group = K // G
+    if device_pointer(out) == device_pointer(x) != 0:
+        raise BackendError(f"{op}: out must not alias x")
+    if T == 0:
+        return
+    acc_flag = 1 if accumulate else 0
+
+    if uses_fast_path(kind, K, group, w):
+        TT, R, NW, KC = config_for(kind, T)
+        kern = _make_fast(kind, TT, R, NW, KC)
+        E = WORD_ELEMS[kind]
+        qw = w.view(np.uint64)
+        grid = (cdiv(N, NW * R), cdiv(T, TT))
+        if kind.startswith("q"):
+            kern[grid, NW * 32, stream](out, x, qw, scales, zeros, group // E, acc_flag)
+        else:
+            kern[grid, NW * 32, stream](out, x, qw, acc_flag)
+        return
+
+    grid = (cdiv(N, SIMPLE_WARPS), T)
+    if kind.startswith("q"):
+        _simple_q_kernel[grid, SIMPLE_WARPS * 32, stream](
+            out, x, w, scales, zeros, {"q8": 8, "q4": 4, "q2": 2}[kind], group, acc_flag)
+    else:
+        _simple_f_kernel[grid, SIMPLE_WARPS * 32, stream](out, x, w, acc_flag)
+
+
+def ptx_signatures():
+    """(python function, signature) pairs the launcher compiles, for PTX compile tests."""
+    sigs = []
+    f32_2 = "float32[:, ::1]"
+    for kind in WORD_ELEMS:
+        for cfg in (config_for(kind, 1), config_for(kind, 2)):
+            k = _make_fast(kind, *cfg)
+            if kind.startswith("q"):
+                sig = (f"void({f32_2}, {f32_2}, uint64[:, ::1], float16[:, ::1], uint8[:, ::1], "
+                       "int64, int64)")
+            else:
+                sig = f"void({f32_2}, {f32_2}, uint64[:, ::1], int64)"
+            sigs.append((f"matmul_fast_{kind}_{'_'.join(map(str, cfg))}", k.py_func, sig))
+    sigs.append(("matmul_simple_q", _simple_q_kernel.py_func,
+                 f"void({f32_2}, {f32_2}, uint8[:, ::1], float16[:, ::1], uint8[:, ::1], "
+                 "int64, int64, int64)"))
+    for wt in ("float32", "float16"):
+        sigs.append((f"matmul_simple_{wt}", _simple_f_kernel.py_func,
+                     f"void({f32_2}, {f32_2}, {wt}[:, ::1], int64)"))
+    return sigs

@@ -1,0 +1,71 @@
+"""RMSNorm: ``out[t, k] = x[t, k] * (1 / sqrt(mean_k(x[t]^2) + eps)) * w[k]``.
+
+Shapes (T rows, D features)::
+
+    x    float32 (T, D)
+    w    float32 (D,)
+    out  float32 (T, D)      may be the same array as x (in place)
+
+Thread mapping: one block of NT = 256 threads (8 warps) per row t; thread i accumulates
+``fma(x, x, ss)`` over k = i, i+256, ... in ascending order, then `_common.block_sum` combines the
+256 partials (warp xor-butterflies, then warp totals in warp order). The block shape is fixed, so
+the sum of a row, and hence every output element, does not depend on T or on the grid:
+batch-invariant. Warp reductions: shuffles on the GPU, shared-memory twin under the simulator.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32
+
+from ...core.errors import BackendError
+from ._common import block_sum, check_array
+
+NW = 8
+NT = NW * 32
+
+
+@cuda.jit
+def _rmsnorm_kernel(out, x, w, eps):
+    D = x.shape[1]
+    t = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    warp = tid // 32
+    lane = tid % 32
+    scratch = cuda.shared.array((NW, 32), float32)
+    part = cuda.shared.array(NW, float32)
+    ss = float32(0.0)
+    for k in range(tid, D, NT):
+        v = x[t, k]
+        ss = cuda.fma(v, v, ss)
+    ss = block_sum(ss, scratch, part, warp, lane, NW)
+    inv = float32(1.0) / math.sqrt(ss / float32(D) + eps)
+    # x is read again after the block sum's barriers, so out may alias x: each element is
+    # read and written by the same thread.
+    for k in range(tid, D, NT):
+        out[t, k] = (x[t, k] * inv) * w[k]
+
+
+def rmsnorm(out, x, w, eps, stream=0):
+    """``out = x / sqrt(mean(x^2, axis=1) + eps) * w`` row by row; out may be x. `eps` is a
+    model constant (a Python float, cast to float32)."""
+    op = "rmsnorm"
+    check_array(op, "x", x, np.float32, 2)
+    T, D = x.shape
+    check_array(op, "out", out, np.float32, 2, (T, D))
+    check_array(op, "w", w, np.float32, 1, (D,))
+    if D == 0:
+        raise BackendError(f"{op}: empty feature dimension")
+    eps = float(eps)
+    if not (eps >= 0.0 and math.isfinite(eps)):
+        raise BackendError(f"{op}: eps={eps!r} must be finite and >= 0")
+    if T == 0:
+        return
+    _rmsnorm_kernel[T, NT, stream](out, x, w, np.float32(eps))
+
+
+def ptx_signatures():
+    return [("rmsnorm", _rmsnorm_kernel.py_func,
+             "void(float32[:, ::1], float32[:, ::1], float32[::1], float32)")]

@@ -1,0 +1,173 @@
+"""Rotary position embedding (RoPE), "half split" convention, in place; optionally fused with the
+KV-cache append.
+
+For head width hd, half = hd / 2 and i < half, the pair (x[i], x[i + half]) of every head of
+query row t is rotated by the angle ``a = float32(p) * inv_freq[i]`` (a float32 product) with
+``p = pos[0] + t``::
+
+    x[i]        <- x[i] * cos(a) - x[i + half] * sin(a)
+    x[i + half] <- x[i + half] * cos(a) + x[i] * sin(a)
+
+cos and sin are evaluated in float64 on the float32 angle and rounded to float32, so they are
+accurate to rounding whatever p is. ``inv_freq[i] = theta ** (-2 i / hd)`` is computed on the host
+in float64 and rounded to float32 (`inv_freq` helper below); pass that array.
+
+Shapes (T rows, H query heads, Hkv kv heads, hd head width, L cache layers, S max_seq)::
+
+    q         float32 (T, H * hd)          rotated in place
+    k         float32 (T, Hkv * hd)        rotated in place
+    v         float32 (T, Hkv * hd)        (rope_kv_append only) read
+    pos       int32 (1,)                   position of row 0, read on the device
+    inv_freq  float32 (hd / 2,)
+    k_cache, v_cache  float16 or float32 (L, S, Hkv, hd)   (rope_kv_append only) slot p of
+                      `layer` receives the rotated k row and the v row; rows with p >= S are not
+                      written (the host keeps pos[0] + T <= S)
+
+Thread mapping: one thread per (row t, head, pair i), flat grid-stride. Every element depends only
+on its own inputs and p, so the result is independent of T and of the grid: batch-invariant.
+The position is read from the device array `pos`, so a captured graph replays unchanged while
+the host advances pos[0] between steps.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32, float64
+
+from ...core.errors import BackendError
+from ._common import cdiv, check_array
+
+NT = 256
+MAX_BLOCKS = 4096
+
+
+def inv_freq(head_dim: int, theta: float) -> np.ndarray:
+    """float32 (head_dim / 2,) array ``theta ** (-2 i / head_dim)``, computed in float64."""
+    if head_dim <= 0 or head_dim % 2:
+        raise BackendError(f"rope: head_dim={head_dim} must be a positive even number")
+    i = np.arange(head_dim // 2, dtype=np.float64)
+    return (float(theta) ** (-2.0 * i / head_dim)).astype(np.float32)
+
+
+@cuda.jit(device=True)
+def _rotate(x, t, col, half, p, inv_freq, i):
+    a = float32(p) * inv_freq[i]
+    c = float32(math.cos(float64(a)))
+    s = float32(math.sin(float64(a)))
+    x0 = x[t, col]
+    x1 = x[t, col + half]
+    r0 = x0 * c - x1 * s
+    r1 = x1 * c + x0 * s
+    x[t, col] = r0
+    x[t, col + half] = r1
+    return r0, r1
+
+
+@cuda.jit
+def _rope_kernel(q, k, pos, inv_freq):
+    half = inv_freq.shape[0]
+    hd = 2 * half
+    T = q.shape[0]
+    H = q.shape[1] // hd
+    Hk = k.shape[1] // hd
+    per_row = (H + Hk) * half
+    n = T * per_row
+    p0 = pos[0]
+    for idx in range(cuda.grid(1), n, cuda.gridsize(1)):
+        t = idx // per_row
+        r = idx - t * per_row
+        head = r // half
+        i = r - head * half
+        if head < H:
+            _rotate(q, t, head * hd + i, half, p0 + t, inv_freq, i)
+        else:
+            _rotate(k, t, (head - H) * hd + i, half, p0 + t, inv_freq, i)
+
+
+@cuda.jit
+def _rope_kv_append_kernel(q, k, v, k_cache, v_cache, layer, pos, inv_freq):
+    half = inv_freq.shape[0]
+    hd = 2 * half
+    T = q.shape[0]
+    H = q.shape[1] // hd
+    Hk = k.shape[1] // hd
+    S = k_cache.shape[1]
+    per_row = (H + Hk) * half
+    n = T * per_row
+    p0 = pos[0]
+    for idx in range(cuda.grid(1), n, cuda.gridsize(1)):
+        t = idx // per_row
+        r = idx - t * per_row
+        head = r // half
+        i = r - head * half
+        p = p0 + t
+        if head < H:
+            _rotate(q, t, head * hd + i, half, p, inv_freq, i)
+        else:
+            kh = head - H
+            col = kh * hd + i
+            r0, r1 = _rotate(k, t, col, half, p, inv_freq, i)
+            if 0 <= p < S:
+                k_cache[layer, p, kh, i] = r0
+                k_cache[layer, p, kh, i + half] = r1
+                v_cache[layer, p, kh, i] = v[t, col]
+                v_cache[layer, p, kh, i + half] = v[t, col + half]
+
+
+def _check_common(op, q, k, pos, inv_freq):
+    check_array(op, "inv_freq", inv_freq, np.float32, 1)
+    half = inv_freq.shape[0]
+    if half == 0:
+        raise BackendError(f"{op}: inv_freq is empty")
+    hd = 2 * half
+    check_array(op, "q", q, np.float32, 2)
+    T = q.shape[0]
+    check_array(op, "k", k, np.float32, 2, (T, None))
+    if q.shape[1] % hd or k.shape[1] % hd or q.shape[1] == 0 or k.shape[1] == 0:
+        raise BackendError(f"{op}: q width {q.shape[1]} and k width {k.shape[1]} must be "
+                           f"positive multiples of head_dim={hd} (= 2 * len(inv_freq))")
+    check_array(op, "pos", pos, np.int32, 1, (1,))
+    n = T * (q.shape[1] + k.shape[1]) // 2
+    if n >= 2 ** 31:
+        raise BackendError(f"{op}: too many elements for one launch")
+    return T, hd, n
+
+
+def rope(q, k, pos, inv_freq, stream=0):
+    """Rotate q and k in place at positions pos[0] + t (see module doc)."""
+    T, hd, n = _check_common("rope", q, k, pos, inv_freq)
+    if T == 0:
+        return
+    _rope_kernel[min(cdiv(n, NT), MAX_BLOCKS), NT, stream](q, k, pos, inv_freq)
+
+
+def rope_kv_append(q, k, v, k_cache, v_cache, layer, pos, inv_freq, stream=0):
+    """`rope` on q and k, then store the rotated k rows and the v rows in cache layer `layer` at
+    slots pos[0] + t (cast to the cache dtype)."""
+    op = "rope_kv_append"
+    T, hd, n = _check_common(op, q, k, pos, inv_freq)
+    check_array(op, "v", v, np.float32, 2, tuple(k.shape))
+    Hk = k.shape[1] // hd
+    check_array(op, "k_cache", k_cache, (np.float16, np.float32), 4, (None, None, Hk, hd))
+    check_array(op, "v_cache", v_cache, k_cache.dtype, 4, tuple(k_cache.shape))
+    layer = int(layer)
+    if not 0 <= layer < k_cache.shape[0]:
+        raise BackendError(f"{op}: layer={layer} is outside [0, {k_cache.shape[0]})")
+    if T > k_cache.shape[1]:
+        raise BackendError(f"{op}: {T} rows do not fit a cache of {k_cache.shape[1]} slots")
+    if T == 0:
+        return
+    _rope_kv_append_kernel[min(cdiv(n, NT), MAX_BLOCKS), NT, stream](
+        q, k, v, k_cache, v_cache, layer, pos, inv_freq)
+
+
+def ptx_signatures():
+    m = "float32[:, ::1]"
+    sigs = [("rope", _rope_kernel.py_func, f"void({m}, {m}, int32[::1], float32[::1])")]
+    for ct in ("float16", "float32"):
+        c = f"{ct}[:, :, :, ::1]"
+        sigs.append((f"rope_kv_append_{ct}", _rope_kv_append_kernel.py_func,
+                     f"void({m}, {m}, {m}, {c}, {c}, int64, int32[::1], float32[::1])"))
+    return sigs
