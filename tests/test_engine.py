@@ -211,7 +211,7 @@ def test_load_model_errors(tiny_path, tmp_path):
 
 def test_cuda_backend_without_gpu_is_typed_error(tiny_path, monkeypatch):
     import tinyloop.core.engine as engine
-    monkeypatch.setattr(engine, "_cuda_available", lambda: False)
+    monkeypatch.setattr(engine, "_cuda_available", lambda **kw: False)
     with pytest.raises(tl.BackendError, match="no CUDA GPU"):
         tl.load_model(str(tiny_path), backend="cuda")
 

@@ -10,7 +10,7 @@ from typing import List, Optional
 from ..core.errors import TinyLoopError
 
 #: subcommand modules, each exposing add_parser(subparsers) and run(args) -> int
-COMMANDS = ("run", "inspect_cmd", "convert", "synth", "ppl")
+COMMANDS = ("run", "inspect_cmd", "convert", "synth", "ppl", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

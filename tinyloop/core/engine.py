@@ -37,9 +37,11 @@ from .processors import ProcessorChain
 DEFAULT_PREFILL_CHUNK = 512
 
 
-def _cuda_available() -> bool:
+def _cuda_available(simulator_ok: bool = False) -> bool:
+    """A CUDA device is usable. numba's CUDA simulator counts only when asked for explicitly
+    (backend="cuda" under NUMBA_ENABLE_CUDASIM=1, for tests); "auto" never picks it."""
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-        return False
+        return simulator_ok
     try:
         from numba import cuda
         return bool(cuda.is_available())
@@ -60,7 +62,7 @@ class Model:
             raise ConfigError(f"backend={backend!r} is not one of auto, {', '.join(BACKENDS)}")
         if backend == "auto":
             backend = "cuda" if _cuda_available() else "cpu"
-        elif backend == "cuda" and not _cuda_available():
+        elif backend == "cuda" and not _cuda_available(simulator_ok=True):
             raise BackendError("backend='cuda' was requested but no CUDA GPU is available")
         self.path = str(path)
         self.max_seq_len = max_seq_len

@@ -21,11 +21,13 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+import numba
 import numpy as np
 from numba import cuda
 
 from ..core.backend import Backend, ModelWeights, Workspace
 from ..core.errors import BackendError, OutOfMemoryError
+from .graphs import Graph
 from .kernels import add as k_add
 from .kernels import argmax as k_argmax
 from .kernels import attention as k_attention
@@ -82,10 +84,11 @@ class CUDABackend(Backend):
         self._held = 0
         self._spare_cache = None
         self._graphs: "OrderedDict[Any, tuple]" = OrderedDict()
-        self.use_graphs = os.environ.get("TINYLOOP_CUDA_GRAPHS", "1") not in ("0", "false", "no")
+        self.use_graphs = (os.environ.get("TINYLOOP_CUDA_GRAPHS", "1") not in ("0", "false", "no")
+                           and not numba.config.ENABLE_CUDASIM)
         self.profile = os.environ.get("TINYLOOP_CUDA_PROFILE", "") not in ("", "0")
         self.graph_launches = 0
-        self.kernel_launches = 0
+        self.step_nodes = 0
 
     # ------------------------------------------------------------------ memory
     def _to_device(self, a: np.ndarray):
@@ -171,16 +174,20 @@ class CUDABackend(Backend):
         self._graphs.clear()
         self._spare_cache = None
         self._held = 0
-        cuda.current_context().deallocations.clear()
+        if not numba.config.ENABLE_CUDASIM:
+            cuda.current_context().deallocations.clear()
 
     # ------------------------------------------------------------------ positions / transfer
     def positions(self, pos: int):
+        # the previous upload from this staging buffer must have left before it is overwritten
+        self.stream.synchronize()
         self._pos_host[0] = pos
         self.pos.copy_to_device(self._pos_host, stream=self.stream)
         return self.pos
 
     def set_ids(self, ws: Workspace, ids):
         n = len(ids)
+        self.stream.synchronize()   # see positions()
         ws.ids_host[:n] = ids
         ws.ids[:n].copy_to_device(ws.ids_host[:n], stream=self.stream)
         return ws.ids[:n]
@@ -219,48 +226,21 @@ class CUDABackend(Backend):
             self._graphs[key] = ("graph", gexec)
             entry = self._graphs[key]
         self._graphs.move_to_end(key)
-        from cuda.bindings import driver as drv
-        (err,) = drv.cuGraphLaunch(entry[1], self._stream_handle())
-        self._check(err, "cuGraphLaunch")
+        entry[1].launch()
         self.graph_launches += 1
 
     def _trim(self) -> None:
         while len(self._graphs) > MAX_GRAPHS:
             self._graphs.popitem(last=False)
 
-    def _stream_handle(self):
-        from cuda.bindings import driver as drv
-        h = self.stream.handle
-        if isinstance(h, drv.CUstream):
-            return h
-        return drv.CUstream(int(getattr(h, "value", h) or 0))
-
-    @staticmethod
-    def _check(err, what: str) -> None:
-        from cuda.bindings import driver as drv
-        if err != drv.CUresult.CUDA_SUCCESS:
-            raise BackendError(f"{what} failed: {err}")
-
-    def _capture(self, fn):
-        from cuda.bindings import driver as drv
-        st = self._stream_handle()
+    def _capture(self, fn) -> Graph:
         t0 = time.perf_counter()
-        (err,) = drv.cuStreamBeginCapture(st, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
-        self._check(err, "cuStreamBeginCapture")
-        try:
-            fn()
-        finally:
-            err, graph = drv.cuStreamEndCapture(st)
-        self._check(err, "cuStreamEndCapture")
-        err, gexec = drv.cuGraphInstantiate(graph, 0)
-        self._check(err, "cuGraphInstantiate")
-        err, n = drv.cuGraphGetNodes(graph)
-        if err == drv.CUresult.CUDA_SUCCESS:
-            self.kernel_launches = int(n)
+        g = Graph(self.stream, fn)
+        self.step_nodes = g.nodes
         if self.profile:
-            print(f"[tinyloop cuda] captured a decode step: {self.kernel_launches} nodes in "
+            print(f"[tinyloop cuda] captured a decode step: {g.nodes} graph nodes in "
                   f"{(time.perf_counter() - t0) * 1e3:.1f} ms")
-        return gexec
+        return g
 
     # ------------------------------------------------------------------ ops
     def embed(self, table, ids, out, T: int) -> None:

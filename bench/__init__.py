@@ -1,0 +1,1 @@
+"""Benchmarks (run with ``python -m tinyloop bench``); results go in docs/BENCHMARKS.md."""

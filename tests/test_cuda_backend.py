@@ -1,0 +1,144 @@
+"""The CUDA backend end to end (marker gpu: run on a machine with a GPU).
+
+CUDA logits match the float64 reference within fp32 tolerance; greedy tokens equal the CPU
+backend's; graphs on/off, prefill chunking, the uncached path and the three generate forms give
+identical tokens on the GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tinyloop as tl
+from tinyloop.core.reference import reference_logits
+
+from conftest import logical_weights, write_tiny
+
+pytestmark = pytest.mark.gpu
+
+
+def _gpu():
+    try:
+        from numba import cuda
+        return cuda.is_available()
+    except Exception:
+        return False
+
+
+if not _gpu():
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+
+
+@pytest.fixture(scope="module", params=[("f16", 0), ("q4", 32), ("q8", 16), ("q2", 32)])
+def pair(request, tmp_path_factory):
+    quant, group = request.param
+    path = tmp_path_factory.mktemp("gpu") / f"{quant}.tinyloop"
+    write_tiny(path, seed=5, quant=quant, group_size=group)
+    cpu = tl.load_model(str(path), max_seq_len=128, backend="cpu")
+    gpu = tl.load_model(str(path), max_seq_len=128, backend="cuda")
+    yield path, cpu, gpu
+    tl.free_model(cpu)
+    tl.free_model(gpu)
+
+
+PROMPTS = [[3, 17, 42, 8, 91, 23, 11, 60, 2, 77], [5], list(range(1, 40))]
+
+
+@pytest.mark.parametrize("loops", [1, 2, 8])
+def test_cuda_logits_match_reference(pair, loops):
+    path, _, gpu = pair
+    W = logical_weights(path)
+    for p in PROMPTS:
+        ref = reference_logits(gpu.cfg, W, p, loops)
+        got = tl.score(gpu, p, loops=loops, cache_mode="fp32")
+        assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4
+
+
+@pytest.mark.parametrize("loops", [1, 3, 8])
+@pytest.mark.parametrize("cache_mode", ["fp16", "fp32"])
+def test_greedy_tokens_equal_cpu(pair, loops, cache_mode):
+    _, cpu, gpu = pair
+    for p in PROMPTS:
+        cfg = tl.GenerateConfig(max_tokens=24, loops=loops, cache_mode=cache_mode)
+        assert tl.generate(gpu, p, cfg) == tl.generate(cpu, p, cfg)
+
+
+def test_decode_paths_identical_on_gpu(pair, monkeypatch):
+    path, _, gpu = pair
+    p = PROMPTS[0]
+    cfg = tl.GenerateConfig(max_tokens=20, loops=3)
+    base = tl.generate(gpu, p, cfg)
+    assert tl.generate(gpu, p, cfg) == base                       # replayed graph
+    assert tl.generate_stream(gpu, p, cfg, on_token=lambda t, q: True) == base
+    assert p + list(tl.generate_iter(gpu, p, cfg)) == base
+    chunked = tl.load_model(str(path), max_seq_len=128, backend="cuda", prefill_chunk=3)
+    try:
+        assert tl.generate(chunked, p, cfg) == base
+    finally:
+        tl.free_model(chunked)
+    monkeypatch.setenv("TINYLOOP_DISABLE_KV_CACHE", "1")
+    assert tl.generate(gpu, p, cfg) == base
+    monkeypatch.delenv("TINYLOOP_DISABLE_KV_CACHE")
+    monkeypatch.setenv("TINYLOOP_CUDA_GRAPHS", "0")
+    eager = tl.load_model(str(path), max_seq_len=128, backend="cuda")
+    try:
+        assert not eager.backend.use_graphs
+        assert tl.generate(eager, p, cfg) == base
+    finally:
+        tl.free_model(eager)
+
+
+def test_graph_is_replayed(pair):
+    _, _, gpu = pair
+    before = gpu.backend.graph_launches
+    tl.generate(gpu, PROMPTS[0], tl.GenerateConfig(max_tokens=10, loops=2))
+    assert gpu.backend.graph_launches - before >= 8
+    assert gpu.backend.step_nodes > 0
+
+
+def test_sampling_same_seed_same_tokens_on_gpu(pair):
+    _, _, gpu = pair
+    cfg = tl.GenerateConfig(max_tokens=16, temperature=0.9, top_k=20, top_p=0.9, sample_seed=11)
+    a = tl.generate(gpu, PROMPTS[0], cfg)
+    assert a == tl.generate(gpu, PROMPTS[0], cfg)
+
+
+def test_vram_usage_counts_weights_pool_and_cache(pair):
+    _, _, gpu = pair
+    held = tl.vram_usage_bytes(gpu)
+    assert held >= gpu.weights.nbytes
+    it = tl.generate_iter(gpu, PROMPTS[0], tl.GenerateConfig(max_tokens=4))
+    next(it)
+    assert tl.vram_usage_bytes(gpu) >= held
+    it.close()
+
+
+def test_demo_model_tokens_equal_cpu():
+    from tinyloop.core.models import demo_model_path
+    from tinyloop.core.tokenizer import resolve_tokenizer
+    cpu = tl.load_model(demo_model_path(), max_seq_len=256, backend="cpu")
+    gpu = tl.load_model(demo_model_path(), max_seq_len=256, backend="cuda")
+    try:
+        tok = resolve_tokenizer(cpu.header.tokenizer, None, cpu.vocab_size)
+        prompts = ["def fibonacci(n):", "import os\n\n\ndef main():", "class Stack:\n    def push(self, x):",
+                   "for i in range(10):", "    return self._"]
+        for text in prompts:
+            ids = tok.encode(text)
+            for loops in (1, 4, 8):
+                cfg = tl.GenerateConfig(max_tokens=32, loops=loops)
+                assert tl.generate(gpu, ids, cfg) == tl.generate(cpu, ids, cfg), (text, loops)
+    finally:
+        tl.free_model(cpu)
+        tl.free_model(gpu)
+
+
+def test_oom_is_typed_and_releases(tmp_path):
+    path = tmp_path / "m.tinyloop"
+    write_tiny(path)
+    m = tl.load_model(str(path), max_seq_len=64, backend="cuda")
+    try:
+        with pytest.raises(tl.OutOfMemoryError):
+            m.backend.alloc_cache(1 << 20, 1 << 16, "fp32")
+        assert len(tl.generate(m, [1, 2], tl.GenerateConfig(max_tokens=2))) == 4
+    finally:
+        tl.free_model(m)
