@@ -31,10 +31,10 @@ _ERR = _toolchain_error()
 if _ERR:
     pytest.skip(f"NVVM/NVRTC not usable: {_ERR}", allow_module_level=True)
 
-from tinyloop.cuda.kernels import (add, argmax, attention, embed, matmul, rmsnorm,  # noqa: E402
+from tinyloop.cuda.kernels import (add, argmax, attention, embed, matmul, position, rmsnorm,  # noqa: E402
                                    rope, sample, swiglu)
 
-MODULES = (matmul, rmsnorm, rope, attention, swiglu, embed, add, argmax, sample)
+MODULES = (matmul, rmsnorm, rope, attention, swiglu, embed, add, argmax, sample, position)
 SIGNATURES = [s for m in MODULES for s in m.ptx_signatures()]
 
 
@@ -63,6 +63,8 @@ def test_compiles_for_sm90(cc90_device, name, fn, sig):
 
 
 def test_every_module_lists_signatures():
-    assert {m.__name__.rsplit(".", 1)[1] for m in MODULES} == {
-        "matmul", "rmsnorm", "rope", "attention", "swiglu", "embed", "add", "argmax", "sample"}
+    import pathlib
+    kernel_dir = pathlib.Path(matmul.__file__).parent
+    files = {p.stem for p in kernel_dir.glob("*.py") if not p.stem.startswith("_")}
+    assert {m.__name__.rsplit(".", 1)[1] for m in MODULES} == files
     assert all(m.ptx_signatures() for m in MODULES)

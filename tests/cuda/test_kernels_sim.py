@@ -215,6 +215,14 @@ def test_rmsnorm():
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # simulator exp(100)
+def test_advance_position():
+    from tinyloop.cuda.kernels import position
+    pos = D(np.array([41], np.int32))
+    position.advance_position(pos)
+    position.advance_position(pos, 3)
+    assert host(pos).tolist() == [45]
+
+
 def test_add_and_swiglu():
     rng = np.random.default_rng(2)
     T, F = 3, 70

@@ -194,6 +194,10 @@ class Backend(ABC):
     def rows(self, buf, row0: int):
         """A view of `buf` starting at row `row0` (for ops on a suffix of rows)."""
 
+    def advance_position(self, pos) -> None:
+        """Advance a device-resident position by one at the end of a one-token step (a captured step
+        then finds the next position in place); a no-op where positions are host ints."""
+
     # ------------------------------------------------------------------ greedy pick and graphs
     def launch_argmax(self, ws: Workspace) -> None:
         """Start computing argmax of ws.logits[0] where the logits live (part of a captured step)."""

@@ -220,7 +220,7 @@ class Session:
         """Forward tokens[start:stop] in chunks; the last row's logits (and their argmax, started on
         the device) are pending in ws.logits[0]. A one-token step is a fixed op sequence that the
         backend may capture once and replay (positions and ids live in backend buffers)."""
-        m, be, fwd, ws = self.model, self.model.backend, self.model.fwd, self.model.ws
+        be, fwd, ws = self.model.backend, self.model.fwd, self.model.ws
         rows = ws.rows
         for a in range(start, stop, rows):
             T = min(rows, stop - a)
@@ -233,8 +233,12 @@ class Session:
                 if last:
                     fwd.logits(T - 1, 1)
                     be.launch_argmax(ws)
+
             if T == 1 and last:
-                be.replay(("step", self.loops, self.cache), step)
+                def one_token_step(ids=ids, pos=pos):
+                    step(ids, pos)
+                    be.advance_position(pos)
+                be.replay(("step", self.loops, self.cache), one_token_step)
             else:
                 step()
             self.stats.loop_iters_run += self.loops

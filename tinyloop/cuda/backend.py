@@ -33,6 +33,7 @@ from .kernels import argmax as k_argmax
 from .kernels import attention as k_attention
 from .kernels import embed as k_embed
 from .kernels import matmul as k_matmul
+from .kernels import position as k_position
 from .kernels import rmsnorm as k_rmsnorm
 from .kernels import rope as k_rope
 from .kernels import swiglu as k_swiglu
@@ -81,6 +82,11 @@ class CUDABackend(Backend):
         self.pos = cuda.device_array(1, np.int32)
         self._pos_host = cuda.pinned_array(1, np.int32)
         self._tok_host = cuda.pinned_array(1, np.int32)
+        self._tok_up = cuda.pinned_array(1, np.int32)
+        # host mirrors of the device position and of ws.tok (None: unknown); an upload is skipped
+        # when the device already holds the value, which is the case for every greedy decode step
+        self._pos_value = None
+        self._tok_value = None
         self._held = 0
         self._spare_cache = None
         self._graphs: "OrderedDict[Any, tuple]" = OrderedDict()
@@ -179,14 +185,31 @@ class CUDABackend(Backend):
 
     # ------------------------------------------------------------------ positions / transfer
     def positions(self, pos: int):
-        # the previous upload from this staging buffer must have left before it is overwritten
-        self.stream.synchronize()
-        self._pos_host[0] = pos
-        self.pos.copy_to_device(self._pos_host, stream=self.stream)
+        if pos != self._pos_value:
+            # the previous upload from this staging buffer must have left before it is overwritten
+            self.stream.synchronize()
+            self._pos_host[0] = pos
+            self.pos.copy_to_device(self._pos_host, stream=self.stream)
+            self._pos_value = pos
         return self.pos
+
+    def advance_position(self, pos) -> None:
+        k_position.advance_position(self.pos, 1, stream=self.stream)
+        if self._pos_value is not None:
+            self._pos_value += 1
 
     def set_ids(self, ws: Workspace, ids):
         n = len(ids)
+        if n == 1:
+            # one-token steps read their id from ws.tok, where the argmax of the previous step is
+            # already waiting: a greedy step uploads nothing
+            t = int(ids[0])
+            if t != self._tok_value:
+                self.stream.synchronize()   # see positions()
+                self._tok_up[0] = t
+                ws.tok.copy_to_device(self._tok_up, stream=self.stream)
+                self._tok_value = t
+            return ws.tok
         self.stream.synchronize()   # see positions()
         ws.ids_host[:n] = ids
         ws.ids[:n].copy_to_device(ws.ids_host[:n], stream=self.stream)
@@ -202,11 +225,13 @@ class CUDABackend(Backend):
 
     def launch_argmax(self, ws: Workspace) -> None:
         k_argmax.argmax(ws.tok, ws.logits[:1], stream=self.stream)
+        self._tok_value = None
 
     def read_argmax(self, ws: Workspace) -> int:
         ws.tok.copy_to_host(self._tok_host, stream=self.stream)
         self.stream.synchronize()
-        return int(self._tok_host[0])
+        self._tok_value = int(self._tok_host[0])
+        return self._tok_value
 
     # ------------------------------------------------------------------ graphs
     def replay(self, key, fn) -> None:
@@ -218,16 +243,26 @@ class CUDABackend(Backend):
             # first use: run eagerly so every kernel is compiled and loaded (module loading is not
             # allowed while a stream captures), then capture on the next call
             fn()
-            self._graphs[key] = ("warm", None)
+            self._graphs[key] = ("warm", None, None)
             self._trim()
             return
         if entry[0] == "warm":
+            # the capture run issues the same ops, so it leaves the host mirrors as a replay will
+            pos0 = self._pos_value
             gexec = self._capture(fn)
-            self._graphs[key] = ("graph", gexec)
+            effect = (None if pos0 is None or self._pos_value is None else self._pos_value - pos0,
+                      self._tok_value is None)
+            self._graphs[key] = ("graph", gexec, effect)
+            # capture did not execute anything: restore the mirrors, then replay
+            self._pos_value = pos0
             entry = self._graphs[key]
         self._graphs.move_to_end(key)
         entry[1].launch()
         self.graph_launches += 1
+        dpos, tok_clobbered = entry[2]
+        self._pos_value = None if dpos is None or self._pos_value is None else self._pos_value + dpos
+        if tok_clobbered:
+            self._tok_value = None
 
     def _trim(self) -> None:
         while len(self._graphs) > MAX_GRAPHS:
