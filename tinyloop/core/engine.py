@@ -15,6 +15,7 @@ Canonical decode state machine (generate / generate_stream / generate_iter):
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import threading
@@ -403,37 +404,9 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], config: Optio
 
 
 # --------------------------------------------------------------------------- scoring
-def score(model: Model, tokens: Sequence[int], loops: Optional[int] = None,
-          cache_mode: str = "fp16") -> np.ndarray:
-    """Logits (T, vocab_size) float32 for every position of `tokens` at `loops` iterations."""
-    model._check_live()
-    cfg = GenerateConfig(max_tokens=0, loops=loops, cache_mode=cache_mode)
-    plan = _Plan(model, cfg, "single")
-    ids = validate_request(model, tokens, cfg, what="tokens")
-    out = np.empty((len(ids), model.cfg.vocab_size), np.float32)
-    lock = _locked(model)
-    try:
-        stats = GenerateStats()
-        s = Session(model, ids, plan, ProcessorChain([]), stats)
-        try:
-            rows = model.ws.rows
-            for a in range(0, len(ids), rows):
-                T = min(rows, len(ids) - a)
-                h = model.backend.set_ids(model.ws, ids[a:a + T])
-                model.fwd.forward(h, model.backend.positions(a), T, s.cache, plan.loops)
-                model.fwd.logits(0, T)
-                for r in range(T):
-                    out[a + r] = model.backend.logits_to_host(model.ws, r)
-        finally:
-            s.close()
-    finally:
-        lock.release()
-    return out
-
-
-def score_last_token(model: Model, tokens: Sequence[int], loops: Optional[int] = None,
-                     cache_mode: str = "fp16") -> np.ndarray:
-    """Logits (vocab_size,) float32 of the last position only."""
+@contextlib.contextmanager
+def _scoring(model: Model, tokens: Sequence[int], loops: Optional[int], cache_mode: str):
+    """Validated ids and a live session (cache allocated, model locked) for a scoring call."""
     model._check_live()
     cfg = GenerateConfig(max_tokens=0, loops=loops, cache_mode=cache_mode)
     plan = _Plan(model, cfg, "single")
@@ -442,9 +415,31 @@ def score_last_token(model: Model, tokens: Sequence[int], loops: Optional[int] =
     try:
         s = Session(model, ids, plan, ProcessorChain([]), GenerateStats())
         try:
-            s.start()
-            return np.array(model.backend.logits_to_host(model.ws, 0), np.float32)
+            yield ids, s
         finally:
             s.close()
     finally:
         lock.release()
+
+
+def score(model: Model, tokens: Sequence[int], loops: Optional[int] = None,
+          cache_mode: str = "fp16") -> np.ndarray:
+    """Logits (T, vocab_size) float32 for every position of `tokens` at `loops` iterations."""
+    with _scoring(model, tokens, loops, cache_mode) as (ids, s):
+        out = np.empty((len(ids), model.cfg.vocab_size), np.float32)
+        be, ws = model.backend, model.ws
+        for a in range(0, len(ids), ws.rows):
+            T = min(ws.rows, len(ids) - a)
+            model.fwd.forward(be.set_ids(ws, ids[a:a + T]), be.positions(a), T, s.cache, s.loops)
+            model.fwd.logits(0, T)
+            for r in range(T):
+                out[a + r] = be.logits_to_host(ws, r)
+    return out
+
+
+def score_last_token(model: Model, tokens: Sequence[int], loops: Optional[int] = None,
+                     cache_mode: str = "fp16") -> np.ndarray:
+    """Logits (vocab_size,) float32 of the last position only."""
+    with _scoring(model, tokens, loops, cache_mode) as (_, s):
+        s.start()
+        return np.array(model.backend.logits_to_host(model.ws, 0), np.float32)
