@@ -129,6 +129,10 @@ class Backend(ABC):
     def logits_to_host(self, ws: Workspace, row: int):
         """Row `row` of ws.logits as a host float32 numpy array (a view or copy)."""
 
+    @abstractmethod
+    def logits_block_to_host(self, ws: Workspace, n: int):
+        """Rows 0..n-1 of ws.logits as a host float32 array (scoring; may allocate)."""
+
     def copy_cache_slots(self, cache, src: int, dst: int, n: int, layers: range) -> None:
         """Move n cache slots starting at src to dst for the given layers (speculative roll-forward)."""
         raise NotImplementedError(f"{self.name} backend does not move cache slots")

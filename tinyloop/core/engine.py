@@ -432,8 +432,7 @@ def score(model: Model, tokens: Sequence[int], loops: Optional[int] = None,
             T = min(ws.rows, len(ids) - a)
             model.fwd.forward(be.set_ids(ws, ids[a:a + T]), be.positions(a), T, s.cache, s.loops)
             model.fwd.logits(0, T)
-            for r in range(T):
-                out[a + r] = be.logits_to_host(ws, r)
+            out[a:a + T] = be.logits_block_to_host(ws, T)
     return out
 
 

@@ -110,6 +110,9 @@ class CPUBackend(Backend):
     def logits_to_host(self, ws: Workspace, row: int) -> np.ndarray:
         return ws.logits[row]
 
+    def logits_block_to_host(self, ws: Workspace, n: int) -> np.ndarray:
+        return ws.logits[:n]
+
     def rows(self, buf, row0: int):
         return buf[row0:]
 

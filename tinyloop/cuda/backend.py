@@ -220,6 +220,11 @@ class CUDABackend(Backend):
         self.stream.synchronize()
         return ws.logits_host
 
+    def logits_block_to_host(self, ws: Workspace, n: int) -> np.ndarray:
+        out = ws.logits[:n].copy_to_host(stream=self.stream)
+        self.stream.synchronize()
+        return out
+
     def rows(self, buf, row0: int):
         return buf[row0:]
 
