@@ -106,6 +106,9 @@ class Backend(ABC):
     def alloc_cache(self, n_layers: int, n_slots: int, kv_dtype: str) -> Any:
         """A KV cache of n_layers x n_slots x n_kv_heads x head_dim for K and V, stored as kv_dtype."""
 
+    def report(self, stats) -> None:
+        """Called with a request's GenerateStats when it ends (a backend may print a profile)."""
+
     def release_cache(self, cache) -> None:
         """A request is done with `cache` (a backend may keep it for the next request)."""
 

@@ -326,6 +326,7 @@ def _decode(model: Model, prompt: List[int], plan: _Plan, stats: GenerateStats) 
         if t_first is not None:
             stats.decode_ms = (time.perf_counter() - t_first) * 1e3
         session.close()
+        model.backend.report(stats)
 
 
 def _locked(model: Model):

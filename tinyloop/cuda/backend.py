@@ -17,6 +17,7 @@ replay. ``TINYLOOP_CUDA_GRAPHS=0`` runs every step eagerly (same tokens). Only t
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections import OrderedDict
 from typing import Any
@@ -160,6 +161,14 @@ class CUDABackend(Backend):
         v = self._empty(shape, _DT[kv_dtype])
         return CUDACache(k, v, kv_dtype)
 
+    def report(self, stats) -> None:
+        if self.profile:
+            per = stats.decode_ms / max(1, stats.tokens_emitted - 1)
+            print(f"[tinyloop cuda] prefill {stats.prefill_ms:.2f} ms, first token {stats.first_token_ms:.2f} ms, "
+                  f"decode {stats.decode_ms:.2f} ms ({per:.3f} ms/token, {stats.tokens_emitted} tokens, "
+                  f"L={stats.loops_used}), {self.step_nodes} graph nodes per step, "
+                  f"{self.graph_launches} graph launches so far", file=sys.stderr)
+
     def release_cache(self, cache: CUDACache) -> None:
         """Keep the cache for the next request (its graphs stay valid); drop any older spare."""
         if cache is not self._spare_cache:
@@ -279,7 +288,7 @@ class CUDABackend(Backend):
         self.step_nodes = g.nodes
         if self.profile:
             print(f"[tinyloop cuda] captured a decode step: {g.nodes} graph nodes in "
-                  f"{(time.perf_counter() - t0) * 1e3:.1f} ms")
+                  f"{(time.perf_counter() - t0) * 1e3:.1f} ms", file=sys.stderr)
         return g
 
     # ------------------------------------------------------------------ ops
