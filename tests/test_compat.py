@@ -3,6 +3,7 @@ raise the typed error before any work."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -10,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tinyloop as tl
-from tinyloop.core.compat import CompatWarning, load_matrix
+from tinyloop.core.compat import CompatMatrix, CompatWarning, load_matrix
 from tinyloop.core.plugins import PluginManager
 
 
@@ -70,6 +71,9 @@ def expected_outcome(matrix, context, cfg):
 def test_random_mode_combinations(tiny_model, prompt, monkeypatch, knobs, context):
     matrix = load_matrix()
     cfg = tl.GenerateConfig(max_tokens=3, sample_seed=1, **knobs)
+    if context in ("speculative", "tree_speculative"):
+        # the speculative entry points take temperature and cache_mode; the other knobs do not exist there
+        cfg = tl.GenerateConfig(max_tokens=3, temperature=knobs["temperature"], cache_mode=knobs["cache_mode"])
     want = expected_outcome(matrix, context, cfg)
     allocations = []
     real_alloc = tiny_model.backend.alloc_cache
@@ -80,7 +84,8 @@ def test_random_mode_combinations(tiny_model, prompt, monkeypatch, knobs, contex
             return [(prompt, tl.generate(tiny_model, prompt, cfg))]
         if context == "batched":
             return list(zip([prompt, prompt[:4]], tl.generate_batch(tiny_model, [prompt, prompt[:4]], cfg)))
-        spec = dict(max_tokens=3, draft_loops=1, verify_loops=3, temperature=knobs["temperature"])
+        spec = dict(max_tokens=3, draft_loops=1, verify_loops=3, temperature=knobs["temperature"],
+                    cache_mode=knobs["cache_mode"])
         if context == "speculative":
             return [(prompt, tl.generate_speculative(tiny_model, prompt, tl.SpeculativeConfig(**spec)))]
         return [(prompt, tl.generate_tree_speculative(tiny_model, prompt, tl.TreeSpeculativeConfig(**spec)))]
@@ -106,21 +111,19 @@ def test_rejection_names_the_rule(tiny_model, prompt):
     with pytest.raises(tl.NotImplementedModeError, match=r"beam_search \(beam_size=4\) is not implemented yet"):
         tl.generate(tiny_model, prompt, tl.GenerateConfig(beam_size=4))
     with pytest.raises(tl.IncompatibleModesError, match=r"repetition_penalty.*rejected in speculative"):
-        _with_speculative().check("speculative", tl.GenerateConfig(repetition_penalty=1.2))
-    with pytest.raises(tl.NotImplementedModeError, match="speculative decoding is not implemented yet"):
-        tl.generate_speculative(tiny_model, prompt, tl.SpeculativeConfig(verify_loops=4))
-
-
-def _with_speculative():
-    """The real matrix with the speculative context switched on, to exercise its cells."""
-    from tinyloop.core.compat import CompatMatrix
-    m = load_matrix()
-    return CompatMatrix(dict(m.contexts, speculative="implemented"), m.modes, m.pairs, m.source)
+        load_matrix().check("speculative", tl.GenerateConfig(repetition_penalty=1.2))
+    with pytest.raises(tl.IncompatibleModesError, match=r"sampling \(temperature=0.7\) is rejected in speculative"):
+        tl.generate_speculative(tiny_model, prompt, tl.SpeculativeConfig(verify_loops=4, temperature=0.7))
+    with pytest.raises(tl.NotImplementedModeError, match="tree_speculative decoding is not implemented yet"):
+        tl.generate_tree_speculative(tiny_model, prompt, tl.TreeSpeculativeConfig(verify_loops=4))
 
 
 def test_partial_cell_warns():
-    with pytest.warns(CompatWarning, match="sampling in speculative decoding is partial"):
-        _with_speculative().check("speculative", tl.GenerateConfig(temperature=0.5))
+    """A partial cell (cache_window x speculative, with the row switched on) runs with a warning."""
+    m = load_matrix()
+    rows = dict(m.modes, cache_window=dataclasses.replace(m.modes["cache_window"], status="implemented"))
+    with pytest.warns(CompatWarning, match="cache_window in speculative decoding is partial"):
+        CompatMatrix(m.contexts, rows, m.pairs, m.source).check("speculative", tl.GenerateConfig(cache_window=8))
 
 
 def test_malformed_matrix_is_config_error(tmp_path):

@@ -142,3 +142,36 @@ def test_oom_is_typed_and_releases(tmp_path):
         assert len(tl.generate(m, [1, 2], tl.GenerateConfig(max_tokens=2))) == 4
     finally:
         tl.free_model(m)
+
+
+def test_speculative_exact_on_gpu(pair):
+    _, cpu, gpu = pair
+    p = PROMPTS[0]
+    for verify_loops in (3, 6):
+        ref = tl.generate(gpu, p, tl.GenerateConfig(max_tokens=24, loops=verify_loops))
+        for draft_loops in range(1, verify_loops):
+            for draft_ahead in (1, 2, 4, 8):
+                for resume in (True, False):
+                    cfg = tl.SpeculativeConfig(max_tokens=24, draft_loops=draft_loops, verify_loops=verify_loops,
+                                               draft_ahead=draft_ahead, verify_resume=resume)
+                    assert tl.generate_speculative(gpu, p, cfg) == ref, (draft_loops, draft_ahead, resume)
+    cfg = tl.SpeculativeConfig(max_tokens=24, draft_loops=2, verify_loops=6, draft_ahead=4)
+    assert tl.generate_speculative(gpu, p, cfg) == tl.generate_speculative(cpu, p, cfg)
+
+
+def test_speculative_demo_model_exact_on_gpu():
+    from tinyloop.core.models import demo_model_path
+    from tinyloop.core.tokenizer import resolve_tokenizer
+    gpu = tl.load_model(demo_model_path(), max_seq_len=256, backend="cuda")
+    try:
+        tok = resolve_tokenizer(gpu.header.tokenizer, None, gpu.vocab_size)
+        for text in ("def fibonacci(n):", "class Stack:\n    def push(self, x):", "import os\n"):
+            ids = tok.encode(text)
+            for verify_loops in (4, 8):
+                ref = tl.generate(gpu, ids, tl.GenerateConfig(max_tokens=48, loops=verify_loops))
+                for draft_loops, draft_ahead in ((1, 3), (2, 4), (3, 8)):
+                    cfg = tl.SpeculativeConfig(max_tokens=48, draft_loops=draft_loops, verify_loops=verify_loops,
+                                               draft_ahead=draft_ahead)
+                    assert tl.generate_speculative(gpu, ids, cfg) == ref
+    finally:
+        tl.free_model(gpu)

@@ -32,7 +32,8 @@ class Workspace:
     """Activation buffers for up to ``rows`` rows (shape legend: T rows x features).
 
     x (T, d) residual; h (T, d) normed; e (T, d) loop-inject copy; q (T, q_dim); k, v (T, kv_dim);
-    att (T, q_dim); g, u (T, d_ff); logits (T, vocab).
+    att (T, q_dim); g, u (T, d_ff); logits (T, vocab); snap_x, snap_e (T, d) residual stashes
+    (speculative verify-resume).
     """
 
     rows: int
@@ -46,6 +47,8 @@ class Workspace:
     g: Any
     u: Any
     logits: Any
+    snap_x: Any = None
+    snap_e: Any = None
 
 
 @dataclass
@@ -212,6 +215,13 @@ class Backend(ABC):
     @abstractmethod
     def read_argmax(self, ws: Workspace) -> int:
         """The argmax of ws.logits[0] (ties to the lowest id); only the id reaches the host."""
+
+    def launch_argmax_rows(self, ws: Workspace, n: int) -> None:
+        """Start the argmax of each of ws.logits[0:n] where the logits live."""
+
+    @abstractmethod
+    def read_argmax_rows(self, ws: Workspace, n: int) -> list:
+        """The argmax of each of ws.logits[0:n] (ties to the lowest id), as host ints."""
 
     def replay(self, key, fn) -> None:
         """Run `fn` (a fixed sequence of ops). A backend with graphs captures it under `key` on first

@@ -157,9 +157,21 @@ class SpeculativeConfig:
     """0 = greedy acceptance (exact); > 0 = speculative sampling."""
     seed: int = 0
     """RNG seed for stochastic mode."""
+    verify_resume: bool = True
+    """Verify resumes each drafted position from the residual the draft left after draft_loops
+    iterations and runs only iterations draft_loops..verify_loops-1 (same tokens either way)."""
+    stop_sequences: Tuple[Tuple[int, ...], ...] = ()
+    """Token-id sequences that end decoding when they match the tail of the output (included)."""
+    cache_mode: str = "fp16"
+    """KV-cache storage mode (a registered cache-mode plugin)."""
 
     def __post_init__(self) -> None:
         _int("max_tokens", self.max_tokens, 0)
+        if not isinstance(self.cache_mode, str) or not self.cache_mode:
+            raise ConfigError(f"cache_mode must be a plugin name, got {self.cache_mode!r}")
+        if not isinstance(self.verify_resume, bool):
+            raise ConfigError(f"verify_resume must be true or false, got {self.verify_resume!r}")
+        object.__setattr__(self, "stop_sequences", _stop_sequences(self.stop_sequences))
         _int("verify_loops", self.verify_loops, 1)
         _int("draft_loops", self.draft_loops, 1, max(1, self.verify_loops - 1))
         _int("draft_ahead", self.draft_ahead, 1, 64)
@@ -209,6 +221,26 @@ class GenerateStats:
     """Effective loop depth used."""
     loop_iters_run: int = 0
     """Shared-block loop iterations executed over all forwards (prefill rows counted once per chunk)."""
+    drafted_tokens: int = 0
+    """Speculative: tokens drafted at draft_loops."""
+    accepted_tokens: int = 0
+    """Speculative: drafted tokens the verify pass accepted."""
+    verify_forwards: int = 0
+    """Speculative: verify passes (one per draft cycle)."""
+    acceptance_rate: float = 0.0
+    """Speculative: accepted_tokens / drafted_tokens."""
+    mean_accepted_length: float = 0.0
+    """Speculative: tokens emitted per verify pass (accepted drafts + the bonus token)."""
+    full_depth_forwards_saved: int = 0
+    """Speculative: full-depth decode forwards plain decoding would have run, minus verify passes."""
+
+    def finalize(self) -> None:
+        """Derive the ratio fields from the counters once a call has ended."""
+        if self.verify_forwards:
+            self.acceptance_rate = self.accepted_tokens / max(1, self.drafted_tokens)
+            after_first = max(0, self.tokens_emitted - 1)
+            self.mean_accepted_length = after_first / self.verify_forwards
+            self.full_depth_forwards_saved = after_first - self.verify_forwards
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

@@ -189,6 +189,8 @@ class _Plan:
         self.config = config
         self.loops = resolve_loops(model, config.loops)
         self.processor_factory = lambda: ProcessorChain(pm.processors_for(config))
+        self.decoder_config = config      # what the decoder is built from (a SpeculativeConfig for
+        self.session_cls = Session        # speculative contexts, which also bring their own session)
 
 
 # --------------------------------------------------------------------------- session
@@ -196,7 +198,7 @@ class Session:
     """The decode session a decoder drives (see tinyloop.core.decoding)."""
 
     def __init__(self, model: Model, prompt: List[int], plan: _Plan, chain: ProcessorChain,
-                 stats: GenerateStats):
+                 stats: GenerateStats, extra_layers: int = 0, extra_slots: int = 0):
         self.model, self.config, self.loops = model, plan.config, plan.loops
         self.vocab_size = model.cfg.vocab_size
         self.tokens = list(prompt)
@@ -204,8 +206,8 @@ class Session:
         self.chain = chain
         self.stats = stats
         self.uncached = os.environ.get("TINYLOOP_DISABLE_KV_CACHE", "") not in ("", "0")
-        n_slots = len(prompt) + plan.config.max_tokens
-        self.cache = model.backend.alloc_cache(model.cfg.n_layers(self.loops), n_slots,
+        n_slots = len(prompt) + plan.config.max_tokens + extra_slots
+        self.cache = model.backend.alloc_cache(model.cfg.n_layers(self.loops) + extra_layers, n_slots,
                                                plan.cache_mode.kv_dtype)
         model._live_cache_bytes += self.cache_bytes
         self._buf = np.zeros(self.vocab_size, np.float32)
@@ -291,10 +293,10 @@ def _decode(model: Model, prompt: List[int], plan: _Plan, stats: GenerateStats) 
     out: List[int] = []
     eos = model.cfg.eos_id
     t_first = None
-    session = Session(model, prompt, plan, chain, stats)
+    session = plan.session_cls(model, prompt, plan, chain, stats)
     gen = None
     try:
-        gen = plan.decoder_cls(config).decode(session)
+        gen = plan.decoder_cls(plan.decoder_config).decode(session)
         for tok in gen:
             if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, (int, np.integer)) \
                     or not 0 <= int(tok) < model.cfg.vocab_size:
@@ -326,6 +328,7 @@ def _decode(model: Model, prompt: List[int], plan: _Plan, stats: GenerateStats) 
         if t_first is not None:
             stats.decode_ms = (time.perf_counter() - t_first) * 1e3
         session.close()
+        stats.finalize()
         model.backend.report(stats)
 
 

@@ -14,7 +14,7 @@ the cache. It is split into three pieces so that later modes can resume in the m
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from .arch import ModelConfig
 from .backend import Backend, ModelWeights, Workspace
@@ -48,10 +48,13 @@ class Forward:
             for j, blk in enumerate(self.w.loop):
                 self._block(blk, cache, cfg.cache_layer("loop", j, iteration=it), pos, T)
 
-    def suffix(self, pos: Any, T: int, cache, loops: int) -> None:
-        """Post blocks after `loops` loop iterations."""
+    def suffix(self, pos: Any, T: int, cache, loops: int, post_layer0: Optional[int] = None) -> None:
+        """Post blocks after `loops` loop iterations. Their cache layers start after the loop's
+        (``cache_layer("post", 0, loops=loops)``) unless `post_layer0` places them elsewhere (a
+        speculative draft keeps its post layers apart from the verify depth's)."""
         for i, blk in enumerate(self.w.post):
-            self._block(blk, cache, self.cfg.cache_layer("post", i, loops=loops), pos, T)
+            layer = self.cfg.cache_layer("post", i, loops=loops) if post_layer0 is None else post_layer0 + i
+            self._block(blk, cache, layer, pos, T)
 
     def logits(self, row0: int, n: int) -> None:
         """ws.logits[0:n] = head(final_norm(x[row0:row0+n]))."""

@@ -81,11 +81,11 @@ class CPUBackend(Backend):
             return np.zeros((rows, n), f)
         ws = Workspace(rows=rows, x=z(c.d_model), h=z(c.d_model), e=z(c.d_model), q=z(c.q_dim),
                        k=z(c.kv_dim), v=z(c.kv_dim), att=z(c.q_dim), g=z(c.d_ff), u=z(c.d_ff),
-                       logits=z(c.vocab_size))
+                       logits=z(c.vocab_size), snap_x=z(c.d_model), snap_e=z(c.d_model))
         ws.ids = np.zeros(rows, np.int64)
         self._scores = np.zeros((rows * c.n_heads, self.max_seq_len), f)
         self._held += sum(a.nbytes for a in (ws.x, ws.h, ws.e, ws.q, ws.k, ws.v, ws.att, ws.g, ws.u,
-                                            ws.logits, self._scores))
+                                            ws.logits, ws.snap_x, ws.snap_e, self._scores))
         return ws
 
     def alloc_cache(self, n_layers: int, n_slots: int, kv_dtype: str) -> CPUCache:
@@ -158,3 +158,6 @@ class CPUBackend(Backend):
 
     def read_argmax(self, ws: Workspace) -> int:
         return int(ops.argmax(ws.logits[0]))
+
+    def read_argmax_rows(self, ws: Workspace, n: int) -> list:
+        return [int(ops.argmax(ws.logits[r])) for r in range(n)]

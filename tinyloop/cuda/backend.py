@@ -39,7 +39,7 @@ from .kernels import rmsnorm as k_rmsnorm
 from .kernels import rope as k_rope
 from .kernels import swiglu as k_swiglu
 
-MAX_GRAPHS = 16
+MAX_GRAPHS = 64
 _DT = {"fp16": np.float16, "fp32": np.float32}
 
 
@@ -138,11 +138,14 @@ class CUDABackend(Backend):
         f = np.float32
         bufs = dict(x=(rows, c.d_model), h=(rows, c.d_model), e=(rows, c.d_model), q=(rows, c.q_dim),
                     k=(rows, c.kv_dim), v=(rows, c.kv_dim), att=(rows, c.q_dim), g=(rows, c.d_ff),
-                    u=(rows, c.d_ff), logits=(rows, c.vocab_size))
+                    u=(rows, c.d_ff), logits=(rows, c.vocab_size), snap_x=(rows, c.d_model),
+                    snap_e=(rows, c.d_model))
         arrays = {n: self._empty(s, f) for n, s in bufs.items()}
         ws = Workspace(rows=rows, **arrays)
         ws.ids = self._empty(rows, np.int32)
         ws.tok = self._empty(1, np.int32)
+        ws.toks = self._empty(rows, np.int32)
+        ws.toks_host = cuda.pinned_array(rows, np.int32)
         ws.ids_host = cuda.pinned_array(rows, np.int32)
         ws.logits_host = cuda.pinned_array(c.vocab_size, np.float32)
         self._held += sum(int(a.nbytes) for a in arrays.values()) + int(ws.ids.nbytes) + 4
@@ -246,6 +249,14 @@ class CUDABackend(Backend):
         self.stream.synchronize()
         self._tok_value = int(self._tok_host[0])
         return self._tok_value
+
+    def launch_argmax_rows(self, ws: Workspace, n: int) -> None:
+        k_argmax.argmax(ws.toks[:n], ws.logits[:n], stream=self.stream)
+
+    def read_argmax_rows(self, ws: Workspace, n: int) -> list:
+        ws.toks[:n].copy_to_host(ws.toks_host[:n], stream=self.stream)
+        self.stream.synchronize()
+        return [int(t) for t in ws.toks_host[:n]]
 
     # ------------------------------------------------------------------ graphs
     def replay(self, key, fn) -> None:

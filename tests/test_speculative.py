@@ -1,0 +1,108 @@
+"""Chain self-speculative decoding: exact greedy tokens for every draft depth, draft length and
+verify-resume setting; statistics; typed errors before work."""
+
+from __future__ import annotations
+
+import pytest
+
+import tinyloop as tl
+from tinyloop import SpeculativeConfig
+
+from conftest import write_tiny
+
+
+@pytest.fixture(scope="module", params=[dict(), dict(n_post=0, loop_inject="none", n_loop=1)])
+def model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("spec") / "m.tinyloop"
+    write_tiny(path, seed=2, quant="q4", group_size=32, **request.param)
+    m = tl.load_model(str(path), max_seq_len=128, backend="cpu")
+    yield m
+    tl.free_model(m)
+
+
+@pytest.mark.parametrize("verify_loops", [3, 6])
+@pytest.mark.parametrize("resume", [True, False])
+def test_exact_greedy_for_every_draft_setting(model, prompt, verify_loops, resume):
+    ref = tl.generate(model, prompt, tl.GenerateConfig(max_tokens=24, loops=verify_loops))
+    for draft_loops in range(1, verify_loops):
+        for draft_ahead in range(1, 9):
+            cfg = SpeculativeConfig(max_tokens=24, draft_loops=draft_loops, verify_loops=verify_loops,
+                                    draft_ahead=draft_ahead, verify_resume=resume)
+            assert tl.generate_speculative(model, prompt, cfg) == ref, (draft_loops, draft_ahead)
+
+
+def test_fp32_cache_and_short_outputs(model, prompt):
+    for n in (0, 1, 2, 5):
+        ref = tl.generate(model, prompt, tl.GenerateConfig(max_tokens=n, loops=4, cache_mode="fp32"))
+        out = tl.generate_speculative(model, prompt, SpeculativeConfig(max_tokens=n, draft_loops=2, verify_loops=4,
+                                                                       draft_ahead=4, cache_mode="fp32"))
+        assert out == ref
+
+
+def test_stats(model, prompt):
+    st = tl.GenerateStats()
+    cfg = SpeculativeConfig(max_tokens=30, draft_loops=2, verify_loops=5, draft_ahead=4)
+    out = tl.generate_speculative(model, prompt, cfg, stats=st)
+    assert st.tokens_emitted == len(out) - len(prompt) == 30
+    assert st.verify_forwards >= 1 and st.drafted_tokens == 4 * st.verify_forwards
+    assert 0 <= st.accepted_tokens <= st.drafted_tokens
+    assert st.acceptance_rate == pytest.approx(st.accepted_tokens / st.drafted_tokens)
+    assert 1.0 <= st.mean_accepted_length <= 5.0
+    assert st.full_depth_forwards_saved == st.tokens_emitted - 1 - st.verify_forwards
+    assert st.stop_reason == tl.StopReason.MAX_TOKENS and st.loops_used == 5
+
+
+def test_stop_sequence(model, prompt):
+    ref = tl.generate(model, prompt, tl.GenerateConfig(max_tokens=20, loops=4))[len(prompt):]
+    stop = ref[5:7]
+    first = next(i for i in range(len(ref) - 1) if ref[i:i + 2] == stop)
+    out = tl.generate_speculative(model, prompt, SpeculativeConfig(max_tokens=20, draft_loops=1, verify_loops=4,
+                                                                   draft_ahead=6, stop_sequences=[stop]))
+    assert out[len(prompt):] == ref[:first + 2]
+
+
+def test_demo_model_exact(prompt):
+    from tinyloop.core.models import demo_model_path
+    from tinyloop.core.tokenizer import resolve_tokenizer
+    m = tl.load_model(demo_model_path(), max_seq_len=256, backend="cpu")
+    try:
+        tok = resolve_tokenizer(m.header.tokenizer, None, m.vocab_size)
+        for text in ("def fibonacci(n):", "class Stack:\n    def push(self, x):", "import os\n"):
+            ids = tok.encode(text)
+            ref = tl.generate(m, ids, tl.GenerateConfig(max_tokens=40, loops=4))
+            for draft_loops, draft_ahead in ((1, 3), (2, 4), (3, 8)):
+                st = tl.GenerateStats()
+                out = tl.generate_speculative(m, ids, SpeculativeConfig(max_tokens=40, draft_loops=draft_loops,
+                                                                        verify_loops=4, draft_ahead=draft_ahead),
+                                              stats=st)
+                assert out == ref
+                assert st.acceptance_rate > 0.2
+    finally:
+        tl.free_model(m)
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(draft_loops=4, verify_loops=4), tl.ConfigError, r"draft_loops=4 is outside the allowed range \[1, 3\]"),
+    (dict(verify_loops=9), tl.ConfigError, "verify_loops=9"),
+    (dict(draft_ahead=0), tl.ConfigError, "draft_ahead=0"),
+    (dict(temperature=0.9), tl.IncompatibleModesError, "rejected in speculative"),
+    (dict(cache_mode="int8"), tl.NotImplementedModeError, "int8_cache"),
+    (dict(verify_resume="yes"), tl.ConfigError, "verify_resume"),
+])
+def test_errors_before_work(model, prompt, monkeypatch, kw, exc, match):
+    calls = []
+    monkeypatch.setattr(model.backend, "alloc_cache", lambda *a: calls.append(a))
+    with pytest.raises(exc, match=match):
+        tl.generate_speculative(model, prompt, SpeculativeConfig(**{"verify_loops": 4, **kw}))
+    assert calls == []
+
+
+def test_draft_ahead_must_fit_the_pool(tmp_path, prompt):
+    path = tmp_path / "m.tinyloop"
+    write_tiny(path)
+    m = tl.load_model(str(path), max_seq_len=64, backend="cpu", prefill_chunk=4)
+    try:
+        with pytest.raises(tl.ConfigError, match="draft_ahead=4 needs 5 rows"):
+            tl.generate_speculative(m, prompt, SpeculativeConfig(draft_ahead=4, verify_loops=4))
+    finally:
+        tl.free_model(m)
