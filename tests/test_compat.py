@@ -112,8 +112,6 @@ def test_rejection_names_the_rule(tiny_model, prompt):
         tl.generate(tiny_model, prompt, tl.GenerateConfig(beam_size=4))
     with pytest.raises(tl.IncompatibleModesError, match=r"repetition_penalty.*rejected in speculative"):
         load_matrix().check("speculative", tl.GenerateConfig(repetition_penalty=1.2))
-    with pytest.raises(tl.IncompatibleModesError, match=r"sampling \(temperature=0.7\) is rejected in speculative"):
-        tl.generate_speculative(tiny_model, prompt, tl.SpeculativeConfig(verify_loops=4, temperature=0.7))
     with pytest.raises(tl.NotImplementedModeError, match="tree_speculative decoding is not implemented yet"):
         tl.generate_tree_speculative(tiny_model, prompt, tl.TreeSpeculativeConfig(verify_loops=4))
 

@@ -85,7 +85,8 @@ def test_demo_model_exact(prompt):
     (dict(draft_loops=4, verify_loops=4), tl.ConfigError, r"draft_loops=4 is outside the allowed range \[1, 3\]"),
     (dict(verify_loops=9), tl.ConfigError, "verify_loops=9"),
     (dict(draft_ahead=0), tl.ConfigError, "draft_ahead=0"),
-    (dict(temperature=0.9), tl.IncompatibleModesError, "rejected in speculative"),
+    (dict(temperature=0.9, top_k=0), tl.ConfigError, "top_k=0"),
+    (dict(temperature=0.9, top_p=0.0), tl.ConfigError, "top_p=0.0"),
     (dict(cache_mode="int8"), tl.NotImplementedModeError, "int8_cache"),
     (dict(verify_resume="yes"), tl.ConfigError, "verify_resume"),
 ])
@@ -106,3 +107,80 @@ def test_draft_ahead_must_fit_the_pool(tmp_path, prompt):
             tl.generate_speculative(m, prompt, SpeculativeConfig(draft_ahead=4, verify_loops=4))
     finally:
         tl.free_model(m)
+
+
+# ------------------------------------------------------------------ speculative sampling
+def _chi2_critical(df: int) -> float:
+    """Chi-square critical value at p = 0.001 (Wilson-Hilferty approximation)."""
+    z = 3.090
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def _exact_marginals(m, prompt, loops, temperature, top_k, top_p):
+    """Distributions of generated tokens 1 and 2 under plain sampling at `loops`, by enumeration."""
+    import numpy as np
+    from tinyloop.core.sampling import sampling_probs
+
+    def probs(ids):
+        return sampling_probs(tl.score_last_token(m, ids, loops=loops), temperature, top_k, top_p)
+    p0 = probs(prompt)
+    p1 = np.zeros_like(p0)
+    p2 = np.zeros_like(p0)
+    for a in np.nonzero(p0)[0]:
+        pa = probs(prompt + [int(a)])
+        p1 += p0[a] * pa
+        for b in np.nonzero(pa)[0]:
+            p2 += p0[a] * pa[b] * probs(prompt + [int(a), int(b)])
+    return p1, p2
+
+
+def _chi2(counts, probs):
+    import numpy as np
+    n = counts.sum()
+    exp = probs * n
+    big = exp >= 5
+    obs_b = np.append(counts[big], counts[~big].sum())
+    exp_b = np.append(exp[big], exp[~big].sum())
+    keep = exp_b > 0
+    stat = float((((obs_b - exp_b) ** 2)[keep] / exp_b[keep]).sum())
+    return stat, int(keep.sum()) - 1
+
+
+@pytest.mark.slow
+def test_speculative_sampling_matches_plain_sampling_distribution(tmp_path):
+    """Chi-square: tokens 2 and 3 of speculative sampling (drafted at L=1, verified at L=4) follow the
+    exact distribution of plain sampling at L=4, computed by enumeration."""
+    import numpy as np
+    path = tmp_path / "v16.tinyloop"
+    write_tiny(path, seed=4, vocab_size=16, d_model=32, d_ff=64)
+    m = tl.load_model(str(path), max_seq_len=32, backend="cpu")
+    try:
+        prompt = [1, 5, 9]
+        T, K, P = 1.3, 8, 0.9
+        p1, p2 = _exact_marginals(m, prompt, 4, T, K, P)
+        c1 = np.zeros(16)
+        c2 = np.zeros(16)
+        st = tl.GenerateStats()
+        n = 1500
+        for seed in range(n):
+            cfg = SpeculativeConfig(max_tokens=3, draft_loops=1, verify_loops=4, draft_ahead=3, temperature=T,
+                                    top_k=K, top_p=P, seed=seed)
+            out = tl.generate_speculative(m, prompt, cfg, stats=st)[len(prompt):]
+            c1[out[1]] += 1
+            c2[out[2]] += 1
+        for counts, probs in ((c1, p1), (c2, p2)):
+            stat, df = _chi2(counts, probs)
+            assert stat < _chi2_critical(df), (stat, df)
+        assert 0.0 < st.acceptance_rate < 1.0       # both the accept and the resample paths ran
+    finally:
+        tl.free_model(m)
+
+
+def test_speculative_sampling_deterministic_per_seed(model, prompt):
+    cfg = SpeculativeConfig(max_tokens=20, draft_loops=1, verify_loops=4, draft_ahead=3, temperature=0.8, seed=5)
+    a = tl.generate_speculative(model, prompt, cfg)
+    assert a == tl.generate_speculative(model, prompt, cfg)
+    assert len(a) == len(prompt) + 20
+    others = {tuple(tl.generate_speculative(model, prompt, SpeculativeConfig(
+        max_tokens=20, draft_loops=1, verify_loops=4, draft_ahead=3, temperature=0.8, seed=s))) for s in range(4)}
+    assert len(others) > 1

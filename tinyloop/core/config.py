@@ -154,9 +154,14 @@ class SpeculativeConfig:
     draft_ahead: int = 4
     """Tokens drafted per verify cycle (>= 1)."""
     temperature: float = 0.0
-    """0 = greedy acceptance (exact); > 0 = speculative sampling."""
+    """0 (or <= 0.01) = greedy acceptance (exact); above = speculative sampling, whose output
+    distribution equals plain sampling at verify_loops with the same temperature/top_k/top_p."""
     seed: int = 0
     """RNG seed for stochastic mode."""
+    top_k: int = 50
+    """Speculative sampling: keep the k most likely tokens (as GenerateConfig.top_k)."""
+    top_p: float = 1.0
+    """Speculative sampling: nucleus threshold in (0, 1] (as GenerateConfig.top_p)."""
     verify_resume: bool = True
     """Verify resumes each drafted position from the residual the draft left after draft_loops
     iterations and runs only iterations draft_loops..verify_loops-1 (same tokens either way)."""
@@ -178,7 +183,15 @@ class SpeculativeConfig:
         t = _float("temperature", self.temperature)
         if t < 0:
             raise ConfigError(f"temperature={t} must be >= 0")
+        object.__setattr__(self, "temperature", t)
         _int("seed", self.seed, 0, MAX_SEED)
+        _int("top_k", self.top_k, -(1 << 62))
+        if t > GREEDY_TEMPERATURE and self.top_k < 1:
+            raise ConfigError(f"top_k={self.top_k} must be >= 1 while sampling (temperature={t})")
+        p = _float("top_p", self.top_p)
+        if not 0.0 < p <= 1.0:
+            raise ConfigError(f"top_p={self.top_p} is outside the allowed range (0, 1]")
+        object.__setattr__(self, "top_p", p)
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 
-def sample_token(logits: np.ndarray, temperature: float, top_k: int, top_p: float, u: float) -> int:
-    """One token from `logits` by the algorithm above, given the uniform draw `u`."""
+def _filtered(logits: np.ndarray, temperature: float, top_k: int, top_p: float):
+    """Steps 1-4: the kept token ids in descending order and their renormalised probabilities."""
     z = np.asarray(logits, dtype=np.float64) / temperature
     n = z.shape[0]
     k = min(int(top_k), n)
@@ -27,10 +27,31 @@ def sample_token(logits: np.ndarray, temperature: float, top_k: int, top_p: floa
     if top_p < 1.0:
         c = np.cumsum(p)
         keep = int(np.searchsorted(c, top_p, side="left")) + 1
-        order, p = order[:keep], p[:keep]
+        order, p = order[:keep], p[:keep] / c[min(keep, len(c)) - 1]
+    return order, p
+
+
+def sample_token(logits: np.ndarray, temperature: float, top_k: int, top_p: float, u: float) -> int:
+    """One token from `logits` by the algorithm above, given the uniform draw `u`."""
+    order, p = _filtered(logits, temperature, top_k, top_p)
     c = np.cumsum(p)
     i = int(np.searchsorted(c, u * c[-1], side="right"))
     return int(order[min(i, len(order) - 1)])
+
+
+def sampling_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """The full distribution (float64, vocab-sized) that sample_token draws from."""
+    order, p = _filtered(logits, temperature, top_k, top_p)
+    out = np.zeros(np.asarray(logits).shape[0], np.float64)
+    out[order] = p
+    return out
+
+
+def draw(probs: np.ndarray, u: float) -> int:
+    """Inverse-CDF draw from a probability vector (lowest id first)."""
+    c = np.cumsum(probs)
+    i = int(np.searchsorted(c, u * c[-1], side="right"))
+    return min(i, len(c) - 1)
 
 
 def uniform(rng: np.random.Generator) -> float:

@@ -14,6 +14,9 @@ ordinary decode session:
   its first draft_loops iterations alone. Without it, the rows run all verify_loops iterations.
 * ``commit(n)``         the pending token and the first n drafts are accepted.
 
+For speculative sampling the decoder reads the draft's logits after each ``draft`` (``logits()``)
+and the verify rows' logits (``verify_logits(n)``) and applies the acceptance rule itself.
+
 Why verify-resume is exact: loop iterations below draft_loops at a position depend only on the
 tokens up to it and on cache layers below draft_loops, which the draft computes exactly as a
 full-depth forward would (the weights are shared and every kernel is batch-invariant); the layers
@@ -107,6 +110,10 @@ class SpeculativeSession(Session):
         self.stats.verify_forwards += 1
         return be.read_argmax_rows(ws, n)
 
+    def verify_logits(self, n: int):
+        """Host copy of the verify pass's n logits rows (speculative sampling)."""
+        return self.model.backend.logits_block_to_host(self.model.ws, n)
+
     def commit(self, n_accepted: int) -> None:
         self.tokens.extend([-1] * (n_accepted + 1))   # placeholders: only the count matters here
         self.position += n_accepted + 1
@@ -124,12 +131,10 @@ def _speculative_plan(model: Model, prompt, config, cls, context: str):
         raise ConfigError(f"draft_ahead={config.draft_ahead} needs {config.draft_ahead + 1} rows per verify "
                           f"pass, but the model was loaded with prefill_chunk={model.ws.rows}")
     gc = GenerateConfig(max_tokens=config.max_tokens, loops=config.verify_loops,
-                        temperature=config.temperature, sample_seed=config.seed,
+                        temperature=config.temperature, sample_seed=config.seed, top_k=config.top_k,
+                        top_p=config.top_p,
                         stop_sequences=config.stop_sequences, cache_mode=config.cache_mode, decoder=context)
     plan = _Plan(model, gc, context)
-    if gc.sampling:
-        raise NotImplementedModeError(f"speculative sampling (temperature={config.temperature}) is not "
-                                      f"implemented yet; use temperature=0 (exact greedy)")
     ids = validate_request(model, prompt, gc)
     resolve_loops(model, config.draft_loops)
     plan.decoder_config = config

@@ -13,7 +13,7 @@ from ...core.sampling import sample_token, uniform
 class SamplingDecoder(Decoder):
     name = "sampling"
     mode = "sampling"
-    compat = {"single": "ok", "batched": "ok", "speculative": "rejected", "tree_speculative": "rejected",
+    compat = {"single": "ok", "batched": "ok", "speculative": "ok", "tree_speculative": "rejected",
               "prefix_reuse": "ok", "warm_start": "ok"}
 
     @classmethod

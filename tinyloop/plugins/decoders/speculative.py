@@ -1,12 +1,26 @@
-"""Chain self-speculative decoding (greedy, exact): draft draft_ahead tokens at draft_loops,
-verify them in one forward at verify_loops, keep the longest prefix the verify pass agrees with and
-its bonus token. The session (tinyloop.core.speculative.SpeculativeSession) owns the forwards;
-this plugin owns the acceptance rule and the statistics."""
+"""Chain self-speculative decoding: draft draft_ahead tokens at draft_loops, verify them in one
+forward at verify_loops. The session (tinyloop.core.speculative.SpeculativeSession) owns the
+forwards; this plugin owns the acceptance rule.
+
+Greedy (temperature <= 0.01): keep the longest prefix of drafts the verify pass's argmax agrees with,
+plus the verify pass's next token; exactly the tokens of plain greedy decoding at verify_loops.
+
+Sampling (speculative sampling, Leviathan et al. 2023, "Fast Inference from Transformers via
+Speculative Decoding"): drafts are sampled from q (the draft depth's sampling distribution after
+temperature / top-k / top-p); draft k is accepted with probability min(1, p_k(d) / q_k(d)) where p_k
+is the verify depth's distribution; at the first rejection the token is drawn from
+normalise(max(0, p_k - q_k)); if every draft is accepted a bonus token is drawn from p_K. Each emitted
+token is then distributed exactly as plain sampling at verify_loops.
+"""
 
 from __future__ import annotations
 
+import numpy as np
+
+from ...core.config import GREEDY_TEMPERATURE
 from ...core.decoding import Decoder
 from ...core.hookspecs import hookimpl
+from ...core.sampling import draw, sampling_probs, uniform
 
 
 class ChainSpeculativeDecoder(Decoder):
@@ -14,6 +28,9 @@ class ChainSpeculativeDecoder(Decoder):
     contexts = frozenset({"speculative"})
 
     def decode(self, session):
+        if self.config.temperature > GREEDY_TEMPERATURE:
+            yield from self._sample(session)
+            return
         spec = self.config
         session.start()
         pending = session.greedy()                 # the verify-depth token after the prompt
@@ -34,6 +51,43 @@ class ChainSpeculativeDecoder(Decoder):
                 yield t
             yield bonus
             pending = bonus
+
+
+    def _sample(self, session):
+        c = self.config
+        rng = np.random.Generator(np.random.PCG64(c.seed))
+
+        def probs(logits):
+            return sampling_probs(logits, c.temperature, c.top_k, c.top_p)
+        session.start()
+        pending = draw(probs(session.logits()), uniform(rng))
+        yield pending
+        while True:
+            drafts, qs = [], []
+            tok = pending
+            for k in range(c.draft_ahead):
+                session.draft(tok, k)
+                q = probs(session.logits())
+                tok = draw(q, uniform(rng))
+                drafts.append(tok)
+                qs.append(q)
+            session.verify([pending] + drafts)
+            rows = session.verify_logits(len(drafts) + 1)
+            out = []
+            for k, (d, q) in enumerate(zip(drafts, qs)):
+                p = probs(rows[k])
+                if uniform(rng) * q[d] <= p[d]:        # accept with probability min(1, p/q)
+                    out.append(d)
+                    continue
+                residual = np.maximum(p - q, 0.0)
+                total = residual.sum()
+                out.append(draw(residual / total if total > 0 else p, uniform(rng)))
+                break
+            else:
+                out.append(draw(probs(rows[len(drafts)]), uniform(rng)))
+            session.commit(len(out) - 1)
+            yield from out
+            pending = out[-1]
 
 
 @hookimpl
