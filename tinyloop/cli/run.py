@@ -113,9 +113,10 @@ def run(args) -> int:
                     out.write(dec.flush() + "\n")
                 else:
                     out.write(prompt + text + "\n")
-                rate = st.tokens_emitted / (st.decode_ms / 1e3) if st.decode_ms > 0 else float("nan")
+                rate = (f"{(st.tokens_emitted - 1) / (st.decode_ms / 1e3):.1f} tok/s"
+                        if st.tokens_emitted > 1 and st.decode_ms > 0 else "n/a")
                 print(f"[tinyloop] {st.tokens_emitted} tokens, stop {st.stop_reason.value}, prefill "
-                      f"{st.prefill_ms:.1f} ms, decode {rate:.1f} tok/s", file=sys.stderr)
+                      f"{st.prefill_ms:.1f} ms, decode {rate}", file=sys.stderr)
                 out.write("\n")
                 records.append((prompt, ids, gen, text, st))
         if cfg.output_jsonl:
