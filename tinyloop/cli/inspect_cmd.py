@@ -1,5 +1,6 @@
 """``tinyloop inspect FILE``: print tinyloop.inspect() (header only, no weight is read) as text or
-JSON."""
+JSON. ``--measure`` also loads the model on the CPU and measures its loop gain
+(tinyloop.core.loopgain), added as "loop_gain"."""
 
 from __future__ import annotations
 
@@ -66,6 +67,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="sequence length for the memory estimate (default 2048)")
     p.add_argument("--loops", type=int, default=None,
                    help="loop count for the memory estimate (default: the model's default_loops)")
+    m = p.add_argument_group("loop gain (--measure loads the model on the CPU and runs it)")
+    m.add_argument("--measure", action="store_true",
+                   help="measure the loop gain: per-iteration residual step sizes, beta = s_(k+1)/s_k, "
+                        "and top-1 agreement / KL of each depth against the deepest")
+    m.add_argument("--text", default=None,
+                   help="UTF-8 text to measure on, tokenized with the model's tokenizer (default: "
+                        "data/heldout_eval.txt or a built-in snippet; random seeded ids without a "
+                        "tokenizer)")
+    m.add_argument("--loops-max", type=int, default=None,
+                   help="deepest depth measured (default: min(2 x default_loops, max_loops))")
+    m.add_argument("--window", type=int, default=256, help="tokens per measured window (default 256)")
+    m.add_argument("--max-windows", type=int, default=4, help="windows measured (default 4)")
     p.set_defaults(func=run)
     return p
 
@@ -73,7 +86,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args) -> int:
     try:
         d = inspect(args.file, args.max_seq_len, args.loops)
-    except (TinyLoopError, OSError) as e:
+        if args.measure:
+            from ..core.loopgain import measure_file
+            text = None
+            if args.text is not None:
+                with open(args.text, encoding="utf-8") as f:
+                    text = f.read()
+            d["loop_gain"] = measure_file(args.file, text, args.loops_max, args.window, args.max_windows,
+                                          text_label=args.text)
+        elif args.text is not None or args.loops_max is not None:
+            raise TinyLoopError("--text and --loops-max need --measure")
+    except (TinyLoopError, OSError, UnicodeDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
@@ -81,4 +104,8 @@ def run(args) -> int:
         sys.stdout.write("\n")
     else:
         _print_text(d, sys.stdout)
+        if "loop_gain" in d:
+            from ..core.loopgain import format_table
+            for line in format_table(d["loop_gain"]):
+                print(line)
     return 0

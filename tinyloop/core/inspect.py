@@ -30,9 +30,13 @@ def _part_of(name: str) -> str:
     return name.split(".", 1)[0] if "." in name else name
 
 
-def inspect(path: str, max_seq_len: int = 2048, loops: Optional[int] = None) -> dict:
+def inspect(path: str, max_seq_len: int = 2048, loops: Optional[int] = None, measure: bool = False) -> dict:
     """Metadata, architecture, tensor-table summary, embedded tokenizer and memory estimates per
-    backend and cache mode, as a JSON-serializable dict. Reads the header only, never the weights."""
+    backend and cache mode, as a JSON-serializable dict. Reads the header only, never the weights.
+
+    ``measure=True`` is the exception: it also loads the model on the CPU backend and runs it to add
+    "loop_gain" (:func:`tinyloop.core.loopgain.measure_file` with its defaults: the sample text, 4
+    windows of 256 tokens, depths 1 .. min(2 x default_loops, max_loops)); seconds to minutes."""
     if not os.path.exists(path):
         raise ModelFormatError(f"no such file: {path}")
     if os.path.isdir(path):
@@ -92,7 +96,7 @@ def inspect(path: str, max_seq_len: int = 2048, loops: Optional[int] = None) -> 
             memory[backend]["cache_modes"][mode] = estimate_memory(
                 h, max_seq_len, loops, kvb, backend=backend)
 
-    return {
+    d = {
         "file": path,
         "file_size": int(h.file_size),
         "version": h.version,
@@ -121,3 +125,7 @@ def inspect(path: str, max_seq_len: int = 2048, loops: Optional[int] = None) -> 
         "memory": {"max_seq_len": max_seq_len, "loops": loops, "cache_modes": modes,
                    "backends": memory},
     }
+    if measure:
+        from .loopgain import measure_file
+        d["loop_gain"] = measure_file(path)
+    return d

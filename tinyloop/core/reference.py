@@ -80,3 +80,22 @@ def reference_logits(cfg: ModelConfig, weights: Mapping[str, np.ndarray], ids: S
     head = weights["embed"] if cfg.tied_embeddings else weights["head"]
     return _rmsnorm(x, np.asarray(weights["final_norm"], np.float64), cfg.norm_eps) @ \
         np.asarray(head, np.float64).T
+
+
+def reference_loop_residuals(cfg: ModelConfig, weights: Mapping[str, np.ndarray], ids: Sequence[int],
+                             loops: int, kv_round: Optional[type] = None) -> np.ndarray:
+    """Residuals (loops + 1, T, d_model) in float64: [0] enters the loop (after the pre blocks),
+    [k] is the residual after loop iteration k (before the next iteration's input injection)."""
+    W = {k: np.asarray(v, dtype=np.float64) for k, v in weights.items()}
+    x = W["embed"][np.asarray(ids, dtype=np.int64)]
+    for i in range(cfg.n_pre):
+        x = _block(cfg, W, f"pre.{i}.", x, kv_round)
+    e = x
+    out = [x]
+    for it in range(loops):
+        if it > 0 and cfg.loop_inject == "add":
+            x = x + e
+        for j in range(cfg.n_loop):
+            x = _block(cfg, W, f"loop.{j}.", x, kv_round)
+        out.append(x)
+    return np.stack(out)
