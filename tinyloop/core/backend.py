@@ -139,9 +139,19 @@ class Backend(ABC):
     def logits_block_to_host(self, ws: Workspace, n: int):
         """Rows 0..n-1 of ws.logits as a host float32 array (scoring; may allocate)."""
 
-    def copy_cache_slots(self, cache, src: int, dst: int, n: int, layers: range) -> None:
-        """Move n cache slots starting at src to dst for the given layers (speculative roll-forward)."""
-        raise NotImplementedError(f"{self.name} backend does not move cache slots")
+    def rows_to_host(self, buf, n: int):
+        """Rows 0..n-1 of an activation buffer (ws.x, ws.e, ...) as a new host float32 array, after
+        every op queued before it has finished (diagnostics such as tinyloop.core.loopgain;
+        allocates)."""
+        raise NotImplementedError(f"{self.name} backend does not copy activation rows to the host")
+
+
+    @abstractmethod
+    def copy_cache(self, dst, src, n_slots: int) -> None:
+        """Make `dst` hold `src`'s K/V in slots 0..n_slots-1 of every layer (forking a decode state,
+        e.g. a beam). Both caches come from :meth:`alloc_cache` with the same shape and dtype; a
+        backend may copy more slots than asked (the whole cache), never fewer. Ordered after every
+        op queued before it."""
 
     # ------------------------------------------------------------------ primitive ops
     @abstractmethod

@@ -246,6 +246,8 @@ class GenerateStats:
     """Speculative: tokens emitted per verify pass (accepted drafts + the bonus token)."""
     full_depth_forwards_saved: int = 0
     """Speculative: full-depth decode forwards plain decoding would have run, minus verify passes."""
+    beams_finished: int = 0
+    """Beam search: beams that ended (EOS, stop sequence or max_tokens) before the search stopped."""
 
     def finalize(self) -> None:
         """Derive the ratio fields from the counters once a call has ended."""

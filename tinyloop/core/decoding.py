@@ -13,7 +13,20 @@ DecodeSession (implemented by tinyloop.core.engine.Session):
 * ``greedy()``         argmax of the processed pending logits (on the device when every processor
                        is argmax-invariant, so only a token id crosses to the host).
 * ``advance(token)``   append `token` at the next position and run the decode forward.
-* ``config``           the request's GenerateConfig; ``vocab_size``; ``position`` (tokens so far).
+* ``config``           the request's GenerateConfig; ``vocab_size``; ``eos_id`` (None: no EOS);
+                       ``position`` (tokens so far).
+
+Several decode states (lanes), for decoders that follow more than one sequence (beam search):
+
+* ``fork_pool(n)``          hold n lanes; their caches are allocated here, up front, and released
+                            with the session. Lane 0 is the one start() prefills.
+* ``copy_state(dst, src)``  lane dst becomes a copy of lane src (KV cache, tokens, position).
+* ``advance(token, lane)``, ``logits(lane)``, ``greedy(lane)``  as above on one lane. The forward
+                            workspace is shared: only the lane started or advanced last has pending
+                            logits (reading another lane's raises PluginError).
+* ``lane_tokens(lane)``     a copy of a lane's tokens (prompt + generated).
+
+The engine's stop policy applies to the tokens a decoder yields, whatever it explored before.
 """
 
 from __future__ import annotations

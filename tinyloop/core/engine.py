@@ -194,30 +194,116 @@ class _Plan:
 
 
 # --------------------------------------------------------------------------- session
+def _nbytes(cache) -> int:
+    return int(getattr(cache, "nbytes", 0))
+
+
 class Session:
-    """The decode session a decoder drives (see tinyloop.core.decoding)."""
+    """The decode session a decoder drives (see tinyloop.core.decoding).
+
+    Lanes: a session holds one decode state (lane 0) unless a decoder asks for more with
+    fork_pool(n). Each lane has its own KV cache, token list and position; the lane in use keeps its
+    state in ``cache`` / ``tokens`` / ``position`` (what ``_run`` reads), the others are parked.
+    The workspace is shared, so the pending logits are those of the lane started or advanced last."""
 
     def __init__(self, model: Model, prompt: List[int], plan: _Plan, chain: ProcessorChain,
                  stats: GenerateStats, extra_layers: int = 0, extra_slots: int = 0):
         self.model, self.config, self.loops = model, plan.config, plan.loops
         self.vocab_size = model.cfg.vocab_size
+        self.eos_id = model.cfg.eos_id
         self.tokens = list(prompt)
         self.position = 0                       # tokens whose K/V are in the cache
         self.chain = chain
         self.stats = stats
         self.uncached = os.environ.get("TINYLOOP_DISABLE_KV_CACHE", "") not in ("", "0")
         n_slots = len(prompt) + plan.config.max_tokens + extra_slots
-        self.cache = model.backend.alloc_cache(model.cfg.n_layers(self.loops) + extra_layers, n_slots,
-                                               plan.cache_mode.kv_dtype)
+        self._cache_shape = (model.cfg.n_layers(self.loops) + extra_layers, n_slots, plan.cache_mode.kv_dtype)
+        self.cache = model.backend.alloc_cache(*self._cache_shape)
         model._live_cache_bytes += self.cache_bytes
         self._buf = np.zeros(self.vocab_size, np.float32)
+        self._prompt_len = len(prompt)
+        self._lane = 0                          # the lane whose state is in cache/tokens/position
+        self._parked: List[Optional[list]] = [None]   # [cache, tokens, position] of the other lanes
+        self._logits_lane: Optional[int] = 0    # the lane whose logits are pending (None: stale)
 
     def close(self) -> None:
-        """Hand the cache back to the backend (idempotent)."""
-        if self.cache is not None:
-            self.model._live_cache_bytes -= self.cache_bytes
-            self.model.backend.release_cache(self.cache)
-            self.cache = None
+        """Hand every lane's cache back to the backend (idempotent)."""
+        caches = [self.cache] + [p[0] for p in self._parked if p is not None]
+        self.cache = None
+        for p in self._parked:
+            if p is not None:
+                p[0] = None
+        for c in caches:
+            if c is not None:
+                self.model._live_cache_bytes -= _nbytes(c)
+                self.model.backend.release_cache(c)
+
+    # ------------------------------------------------------------------ lanes
+    @property
+    def lanes(self) -> int:
+        """Decode states this session holds (1 until fork_pool)."""
+        return len(self._parked)
+
+    def fork_pool(self, n: int) -> None:
+        """Hold n lanes in all: allocate the caches of lanes ``lanes .. n-1`` now, before decoding
+        (counted in vram_usage_bytes, released by close()). A new lane holds the prompt with nothing
+        cached; copy_state fills it from another lane."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise PluginError(f"fork_pool(n={n!r}): n must be an integer >= 1")
+        if self.cache is None:
+            raise PluginError("fork_pool on a closed session")
+        layers, slots, kv_dtype = self._cache_shape
+        slots = int(getattr(self.cache, "n_slots", slots))    # a reused cache may hold more slots
+        while len(self._parked) < n:
+            cache = self.model.backend.alloc_cache(layers, slots, kv_dtype)
+            self.model._live_cache_bytes += _nbytes(cache)
+            self._parked.append([cache, self.tokens[:self._prompt_len], 0])
+
+    def _check_lane(self, lane: int) -> None:
+        if isinstance(lane, bool) or not isinstance(lane, (int, np.integer)) or not 0 <= lane < len(self._parked):
+            raise PluginError(f"lane={lane!r} is outside the session's lanes [0, {len(self._parked)}) "
+                              f"(fork_pool(n) adds lanes)")
+
+    def _select(self, lane: int) -> None:
+        """Make `lane` the one whose state _run reads and writes."""
+        self._check_lane(lane)
+        self._parked[self._lane] = [self.cache, self.tokens, self.position]
+        self.cache, self.tokens, self.position = self._parked[lane]
+        self._parked[lane] = None
+        self._lane = int(lane)
+
+    def _state(self, lane: int) -> list:
+        if lane == self._lane:
+            return [self.cache, self.tokens, self.position]
+        return self._parked[lane]
+
+    def lane_tokens(self, lane: int = 0) -> List[int]:
+        """A copy of lane `lane`'s tokens (prompt + generated)."""
+        self._check_lane(lane)
+        return list(self._state(lane)[1])
+
+    def copy_state(self, dst: int, src: int) -> None:
+        """Make lane `dst` a copy of lane `src`: its KV cache (every layer, the cached slots), token
+        list and position. `dst`'s pending logits, if any, become stale."""
+        self._check_lane(dst)
+        self._check_lane(src)
+        if dst == src:
+            return
+        dcache = self._state(dst)[0]
+        scache, stokens, spos = self._state(src)
+        self.model.backend.copy_cache(dcache, scache, spos)
+        if dst == self._lane:
+            self.tokens, self.position = list(stokens), spos
+        else:
+            self._parked[dst][1:] = [list(stokens), spos]
+        if self._logits_lane == dst:
+            self._logits_lane = None
+
+    def _check_pending(self, lane: int) -> None:
+        if lane != self._logits_lane:
+            whose = "stale" if self._logits_lane is None else f"lane {self._logits_lane}'s"
+            raise PluginError(f"the pending logits are not lane {lane}'s (they are {whose}); read a "
+                              f"lane's logits right after start() or advance(token, lane)")
 
     def _run(self, start: int, stop: int) -> None:
         """Forward tokens[start:stop] in chunks; the last row's logits (and their argmax, started on
@@ -248,27 +334,37 @@ class Session:
         self.position = stop
 
     def start(self) -> None:
+        """Prefill the prompt of the lane in use (lane 0 unless a lane was advanced before)."""
         t = time.perf_counter()
         self._run(0, len(self.tokens))
+        self._logits_lane = self._lane
         self.stats.prefill_ms = (time.perf_counter() - t) * 1e3
 
-    def advance(self, token: int) -> None:
+    def advance(self, token: int, lane: int = 0) -> None:
+        if lane != self._lane:
+            self._select(lane)
         self.tokens.append(int(token))
         self._run(0 if self.uncached else self.position, len(self.tokens))
+        self._logits_lane = self._lane
 
-    def logits(self) -> np.ndarray:
+    def logits(self, lane: int = 0) -> np.ndarray:
+        if lane != self._logits_lane:
+            self._check_pending(lane)
         np.copyto(self._buf, self.model.backend.logits_to_host(self.model.ws, 0))
         self.chain.apply(self._buf)
         return self._buf
 
-    def greedy(self) -> int:
+    def greedy(self, lane: int = 0) -> int:
+        if lane != self._logits_lane:
+            self._check_pending(lane)
         if self.chain.argmax_invariant:
             return self.model.backend.read_argmax(self.model.ws)
-        return int(np.argmax(self.logits()))
+        return int(np.argmax(self.logits(lane)))
 
     @property
     def cache_bytes(self) -> int:
-        return int(getattr(self.cache, "nbytes", 0))
+        """Bytes of the lane in use's cache (all lanes: vram_usage_bytes)."""
+        return _nbytes(self.cache)
 
 
 def _tail_match(out: List[int], seqs) -> bool:

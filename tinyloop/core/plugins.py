@@ -23,6 +23,7 @@ from .processors import LogitProcessor
 DEFAULT_PLUGINS = (
     "tinyloop.plugins.decoders.greedy",
     "tinyloop.plugins.decoders.sampling",
+    "tinyloop.plugins.decoders.beam",
     "tinyloop.plugins.decoders.speculative",
     "tinyloop.plugins.caches.float_cache",
     "tinyloop.plugins.processors.repetition",

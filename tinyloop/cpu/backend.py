@@ -91,6 +91,14 @@ class CPUBackend(Backend):
     def alloc_cache(self, n_layers: int, n_slots: int, kv_dtype: str) -> CPUCache:
         return CPUCache(n_layers, n_slots, self.cfg.n_kv_heads, self.cfg.head_dim, kv_dtype)
 
+    def copy_cache(self, dst: CPUCache, src: CPUCache, n_slots: int) -> None:
+        if dst.k.shape != src.k.shape or dst.kv_dtype != src.kv_dtype:
+            raise BackendError(f"copy_cache: a {src.kv_dtype} cache of shape {src.k.shape} does not fit a "
+                               f"{dst.kv_dtype} cache of shape {dst.k.shape}")
+        if dst is not src:
+            np.copyto(dst.k[:, :n_slots], src.k[:, :n_slots])
+            np.copyto(dst.v[:, :n_slots], src.v[:, :n_slots])
+
     def memory_bytes(self) -> int:
         return self._held
 
@@ -116,10 +124,9 @@ class CPUBackend(Backend):
     def rows(self, buf, row0: int):
         return buf[row0:]
 
-    def copy_cache_slots(self, cache: CPUCache, src: int, dst: int, n: int, layers: range) -> None:
-        sl = slice(layers.start, layers.stop)
-        cache.k[sl, dst:dst + n] = cache.k[sl, src:src + n].copy()
-        cache.v[sl, dst:dst + n] = cache.v[sl, src:src + n].copy()
+    def rows_to_host(self, buf, n: int) -> np.ndarray:
+        return np.array(buf[:n], dtype=np.float32)
+
 
     # ------------------------------------------------------------------ ops
     def embed(self, table, ids, out, T: int) -> None:

@@ -178,6 +178,15 @@ class CUDABackend(Backend):
             self._drop_spare()
             self._spare_cache = cache
 
+    def copy_cache(self, dst: CUDACache, src: CUDACache, n_slots: int) -> None:
+        """Device-to-device copy of the whole K and V arrays (contiguous) on the backend stream."""
+        if dst.k.shape != src.k.shape or dst.kv_dtype != src.kv_dtype:
+            raise BackendError(f"copy_cache: a {src.kv_dtype} cache of shape {src.k.shape} does not fit a "
+                               f"{dst.kv_dtype} cache of shape {dst.k.shape}")
+        if dst is not src:
+            dst.k.copy_to_device(src.k, stream=self.stream)
+            dst.v.copy_to_device(src.v, stream=self.stream)
+
     def _drop_spare(self) -> None:
         sp, self._spare_cache = self._spare_cache, None
         if sp is not None:
@@ -239,6 +248,11 @@ class CUDABackend(Backend):
 
     def rows(self, buf, row0: int):
         return buf[row0:]
+
+    def rows_to_host(self, buf, n: int) -> np.ndarray:
+        out = buf[:n].copy_to_host(stream=self.stream)
+        self.stream.synchronize()
+        return out
 
     def launch_argmax(self, ws: Workspace) -> None:
         k_argmax.argmax(ws.tok, ws.logits[:1], stream=self.stream)
