@@ -51,6 +51,21 @@ def _stop_sequences(v: Any) -> Tuple[Tuple[int, ...], ...]:
     return tuple(out)
 
 
+def _check_sampling(cfg) -> None:
+    """Validate and normalise cfg.temperature / top_k / top_p (a frozen dataclass)."""
+    t = _float("temperature", cfg.temperature)
+    if t < 0:
+        raise ConfigError(f"temperature={cfg.temperature} must be >= 0")
+    object.__setattr__(cfg, "temperature", t)
+    _int("top_k", cfg.top_k, -(1 << 62))
+    if t > GREEDY_TEMPERATURE and cfg.top_k < 1:
+        raise ConfigError(f"top_k={cfg.top_k} must be >= 1 while sampling (temperature={t})")
+    p = _float("top_p", cfg.top_p)
+    if not 0.0 < p <= 1.0:
+        raise ConfigError(f"top_p={cfg.top_p} is outside the allowed range (0, 1]")
+    object.__setattr__(cfg, "top_p", p)
+
+
 @dataclass(frozen=True)
 class GenerateConfig:
     """Decode configuration shared by generate, generate_stream, generate_iter and generate_batch.
@@ -100,17 +115,7 @@ class GenerateConfig:
         _int("max_tokens", self.max_tokens, 0)
         if self.loops is not None:
             _int("loops", self.loops, 1)
-        t = _float("temperature", self.temperature)
-        if t < 0:
-            raise ConfigError(f"temperature={self.temperature} must be >= 0")
-        object.__setattr__(self, "temperature", t)
-        _int("top_k", self.top_k, -(1 << 62))
-        if self.sampling and self.top_k < 1:
-            raise ConfigError(f"top_k={self.top_k} must be >= 1 while sampling (temperature={t})")
-        p = _float("top_p", self.top_p)
-        if not 0.0 < p <= 1.0:
-            raise ConfigError(f"top_p={self.top_p} is outside the allowed range (0, 1]")
-        object.__setattr__(self, "top_p", p)
+        _check_sampling(self)
         _int("cache_window", self.cache_window, 0)
         rp = _float("repetition_penalty", self.repetition_penalty)
         if rp <= 0:
@@ -180,18 +185,8 @@ class SpeculativeConfig:
         _int("verify_loops", self.verify_loops, 1)
         _int("draft_loops", self.draft_loops, 1, max(1, self.verify_loops - 1))
         _int("draft_ahead", self.draft_ahead, 1, 64)
-        t = _float("temperature", self.temperature)
-        if t < 0:
-            raise ConfigError(f"temperature={t} must be >= 0")
-        object.__setattr__(self, "temperature", t)
+        _check_sampling(self)
         _int("seed", self.seed, 0, MAX_SEED)
-        _int("top_k", self.top_k, -(1 << 62))
-        if t > GREEDY_TEMPERATURE and self.top_k < 1:
-            raise ConfigError(f"top_k={self.top_k} must be >= 1 while sampling (temperature={t})")
-        p = _float("top_p", self.top_p)
-        if not 0.0 < p <= 1.0:
-            raise ConfigError(f"top_p={self.top_p} is outside the allowed range (0, 1]")
-        object.__setattr__(self, "top_p", p)
 
 
 @dataclass(frozen=True)
