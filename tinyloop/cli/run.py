@@ -16,6 +16,7 @@ from typing import List, Optional
 
 from ..core.config import GenerateStats, RunConfig, load_run_config
 from ..core.engine import free_model, generate_batch, generate_iter, load_model
+from ..core.speculative import generate_speculative
 from ..core.errors import ConfigError
 from ..core.models import demo_model_path
 from ..core.tokenizer import resolve_tokenizer
@@ -85,8 +86,10 @@ def run(args) -> int:
         eos = model.cfg.eos_id
         records = []
         out = sys.stdout
-        print(f"[tinyloop] {Path(model_path).name} on {model.backend_name}, loops="
-              f"{cfg.generate.loops or model.cfg.default_loops}, tokenizer {tok.name}", file=sys.stderr)
+        depth = (f"draft loops {cfg.speculative.draft_loops}, verify loops {cfg.speculative.verify_loops}"
+                 if cfg.mode == "speculative" else f"loops={cfg.generate.loops or model.cfg.default_loops}")
+        print(f"[tinyloop] {Path(model_path).name} on {model.backend_name}, {depth}, tokenizer {tok.name}",
+              file=sys.stderr)
         if cfg.mode == "batch":
             stats_list: List[GenerateStats] = []
             results = generate_batch(model, encoded, cfg.generate, stats=stats_list)
@@ -103,7 +106,11 @@ def run(args) -> int:
                 if cfg.stream:
                     out.write(prompt)
                     out.flush()
-                for t in generate_iter(model, ids, cfg.generate, st):
+                if cfg.mode == "speculative":
+                    tokens = generate_speculative(model, ids, cfg.speculative, stats=st)[len(ids):]
+                else:
+                    tokens = generate_iter(model, ids, cfg.generate, st)
+                for t in tokens:
                     gen.append(t)
                     if cfg.stream and t != eos:
                         out.write(dec.push(t))
@@ -115,8 +122,10 @@ def run(args) -> int:
                     out.write(prompt + text + "\n")
                 rate = (f"{(st.tokens_emitted - 1) / (st.decode_ms / 1e3):.1f} tok/s"
                         if st.tokens_emitted > 1 and st.decode_ms > 0 else "n/a")
+                spec = (f", accepted {st.accepted_tokens}/{st.drafted_tokens} drafts, "
+                        f"{st.mean_accepted_length:.2f} tokens per verify" if st.verify_forwards else "")
                 print(f"[tinyloop] {st.tokens_emitted} tokens, stop {st.stop_reason.value}, prefill "
-                      f"{st.prefill_ms:.1f} ms, decode {rate}", file=sys.stderr)
+                      f"{st.prefill_ms:.1f} ms, decode {rate}{spec}", file=sys.stderr)
                 out.write("\n")
                 records.append((prompt, ids, gen, text, st))
         if cfg.output_jsonl:

@@ -297,13 +297,16 @@ class RunConfig:
     """A text file with one prompt per line (blank lines skipped), or a .jsonl file of
     {"prompt": ...} objects."""
     mode: str = "generate"
-    """generate (one prompt after another) or batch (generate_batch over all prompts)."""
+    """generate (one prompt after another), batch (generate_batch over all prompts) or speculative
+    (generate_speculative per prompt, with the `speculative` section)."""
     stream: bool = True
     """Print tokens to the terminal as they are produced."""
     output_jsonl: Optional[str] = None
     """Write one JSON object per prompt (prompt, completion, token ids, stats) to this file."""
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     """Decode settings (GenerateConfig fields)."""
+    speculative: Optional[SpeculativeConfig] = None
+    """mode: speculative only: SpeculativeConfig fields (draft_loops, verify_loops, draft_ahead, ...)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str):
@@ -318,8 +321,17 @@ class RunConfig:
             if not isinstance(p, str):
                 raise ConfigError(f"prompts must be strings, got {p!r}")
         object.__setattr__(self, "prompts", tuple(self.prompts))
-        if self.mode not in ("generate", "batch"):
-            raise ConfigError(f"mode={self.mode!r} is not one of generate, batch")
+        if self.mode not in ("generate", "batch", "speculative"):
+            raise ConfigError(f"mode={self.mode!r} is not one of generate, batch, speculative")
+        if isinstance(self.speculative, Mapping):
+            object.__setattr__(self, "speculative",
+                               from_mapping(SpeculativeConfig, self.speculative, "speculative"))
+        elif self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ConfigError(f"speculative must be a mapping of SpeculativeConfig fields, got {self.speculative!r}")
+        if self.mode == "speculative" and self.speculative is None:
+            raise ConfigError("mode: speculative needs a `speculative:` section (draft_loops, verify_loops, ...)")
+        if self.mode != "speculative" and self.speculative is not None:
+            raise ConfigError(f"a `speculative:` section is only used with mode: speculative (mode is {self.mode!r})")
         if not isinstance(self.stream, bool):
             raise ConfigError(f"stream must be true or false, got {self.stream!r}")
         if isinstance(self.generate, Mapping):
