@@ -157,8 +157,7 @@ def validate_request(model: Model, prompt: Any, config: GenerateConfig, what: st
         raise InvalidInputError(
             f"{what}_len ({len(ids)}) + max_tokens ({config.max_tokens}) = {len(ids) + config.max_tokens} "
             f"exceeds max_seq_len={model.max_seq_len}")
-    loops = resolve_loops(model, config.loops)
-    del loops
+    resolve_loops(model, config.loops)
     for i, seq in enumerate(config.stop_sequences):
         for t in seq:
             if t >= V:
@@ -348,15 +347,13 @@ class Session:
         self._logits_lane = self._lane
 
     def logits(self, lane: int = 0) -> np.ndarray:
-        if lane != self._logits_lane:
-            self._check_pending(lane)
+        self._check_pending(lane)
         np.copyto(self._buf, self.model.backend.logits_to_host(self.model.ws, 0))
         self.chain.apply(self._buf)
         return self._buf
 
     def greedy(self, lane: int = 0) -> int:
-        if lane != self._logits_lane:
-            self._check_pending(lane)
+        self._check_pending(lane)
         if self.chain.argmax_invariant:
             return self.model.backend.read_argmax(self.model.ws)
         return int(np.argmax(self.logits(lane)))
@@ -367,7 +364,8 @@ class Session:
         return _nbytes(self.cache)
 
 
-def _tail_match(out: List[int], seqs) -> bool:
+def tail_match(out: Sequence[int], seqs) -> bool:
+    """True when one of the token sequences `seqs` ends `out` (the stop-sequence rule)."""
     for s in seqs:
         n = len(s)
         if n <= len(out) and tuple(out[-n:]) == s:
@@ -408,7 +406,7 @@ def _decode(model: Model, prompt: List[int], plan: _Plan, stats: GenerateStats) 
             yield tok
             if eos is not None and tok == eos:
                 stats.stop_reason = StopReason.EOS
-            elif _tail_match(out, config.stop_sequences):
+            elif tail_match(out, config.stop_sequences):
                 stats.stop_reason = StopReason.STOP_SEQUENCE
             elif len(out) >= config.max_tokens:
                 stats.stop_reason = StopReason.MAX_TOKENS

@@ -33,6 +33,7 @@ from typing import List, Tuple
 import numpy as np
 
 from ...core.decoding import Decoder
+from ...core.engine import tail_match
 from ...core.errors import PluginError
 from ...core.hookspecs import hookimpl
 
@@ -67,10 +68,7 @@ def top_tokens(scores: np.ndarray, m: int) -> np.ndarray:
 
 def ends(tokens: Tuple[int, ...], eos, stop_sequences) -> bool:
     """The engine's stop rules over a beam's generated tokens (EOS, stop-sequence tail)."""
-    if eos is not None and tokens[-1] == eos:
-        return True
-    n = len(tokens)
-    return any(len(s) <= n and tokens[n - len(s):] == s for s in stop_sequences)
+    return (eos is not None and tokens[-1] == eos) or tail_match(tokens, stop_sequences)
 
 
 class _Beam:
