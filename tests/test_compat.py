@@ -114,8 +114,10 @@ def test_rejection_names_the_rule(tiny_model, prompt):
         tl.generate_batch(tiny_model, [prompt], tl.GenerateConfig(beam_size=4))
     with pytest.raises(tl.IncompatibleModesError, match=r"repetition_penalty.*rejected in speculative"):
         load_matrix().check("speculative", tl.GenerateConfig(repetition_penalty=1.2))
-    with pytest.raises(tl.NotImplementedModeError, match="tree_speculative decoding is not implemented yet"):
-        tl.generate_tree_speculative(tiny_model, prompt, tl.TreeSpeculativeConfig(verify_loops=4))
+    with pytest.raises(tl.NotImplementedModeError, match="prefix_reuse decoding is not implemented yet"):
+        load_matrix().check("prefix_reuse", tl.GenerateConfig())
+    with pytest.raises(tl.IncompatibleModesError, match=r"repetition_penalty.*rejected in tree_speculative"):
+        load_matrix().check("tree_speculative", tl.GenerateConfig(repetition_penalty=1.2))
 
 
 def test_partial_cell_warns():

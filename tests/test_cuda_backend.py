@@ -175,3 +175,63 @@ def test_speculative_demo_model_exact_on_gpu():
                     assert tl.generate_speculative(gpu, ids, cfg) == ref
     finally:
         tl.free_model(gpu)
+
+
+def test_tree_speculative_exact_on_gpu(pair, monkeypatch):
+    _, cpu, gpu = pair
+    p = PROMPTS[0]
+    for verify_loops in (3, 6):
+        ref = tl.generate(gpu, p, tl.GenerateConfig(max_tokens=24, loops=verify_loops))
+        for K in (1, 2, 3, 4):
+            for D in (1, 2, 3):
+                for draft_loops, resume in ((1, True), (verify_loops - 1, True), (2, False)):
+                    cfg = tl.TreeSpeculativeConfig(max_tokens=24, draft_loops=draft_loops, verify_loops=verify_loops,
+                                                   draft_ahead=D, K_branches=K, verify_resume=resume)
+                    assert tl.generate_tree_speculative(gpu, p, cfg) == ref, (K, D, draft_loops, resume)
+    cfg = tl.TreeSpeculativeConfig(max_tokens=24, draft_loops=2, verify_loops=6, draft_ahead=3, K_branches=3)
+    st_gpu, st_cpu = tl.GenerateStats(), tl.GenerateStats()
+    assert tl.generate_tree_speculative(gpu, p, cfg, stats=st_gpu) == tl.generate_tree_speculative(
+        cpu, p, cfg, stats=st_cpu)
+    monkeypatch.setattr(gpu.backend, "use_graphs", False)
+    assert tl.generate_tree_speculative(gpu, p, cfg) == tl.generate(cpu, p, tl.GenerateConfig(max_tokens=24, loops=6))
+
+
+def test_tree_speculative_demo_model_exact_on_gpu():
+    from tinyloop.core.models import demo_model_path
+    from tinyloop.core.tokenizer import resolve_tokenizer
+    gpu = tl.load_model(demo_model_path(), max_seq_len=256, backend="cuda")
+    try:
+        tok = resolve_tokenizer(gpu.header.tokenizer, None, gpu.vocab_size)
+        texts = ("def fibonacci(n):", "class Stack:\n    def push(self, x):", "import os\n",
+                 "for i in range(10):\n    ", "    return self._", "if __name__ == '__main__':\n")
+        for text in texts:
+            ids = tok.encode(text)
+            for verify_loops in (4, 8):
+                ref = tl.generate(gpu, ids, tl.GenerateConfig(max_tokens=48, loops=verify_loops))
+                for K, D, draft_loops in ((1, 4, 2), (2, 2, 2), (3, 3, 1), (4, 2, 3)):
+                    cfg = tl.TreeSpeculativeConfig(max_tokens=48, draft_loops=draft_loops, verify_loops=verify_loops,
+                                                   draft_ahead=D, K_branches=K)
+                    assert tl.generate_tree_speculative(gpu, ids, cfg) == ref, (text, K, D, draft_loops)
+    finally:
+        tl.free_model(gpu)
+
+
+def test_speculative_and_tree_sampling_on_gpu(pair):
+    """Speculative and tree sampling run on the GPU, are reproducible per seed, and draw from the
+    verify depth's distribution: with top_k=1 that is its argmax, so the tokens equal greedy's."""
+    _, cpu, gpu = pair
+    p = PROMPTS[0]
+    for cfg in (tl.SpeculativeConfig(max_tokens=16, draft_loops=1, verify_loops=4, draft_ahead=3, temperature=0.9,
+                                     seed=3),
+                tl.TreeSpeculativeConfig(max_tokens=16, draft_loops=1, verify_loops=4, draft_ahead=2, K_branches=2,
+                                         temperature=0.9, seed=3)):
+        fn = tl.generate_tree_speculative if isinstance(cfg, tl.TreeSpeculativeConfig) else tl.generate_speculative
+        a = fn(gpu, p, cfg)
+        assert a == fn(gpu, p, cfg) and len(a) == len(p) + 16
+    ref = tl.generate(gpu, p, tl.GenerateConfig(max_tokens=16, loops=4))
+    for fn, cfg in ((tl.generate_speculative, tl.SpeculativeConfig(
+            max_tokens=16, draft_loops=1, verify_loops=4, draft_ahead=3, temperature=0.9, top_k=1, seed=3)),
+            (tl.generate_tree_speculative, tl.TreeSpeculativeConfig(
+                max_tokens=16, draft_loops=1, verify_loops=4, draft_ahead=2, K_branches=2, temperature=0.9, top_k=1,
+                seed=3))):
+        assert fn(gpu, p, cfg) == ref

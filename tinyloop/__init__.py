@@ -12,13 +12,15 @@ from .core.errors import (BackendError, ConfigError, IncompatibleModesError, Inv
                           OutOfMemoryError, PluginError, TinyLoopError, TokenizerError)
 from .core.speculative import generate_speculative, generate_tree_speculative
 from .core.inspect import inspect
+from .core.autotune import DecoderChoice, calibrate
 
 __version__ = "0.1.0"
 
 __all__ = [
     "load_model", "free_model", "vram_usage_bytes", "inspect", "Model",
     "generate", "generate_stream", "generate_iter", "generate_batch",
-    "generate_speculative", "generate_tree_speculative", "score", "score_last_token",
+    "generate_speculative", "generate_tree_speculative", "calibrate", "DecoderChoice", "score",
+    "score_last_token",
     "GenerateConfig", "GenerateStats", "SpeculativeConfig", "TreeSpeculativeConfig", "StopReason",
     "RunConfig",
     "TinyLoopError", "ModelFormatError", "ConfigError", "InvalidInputError", "IncompatibleModesError",

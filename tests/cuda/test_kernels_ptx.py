@@ -31,10 +31,10 @@ _ERR = _toolchain_error()
 if _ERR:
     pytest.skip(f"NVVM/NVRTC not usable: {_ERR}", allow_module_level=True)
 
-from tinyloop.cuda.kernels import (add, argmax, attention, embed, matmul, position, rmsnorm,  # noqa: E402
+from tinyloop.cuda.kernels import (add, argmax, attention, cache_move, embed, matmul, position, rmsnorm,  # noqa: E402
                                    rope, sample, swiglu)
 
-MODULES = (matmul, rmsnorm, rope, attention, swiglu, embed, add, argmax, sample, position)
+MODULES = (matmul, rmsnorm, rope, attention, swiglu, embed, add, argmax, sample, position, cache_move)
 SIGNATURES = [s for m in MODULES for s in m.ptx_signatures()]
 
 

@@ -28,7 +28,8 @@ if not numba.config.ENABLE_CUDASIM and not cuda.is_available():
                 allow_module_level=True)
 
 from tinyloop.core.errors import BackendError  # noqa: E402
-from tinyloop.cuda.kernels import (add, argmax, attention, embed, matmul, rmsnorm,  # noqa: E402
+from tinyloop.core.speculative import DraftTree  # noqa: E402
+from tinyloop.cuda.kernels import (add, argmax, attention, cache_move, embed, matmul, rmsnorm,  # noqa: E402
                                    rope, sample, swiglu)
 
 
@@ -321,7 +322,97 @@ def test_attention(T, H, Hk, hd, p0, cdt):
     assert np.array_equal(host(o1)[0], got[t])
 
 
+def _tree_tables(K, depth):
+    t = DraftTree(K, depth)
+    return t, D(t.depth), D(t.path)
+
+
+@pytest.mark.parametrize("cdt", [np.float32, np.float16])
+def test_tree_rope_kv_append_and_attention(cdt):
+    """A tree launch equals, row by row and bit for bit, the causal launch of the row's own path
+    (its ancestors' K/V laid out in consecutive slots after the context)."""
+    rng = np.random.default_rng(11)
+    H, Hk, hd, p0, layer = 4, 2, 8, 5, 1
+    tree, dd, dp = _tree_tables(2, 2)             # 7 nodes: root, 2 children, 4 grandchildren
+    N = tree.n_nodes
+    inv = D(rope.inv_freq(hd, 10000.0))
+    q = rng.standard_normal((N, H * hd)).astype(np.float32)
+    k = rng.standard_normal((N, Hk * hd)).astype(np.float32)
+    v = rng.standard_normal((N, Hk * hd)).astype(np.float32)
+    L, S = 2, p0 + N + 1
+    ctx_k = rng.standard_normal((L, S, Hk, hd)).astype(cdt)
+    ctx_v = rng.standard_normal((L, S, Hk, hd)).astype(cdt)
+    ctx_k[:, p0:] = 0
+    ctx_v[:, p0:] = 0
+    kc, vc = D(ctx_k), D(ctx_v)
+    qd, kd = D(q), D(k)
+    pos = D(np.array([p0], np.int32))
+    rope.rope_kv_append(qd, kd, D(v), kc, vc, layer, pos, inv, depth=dd, path=dp)
+    out = D(np.full((N, H * hd), np.nan, np.float32))
+    attention.attention(out, qd, kc, vc, layer, pos, depth=dd, path=dp)
+    got, hk, hv = host(out), host(kc), host(vc)
+    gq = host(qd)
+    for node in range(N):
+        d = int(tree.depth[node])
+        path = [int(x) for x in tree.path[node, :d + 1]]
+        # RoPE at position p0 + depth; K/V in slot p0 + node
+        close(gq[node:node + 1], ref_rope(q[node:node + 1], p0 + d, host(inv)), 1e-6)
+        assert np.array_equal(hv[layer, p0 + node], v[node].reshape(Hk, hd).astype(cdt))
+        # the causal twin: context, then the path's K/V in consecutive slots
+        ck, cv = ctx_k.copy(), ctx_v.copy()
+        for i, n in enumerate(path):
+            ck[layer, p0 + i] = hk[layer, p0 + n]
+            cv[layer, p0 + i] = hv[layer, p0 + n]
+        o1 = D(np.zeros((1, H * hd), np.float32))
+        attention.attention(o1, D(gq[node:node + 1]), D(ck), D(cv), layer, D(np.array([p0 + d], np.int32)))
+        assert np.array_equal(host(o1)[0], got[node]), node
+        close(got[node:node + 1], ref_attention(gq[node:node + 1], ck, cv, layer, p0 + d, H, Hk, hd), 1e-5)
+    # a launch over one level (tables offset to its first node) gives the same rows
+    o2 = D(np.zeros((4, H * hd), np.float32))
+    attention.attention(o2, D(gq[3:7]), kc, vc, layer, pos, depth=dd[3:], path=dp[3:])
+    assert np.array_equal(host(o2), got[3:7])
+
+
+def test_move_slots_sequential():
+    rng = np.random.default_rng(12)
+    for cdt in (np.float16, np.float32):
+        kc = rng.standard_normal((3, 10, 2, 4)).astype(cdt)
+        vc = rng.standard_normal((3, 10, 2, 4)).astype(cdt)
+        moves = [(7, 5), (5, 6), (9, 7)]         # move 2 reads slot 5 after move 1 wrote it
+        want_k, want_v = kc.copy(), vc.copy()
+        for s_, d_ in moves:
+            want_k[:, d_] = want_k[:, s_]
+            want_v[:, d_] = want_v[:, s_]
+        buf = np.zeros((2, 6), np.int32)
+        buf[:, :3] = np.array(moves, np.int32).T
+        kd, vd = D(kc), D(vc)
+        cache_move.move_slots(kd, vd, D(buf), 3)
+        assert np.array_equal(host(kd), want_k) and np.array_equal(host(vd), want_v)
+    with pytest.raises(BackendError, match="n_moves=7"):
+        cache_move.move_slots(kd, vd, D(buf), 7)
+
+
 # =============================================================================== argmax
+def ref_topk(row, k):
+    order = sorted((i for i in range(len(row)) if not np.isnan(row[i])), key=lambda i: (-row[i], i))
+    return order[:k]
+
+
+def test_topk():
+    rng = np.random.default_rng(13)
+    logits = rng.standard_normal((4, 300)).astype(np.float32)
+    logits[1, [3, 40, 41, 200]] = 9.0                 # ties: lowest index first
+    logits[2, :] = np.float32(1.5)                    # all equal
+    logits[3, [0, 5]] = np.nan
+    for K in (1, 3, 5):
+        out = D(np.full((4, K), -1, np.int32))
+        argmax.topk(out, D(logits))
+        got = host(out).tolist()
+        assert got == [ref_topk(r, K) for r in logits]
+    with pytest.raises(BackendError, match="K=301"):
+        argmax.topk(D(np.zeros((4, 301), np.int32)), D(logits))
+
+
 def test_argmax_ties_nan_inf():
     rows = np.array([
         [1.0, 5.0, 5.0, -2.0, 5.0, 0.0, 0.0, 0.0, 0.0, 0.0],

@@ -24,6 +24,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping
 
+import numpy as np
+
 from .arch import ModelConfig
 
 
@@ -49,6 +51,24 @@ class Workspace:
     logits: Any
     snap_x: Any = None
     snap_e: Any = None
+
+
+@dataclass
+class TreeRows:
+    """A position handle for a launch over nodes of a draft tree (tree-speculative decoding).
+
+    Row t is tree node ``n`` at depth ``depth[t]``: its RoPE position is ``pos + depth[t]``, its
+    K/V go to cache slot ``pos + path[t, depth[t]]`` (``path[t, :depth[t]+1]`` lists the node
+    indices from the root to the node itself), and it attends to slots ``0 .. pos-1`` (the
+    committed context) and then to ``pos + path[t, i]`` for i = 0 .. depth[t], in that order. For a
+    chain (path[t] = 0, 1, .., t) this is exactly causal attention. `pos` is the backend's ordinary
+    position handle; depth (rows,) and path (rows, max_depth + 1) are int32 tables in backend
+    memory (:meth:`Backend.tree_layout`), already offset to the launch's first row.
+    """
+
+    pos: Any
+    depth: Any
+    path: Any
 
 
 @dataclass
@@ -213,6 +233,29 @@ class Backend(ABC):
     @abstractmethod
     def rows(self, buf, row0: int):
         """A view of `buf` starting at row `row0` (for ops on a suffix of rows)."""
+
+    def tree_layout(self, depth, path) -> Any:
+        """Backend copies of a draft tree's int32 tables (depth (N,), path (N, D+1)); a backend may
+        keep them across requests (they depend on the tree shape only)."""
+        return (np.ascontiguousarray(depth, np.int32), np.ascontiguousarray(path, np.int32))
+
+    def tree_positions(self, layout, pos: int, row0: int = 0) -> TreeRows:
+        """A :class:`TreeRows` handle for a launch whose row 0 is node `row0` of `layout`, with the
+        tree's root at absolute position `pos`."""
+        depth, path = layout
+        return TreeRows(self.positions(pos), self.rows(depth, row0), self.rows(path, row0))
+
+    @abstractmethod
+    def move_cache_slots(self, cache, moves) -> None:
+        """For each (src, dst) of `moves` in order: slot dst of every cache layer := slot src
+        (compacts an accepted tree path). Ordered after every op queued before it."""
+
+    def launch_topk_rows(self, ws: Workspace, n: int, k: int) -> None:
+        """Start the top-k of each of ws.logits[0:n] where the logits live."""
+
+    @abstractmethod
+    def read_topk_rows(self, ws: Workspace, n: int, k: int) -> list:
+        """For each of ws.logits[0:n] the k ids of largest logit, best first (ties to the lower id)."""
 
     def advance_position(self, pos) -> None:
         """Advance a device-resident position by one at the end of a one-token step (a captured step

@@ -51,6 +51,12 @@ class Decoder:
         """True when this decoder is the automatic choice for `config` (built-ins only)."""
         return False
 
+    # A decoder may also define ``resolve(model, config, context) -> (name, decoder_config) | None``
+    # (a classmethod): called once per request after validation, it may hand the request to the
+    # registered decoder `name`, built from `decoder_config` (the request's GenerateConfig, or a
+    # SpeculativeConfig / TreeSpeculativeConfig, which also selects the speculative session).
+    # The engine's stop policy still follows the request's GenerateConfig.
+
     def __init__(self, config):
         self.config = config
 

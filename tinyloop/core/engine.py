@@ -71,6 +71,7 @@ class Model:
         self._lock = threading.Lock()
         self._freed = False
         self._live_cache_bytes = 0
+        self.decoder_choices = {}           # loop depth -> autotune.DecoderChoice (the auto decoder)
         try:
             self.header = self.file.header
             self.cfg: ModelConfig = self.header.config
@@ -190,6 +191,27 @@ class _Plan:
         self.processor_factory = lambda: ProcessorChain(pm.processors_for(config))
         self.decoder_config = config      # what the decoder is built from (a SpeculativeConfig for
         self.session_cls = Session        # speculative contexts, which also bring their own session)
+        self.model, self.context = model, context
+        self.delegated_from: Optional[str] = None
+
+    def delegate(self) -> None:
+        """Let a resolving decoder (Decoder.resolve) hand the request to another decoder; call after
+        the request is validated. A speculative delegation brings its session kind along."""
+        resolve = getattr(self.decoder_cls, "resolve", None)
+        if resolve is None:
+            return
+        target = resolve(self.model, self.config, self.context)
+        if target is None:
+            return
+        name, dconfig = target
+        decs = get_plugin_manager().decoders()
+        if name not in decs:
+            raise PluginError(f"decoder {self.decoder_cls.name!r} delegated to {name!r}, which is not registered")
+        self.delegated_from = self.decoder_cls.name
+        self.decoder_cls, self.decoder_config = decs[name], dconfig
+        if not isinstance(dconfig, GenerateConfig):
+            from .speculative import session_class
+            self.session_cls = session_class(dconfig)
 
 
 # --------------------------------------------------------------------------- session
@@ -442,6 +464,7 @@ def generate_iter(model: Model, prompt: Sequence[int], config: Optional[Generate
     config = config or GenerateConfig()
     plan = _Plan(model, config, "single")
     ids = validate_request(model, prompt, config)
+    plan.delegate()
     stats = stats if stats is not None else GenerateStats()
     return _iter_locked(model, ids, plan, stats)
 
@@ -488,6 +511,7 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], config: Optio
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise InvalidInputError("prompts must be a non-empty list of token-id lists")
     all_ids = [validate_request(model, p, config, what=f"prompts[{i}]") for i, p in enumerate(prompts)]
+    plan.delegate()
     results = []
     lock = _locked(model)
     try:

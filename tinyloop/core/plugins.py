@@ -25,6 +25,8 @@ DEFAULT_PLUGINS = (
     "tinyloop.plugins.decoders.sampling",
     "tinyloop.plugins.decoders.beam",
     "tinyloop.plugins.decoders.speculative",
+    "tinyloop.plugins.decoders.tree_speculative",
+    "tinyloop.plugins.decoders.auto",
     "tinyloop.plugins.caches.float_cache",
     "tinyloop.plugins.processors.repetition",
 )

@@ -28,9 +28,11 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
+import numpy as np
+
 from .config import GenerateConfig, GenerateStats, SpeculativeConfig, TreeSpeculativeConfig
 from .engine import Model, Session, _iter_locked, _Plan, resolve_loops, validate_request
-from .errors import ConfigError, NotImplementedModeError
+from .errors import ConfigError
 
 
 class SpeculativeSession(Session):
@@ -47,11 +49,24 @@ class SpeculativeSession(Session):
         self.draft_post0 = cfg.n_layers(spec.verify_loops)
         self.inject = cfg.loop_inject == "add"
 
-    def _stash(self, k: int) -> None:
+    def _stash(self, row0: int, n: int = 1) -> None:
+        """Keep rows 0..n-1 of the residual (and of the loop-inject copy) in stash rows row0.."""
         be, ws = self.model.backend, self.model.ws
-        be.copy(be.rows(ws.snap_x, k), ws.x, 1)
+        be.copy(be.rows(ws.snap_x, row0), ws.x, n)
         if self.inject:
-            be.copy(be.rows(ws.snap_e, k), ws.e, 1)
+            be.copy(be.rows(ws.snap_e, row0), ws.e, n)
+
+    def _resume(self, pos, n: int) -> None:
+        """Rows 0..n-1 restart from the stash and run iterations draft_loops..verify_loops-1, the
+        post blocks and the head; the argmax of each row is started on the device."""
+        be, fwd, ws, cache = self.model.backend, self.model.fwd, self.model.ws, self.cache
+        be.copy(ws.x, ws.snap_x, n)
+        if self.inject:
+            be.copy(ws.e, ws.snap_e, n)
+        fwd.run_loop_iters_range(pos, n, cache, self.draft_loops, self.verify_loops)
+        fwd.suffix(pos, n, cache, self.verify_loops)
+        fwd.logits(0, n)
+        be.launch_argmax_rows(ws, n)
 
     def draft(self, token: int, k: int) -> int:
         be, fwd, ws, cache = self.model.backend, self.model.fwd, self.model.ws, self.cache
@@ -86,16 +101,7 @@ class SpeculativeSession(Session):
                 self._stash(n - 1)
             be.replay(("tail", Ld, cache, n - 1), tail)
             pos0 = be.positions(self.position)
-
-            def resume():
-                be.copy(ws.x, ws.snap_x, n)
-                if self.inject:
-                    be.copy(ws.e, ws.snap_e, n)
-                fwd.run_loop_iters_range(pos0, n, cache, Ld, Lv)
-                fwd.suffix(pos0, n, cache, Lv)
-                fwd.logits(0, n)
-                be.launch_argmax_rows(ws, n)
-            be.replay(("verify", Ld, Lv, cache, n), resume)
+            be.replay(("verify", Ld, Lv, cache, n), lambda: self._resume(pos0, n))
             self.stats.loop_iters_run += Ld + (Lv - Ld)
         else:
             ids = be.set_ids(ws, list(tokens))
@@ -120,14 +126,147 @@ class SpeculativeSession(Session):
         self.stats.accepted_tokens += n_accepted
 
 
+class DraftTree:
+    """The full K-ary draft tree of depth D, nodes in breadth-first order.
+
+    Node 0 is the root (the pending token, depth 0); level d holds K^d nodes, indices
+    ``level_start[d] .. level_start[d+1]-1``; the children of node i (level d < D) are the K
+    consecutive nodes starting at ``level_start[d+1] + (i - level_start[d]) * K``, in the order of
+    the draft's top-K (best first). ``depth`` and ``path`` are the int32 tables of
+    tinyloop.core.backend.TreeRows."""
+
+    def __init__(self, K: int, D: int):
+        self.K, self.D = K, D
+        self.level_start = [sum(K ** i for i in range(d)) for d in range(D + 2)]
+        self.n_nodes = N = self.level_start[D + 1]
+        self.depth = np.zeros(N, np.int32)
+        self.path = np.zeros((N, D + 1), np.int32)
+        for d in range(1, D + 1):
+            for j in range(K ** d):
+                node = self.level_start[d] + j
+                parent = self.level_start[d - 1] + j // K
+                self.depth[node] = d
+                self.path[node, :d] = self.path[parent, :d]
+                self.path[node, d] = node
+
+    def level(self, d: int) -> range:
+        return range(self.level_start[d], self.level_start[d + 1])
+
+    def children(self, node: int) -> range:
+        d = int(self.depth[node])
+        first = self.level_start[d + 1] + (node - self.level_start[d]) * self.K
+        return range(first, first + self.K) if d < self.D else range(0)
+
+
+def tree_nodes(K: int, D: int) -> int:
+    """Nodes of the full K-ary tree of depth D, root included."""
+    return sum(K ** d for d in range(D + 1))
+
+
+class TreeSpeculativeSession(SpeculativeSession):
+    """A speculative session over a draft tree (tree nodes live in cache slots position + node):
+
+    * ``draft_level(d, tokens)``  the level-d nodes (their tokens given) go through the draft
+      depth in one tree-masked launch; returns the draft's top-K next tokens of each node.
+    * ``verify_tree(tokens)``     all tree nodes (tokens by node index) at verify_loops in ONE
+      tree-masked forward (verify-resume: level-D nodes first run the draft iterations, then every
+      node resumes from its stash); returns the verify argmax after each node.
+    * ``commit_path(nodes)``      the root and the accepted nodes (depth 1, 2, ..) are kept: their
+      cache slots move to position + depth, then the position advances past them."""
+
+    def __init__(self, model: Model, prompt: List[int], plan: _Plan, chain, stats: GenerateStats):
+        spec: TreeSpeculativeConfig = plan.decoder_config
+        self.tree = DraftTree(spec.K_branches, spec.draft_ahead)
+        Session.__init__(self, model, prompt, plan, chain, stats, extra_layers=model.cfg.n_post,
+                         extra_slots=self.tree.n_nodes)
+        self.spec = spec
+        self.draft_loops, self.verify_loops = spec.draft_loops, spec.verify_loops
+        self.draft_post0 = model.cfg.n_layers(spec.verify_loops)
+        self.inject = model.cfg.loop_inject == "add"
+        self.layout = model.backend.tree_layout(self.tree.depth, self.tree.path)
+
+    def draft_level(self, d: int, tokens: Sequence[int]) -> List[List[int]]:
+        be, fwd, ws, cache = self.model.backend, self.model.fwd, self.model.ws, self.cache
+        tr = self.tree
+        row0, n = tr.level_start[d], len(tokens)
+        ids = be.set_ids(ws, list(tokens))
+        pos = be.tree_positions(self.layout, self.position, row0)
+        Ld, K = self.draft_loops, tr.K
+
+        def step():
+            fwd.prefix(ids, pos, n, cache)
+            fwd.run_loop_iters_range(pos, n, cache, 0, Ld)
+            self._stash(row0, n)
+            fwd.suffix(pos, n, cache, Ld, post_layer0=self.draft_post0)
+            fwd.logits(0, n)
+            be.launch_topk_rows(ws, n, K)
+        be.replay(("tree-draft", Ld, cache, self.layout, d, K, n), step)
+        self.stats.loop_iters_run += Ld
+        self.stats.drafted_tokens += n * K
+        return be.read_topk_rows(ws, n, K)
+
+    def verify_tree(self, tokens: Sequence[int]) -> List[int]:
+        be, fwd, ws, cache = self.model.backend, self.model.fwd, self.model.ws, self.cache
+        tr = self.tree
+        N = tr.n_nodes
+        Ld, Lv = self.draft_loops, self.verify_loops
+        if self.spec.verify_resume:
+            leaf0 = tr.level_start[tr.D]
+            ids = be.set_ids(ws, list(tokens[leaf0:]))
+            pos = be.tree_positions(self.layout, self.position, leaf0)
+            nl = N - leaf0
+
+            def tail():
+                fwd.prefix(ids, pos, nl, cache)
+                fwd.run_loop_iters_range(pos, nl, cache, 0, Ld)
+                self._stash(leaf0, nl)
+            be.replay(("tree-tail", Ld, cache, self.layout, nl), tail)
+            pos0 = be.tree_positions(self.layout, self.position, 0)
+            be.replay(("tree-verify", Ld, Lv, cache, self.layout, N), lambda: self._resume(pos0, N))
+            self.stats.loop_iters_run += Lv
+        else:
+            ids = be.set_ids(ws, list(tokens))
+            pos0 = be.tree_positions(self.layout, self.position, 0)
+
+            def full():
+                fwd.forward(ids, pos0, N, cache, Lv)
+                fwd.logits(0, N)
+                be.launch_argmax_rows(ws, N)
+            be.replay(("tree-verify-full", Lv, cache, self.layout, N), full)
+            self.stats.loop_iters_run += Lv
+        self.stats.verify_forwards += 1
+        return be.read_argmax_rows(ws, N)
+
+    def commit_path(self, nodes: Sequence[int]) -> None:
+        moves = [(self.position + node, self.position + d) for d, node in enumerate(nodes, 1) if node != d]
+        if moves:
+            self.model.backend.move_cache_slots(self.cache, moves)
+        self.commit(len(nodes))
+
+
+def session_class(config):
+    """The session a speculative decoder configuration needs."""
+    return TreeSpeculativeSession if isinstance(config, TreeSpeculativeConfig) else SpeculativeSession
+
+
 def _speculative_plan(model: Model, prompt, config, cls, context: str):
-    if not isinstance(config, cls):
+    tree = context == "tree_speculative"
+    if not isinstance(config, cls) or (not tree and isinstance(config, TreeSpeculativeConfig)):
         raise ConfigError(f"{context} decoding takes a {cls.__name__}, got {type(config).__name__}")
     model._check_live()
     if config.verify_loops > model.cfg.max_loops:
         raise ConfigError(f"verify_loops={config.verify_loops} is outside the allowed range "
                           f"[2, {model.cfg.max_loops}] (model.max_loops)")
-    if config.draft_ahead + 1 > model.ws.rows:
+    if tree:
+        n = tree_nodes(config.K_branches, config.draft_ahead)
+        if n > model.ws.rows:
+            raise ConfigError(f"K_branches={config.K_branches}, draft_ahead={config.draft_ahead} make a draft tree of "
+                              f"{n} nodes, but a verify pass holds at most {model.ws.rows} rows (the model's "
+                              f"prefill_chunk); lower K_branches or draft_ahead, or load with a larger "
+                              f"prefill_chunk")
+        if config.K_branches > model.cfg.vocab_size:
+            raise ConfigError(f"K_branches={config.K_branches} exceeds the vocabulary ({model.cfg.vocab_size})")
+    elif config.draft_ahead + 1 > model.ws.rows:
         raise ConfigError(f"draft_ahead={config.draft_ahead} needs {config.draft_ahead + 1} rows per verify "
                           f"pass, but the model was loaded with prefill_chunk={model.ws.rows}")
     gc = GenerateConfig(max_tokens=config.max_tokens, loops=config.verify_loops,
@@ -138,7 +277,7 @@ def _speculative_plan(model: Model, prompt, config, cls, context: str):
     ids = validate_request(model, prompt, gc)
     resolve_loops(model, config.draft_loops)
     plan.decoder_config = config
-    plan.session_cls = SpeculativeSession
+    plan.session_cls = session_class(config)
     return plan, ids
 
 
@@ -154,12 +293,14 @@ def generate_speculative(model: Model, prompt: Sequence[int], config: Optional[S
 
 
 def generate_tree_speculative(model: Model, prompt: Sequence[int],
-                              config: Optional[TreeSpeculativeConfig] = None) -> List[int]:
-    """Tree self-speculative decoding with K_branches candidates per draft step."""
-    config = config or TreeSpeculativeConfig()
-    if not isinstance(config, TreeSpeculativeConfig):
-        raise ConfigError(f"tree_speculative decoding takes a TreeSpeculativeConfig, got {type(config).__name__}")
-    from .compat import check_request
-    check_request("tree_speculative", GenerateConfig(max_tokens=config.max_tokens, temperature=config.temperature))
-    raise NotImplementedModeError("tree-speculative decoding is not implemented yet")
-
+                              config: Optional[TreeSpeculativeConfig] = None,
+                              stats: Optional[GenerateStats] = None) -> List[int]:
+    """Tree self-speculative decoding: each draft step keeps the K_branches most likely tokens of
+    every node, building a tree of depth draft_ahead; one tree-masked forward at verify_loops
+    scores every node, and the longest path the verify pass agrees with is committed (plus one
+    bonus token). At temperature 0 the output equals generate(loops=verify_loops). Returns
+    prompt + tokens."""
+    plan, ids = _speculative_plan(model, prompt, config or TreeSpeculativeConfig(), TreeSpeculativeConfig,
+                                  "tree_speculative")
+    stats = stats if stats is not None else GenerateStats()
+    return ids + list(_iter_locked(model, ids, plan, stats))

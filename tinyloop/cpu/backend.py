@@ -12,9 +12,21 @@ from typing import Any
 
 import numpy as np
 
-from ..core.backend import Backend, ModelWeights, Workspace
+from ..core.backend import Backend, ModelWeights, TreeRows, Workspace
 from ..core.errors import BackendError, OutOfMemoryError
 from . import ops
+
+
+_NO_DEPTH = np.zeros(0, np.int32)
+_NO_PATH = np.zeros((0, 1), np.int32)
+
+
+def _layout(pos, T):
+    """(base position, depth table, path table, cache slots of the T rows) of a position handle."""
+    if isinstance(pos, TreeRows):
+        depth = pos.depth[:T]
+        return pos.pos, depth, pos.path, pos.pos + pos.path[np.arange(T), depth]
+    return pos, _NO_DEPTH, _NO_PATH, slice(pos, pos + T)
 
 
 class CPUCache:
@@ -53,7 +65,8 @@ class CPUBackend(Backend):
         self.max_seq_len = max_seq_len
         D = cfg.head_dim
         inv_freq = cfg.rope_theta ** (-np.arange(0, D // 2, dtype=np.float64) * 2.0 / D)
-        ang = np.arange(max_seq_len, dtype=np.float64)[:, None] * inv_freq[None, :]
+        # speculative drafts run up to 64 positions (draft_ahead <= 64) past the last emitted token
+        ang = np.arange(max_seq_len + 65, dtype=np.float64)[:, None] * inv_freq[None, :]
         self.cos = np.cos(ang).astype(np.float32)
         self.sin = np.sin(ang).astype(np.float32)
         self._held = 0
@@ -83,7 +96,7 @@ class CPUBackend(Backend):
                        k=z(c.kv_dim), v=z(c.kv_dim), att=z(c.q_dim), g=z(c.d_ff), u=z(c.d_ff),
                        logits=z(c.vocab_size), snap_x=z(c.d_model), snap_e=z(c.d_model))
         ws.ids = np.zeros(rows, np.int64)
-        self._scores = np.zeros((rows * c.n_heads, self.max_seq_len), f)
+        self._scores = np.zeros((rows * c.n_heads, self.max_seq_len + 65), f)
         self._held += sum(a.nbytes for a in (ws.x, ws.h, ws.e, ws.q, ws.k, ws.v, ws.att, ws.g, ws.u,
                                             ws.logits, ws.snap_x, ws.snap_e, self._scores))
         return ws
@@ -138,21 +151,29 @@ class CPUBackend(Backend):
     def matmul(self, x, W, out, T: int, accumulate: bool = False) -> None:
         ops.matmul(x, W, out, T, accumulate)
 
-    def rope_kv_append(self, q, k, v, cache: CPUCache, layer: int, pos: int, T: int) -> None:
+    def rope_kv_append(self, q, k, v, cache: CPUCache, layer: int, pos, T: int) -> None:
         c = self.cfg
-        if pos + T > cache.n_slots:
-            raise BackendError(f"cache slot {pos + T - 1} is past the cache's {cache.n_slots} slots")
-        ops.rope(q, pos, T, c.n_heads, c.head_dim, self.cos, self.sin)
-        ops.rope(k, pos, T, c.n_kv_heads, c.head_dim, self.cos, self.sin)
+        p0, depth, _, slots = _layout(pos, T)
+        last = (int(slots.max()) if isinstance(slots, np.ndarray) and T else p0 + T - 1)
+        if last >= cache.n_slots:
+            raise BackendError(f"cache slot {last} is past the cache's {cache.n_slots} slots")
+        ops.rope(q, p0, T, c.n_heads, c.head_dim, self.cos, self.sin, depth)
+        ops.rope(k, p0, T, c.n_kv_heads, c.head_dim, self.cos, self.sin, depth)
         shape = (T, c.n_kv_heads, c.head_dim)
-        cache.k_w[layer, pos:pos + T] = k[:T].reshape(shape)
-        cache.v_w[layer, pos:pos + T] = v[:T].reshape(shape)
+        cache.k_w[layer, slots] = k[:T].reshape(shape)
+        cache.v_w[layer, slots] = v[:T].reshape(shape)
 
-    def attention(self, q, cache: CPUCache, layer: int, pos: int, T: int, out) -> None:
+    def attention(self, q, cache: CPUCache, layer: int, pos, T: int, out) -> None:
         c = self.cfg
+        p0, depth, path, _ = _layout(pos, T)
         kernel = ops.attention_f16 if cache.kv_dtype == "fp16" else ops.attention_f32
-        kernel(q, cache.k, cache.v, layer, pos, T, c.n_heads, c.n_kv_heads, c.head_dim, out,
-                      self._scores, cache.lut)
+        kernel(q, cache.k, cache.v, layer, p0, T, c.n_heads, c.n_kv_heads, c.head_dim, out,
+               self._scores, cache.lut, depth, path)
+
+    def move_cache_slots(self, cache: CPUCache, moves) -> None:
+        for src, dst in moves:
+            cache.k[:, dst] = cache.k[:, src]
+            cache.v[:, dst] = cache.v[:, src]
 
     def swiglu(self, g, u, out, T: int) -> None:
         ops.swiglu(g, u, out, T)
@@ -168,3 +189,11 @@ class CPUBackend(Backend):
 
     def read_argmax_rows(self, ws: Workspace, n: int) -> list:
         return [int(ops.argmax(ws.logits[r])) for r in range(n)]
+
+    def read_topk_rows(self, ws: Workspace, n: int, k: int) -> list:
+        out = np.zeros(k, np.int64)
+        rows = []
+        for r in range(n):
+            ops.topk(ws.logits[r], k, out)
+            rows.append([int(i) for i in out])
+        return rows

@@ -96,12 +96,14 @@ def add(x, y, T):
 
 
 @njit(**_SEQ)
-def rope(x, pos, T, n_heads, D, cos_t, sin_t):
-    """Rotate (x[i], x[i + D/2]) of every head of rows t by angle (pos + t) * inv_freq[i], in place.
-    cos_t / sin_t are (max_pos, D/2) float32 tables."""
+def rope(x, pos, T, n_heads, D, cos_t, sin_t, depth):
+    """Rotate (x[i], x[i + D/2]) of every head of row t by angle p * inv_freq[i], in place, with
+    p = pos + t, or p = pos + depth[t] for a tree layout (depth non-empty). cos_t / sin_t are
+    (max_pos, D/2) float32 tables."""
     half = D // 2
+    tree = depth.shape[0] > 0
     for t in range(T):
-        p = pos + t
+        p = pos + depth[t] if tree else pos + t
         for h in range(n_heads):
             base = h * D
             for i in range(half):
@@ -125,21 +127,28 @@ def _load_f16(c, layer, s, h, d, lut):
 
 def _make_attention(_load):
     @njit(**_PAR)
-    def attention(q, kc, vc, layer, pos, T, n_heads, n_kv, D, out, scores, lut):
-        """Causal GQA attention: out[t, head h] = softmax_s(q[t,h] . k[s] / sqrt(D)) . v[s], s <= pos + t.
+    def attention(q, kc, vc, layer, pos, T, n_heads, n_kv, D, out, scores, lut, depth, path):
+        """GQA attention: out[t, head h] = softmax_j(q[t,h] . k[slot_j] / sqrt(D)) . v[slot_j].
+
+        Causal (depth empty): keys j = 0 .. pos + t at slot j. Tree layout: keys j = 0 .. pos +
+        depth[t], slot j for j < pos (the committed context), then slot pos + path[t, j - pos] (the
+        row's tree path, root first). Either way the keys reduce in j order, so a tree row equals
+        the causal row of the same token sequence bit for bit.
 
         kc/vc: (L, S, Hkv, D) float32, or uint16 fp16 bit patterns with lut = HALF_TO_FLOAT (else an
-        empty lut). scores: (T*H, S) float32 scratch. Each (t, h) is one task; slots reduce in order."""
+        empty lut). scores: (T*H, S) float32 scratch. Each (t, h) is one task."""
         group = n_heads // n_kv
         scale = float32(1.0) / np.sqrt(float32(D))
+        tree = depth.shape[0] > 0
         for th in prange(T * n_heads):
             t = th // n_heads
             h = th % n_heads
             kvh = h // group
-            n = pos + t + 1
+            n = pos + (depth[t] if tree else t) + 1
             sc = scores[th]
             m = float32(-np.inf)
-            for s in range(n):
+            for j in range(n):
+                s = pos + path[t, j - pos] if tree and j >= pos else j
                 p0 = float32(0.0); p1 = float32(0.0); p2 = float32(0.0); p3 = float32(0.0)
                 d = 0
                 while d + 4 <= D:
@@ -153,19 +162,20 @@ def _make_attention(_load):
                     a += q[t, h * D + d] * _load(kc, layer, s, kvh, d, lut)
                     d += 1
                 a *= scale
-                sc[s] = a
+                sc[j] = a
                 if a > m:
                     m = a
             total = float32(0.0)
-            for s in range(n):
-                e = np.exp(sc[s] - m)
-                sc[s] = e
+            for j in range(n):
+                e = np.exp(sc[j] - m)
+                sc[j] = e
                 total += e
             inv = float32(1.0) / total
             for d in range(D):
                 out[t, h * D + d] = float32(0.0)
-            for s in range(n):
-                w = sc[s] * inv
+            for j in range(n):
+                s = pos + path[t, j - pos] if tree and j >= pos else j
+                w = sc[j] * inv
                 for d in range(D):
                     out[t, h * D + d] += w * _load(vc, layer, s, kvh, d, lut)
     return attention
@@ -173,6 +183,30 @@ def _make_attention(_load):
 
 attention_f32 = _make_attention(_load_f32)
 attention_f16 = _make_attention(_load_f16)
+
+
+@njit(**_SEQ)
+def topk(row, k, out):
+    """out[0:k] = indices of the k largest values, best first; ties go to the lowest index (the
+    order "larger value, then smaller index"); NaN never wins over a number."""
+    pv = float32(np.inf)
+    pi = -1
+    for r in range(k):
+        best = -1
+        bv = float32(-np.inf)
+        for i in range(row.shape[0]):
+            v = row[i]
+            # candidates strictly after the previous pick in the order
+            if v < pv or (v == pv and i > pi):
+                if best < 0 or v > bv:
+                    best = i
+                    bv = v
+        if best < 0:      # only NaN left: the lowest index after the previous pick
+            best = min(pi + 1, row.shape[0] - 1)
+            bv = row[best]
+        out[r] = best
+        pv = bv
+        pi = best
 
 
 @njit(**_SEQ)

@@ -26,12 +26,14 @@ import numba
 import numpy as np
 from numba import cuda
 
-from ..core.backend import Backend, ModelWeights, Workspace
+from ..core.backend import Backend, ModelWeights, TreeRows, Workspace
 from ..core.errors import BackendError, OutOfMemoryError
 from .graphs import Graph
+from .kernels._common import no_tree
 from .kernels import add as k_add
 from .kernels import argmax as k_argmax
 from .kernels import attention as k_attention
+from .kernels import cache_move as k_cache_move
 from .kernels import embed as k_embed
 from .kernels import matmul as k_matmul
 from .kernels import position as k_position
@@ -40,6 +42,8 @@ from .kernels import rope as k_rope
 from .kernels import swiglu as k_swiglu
 
 MAX_GRAPHS = 64
+#: Largest top-k a launch_topk_rows call may ask for (tree-speculative K_branches).
+MAX_TOPK = 16
 _DT = {"fp16": np.float16, "fp32": np.float32}
 
 
@@ -96,6 +100,8 @@ class CUDABackend(Backend):
         self.profile = os.environ.get("TINYLOOP_CUDA_PROFILE", "") not in ("", "0")
         self.graph_launches = 0
         self.step_nodes = 0
+        self._no_tree = no_tree()          # made here, never during a capture
+        self._tree_layouts = {}
 
     # ------------------------------------------------------------------ memory
     def _to_device(self, a: np.ndarray):
@@ -146,9 +152,15 @@ class CUDABackend(Backend):
         ws.tok = self._empty(1, np.int32)
         ws.toks = self._empty(rows, np.int32)
         ws.toks_host = cuda.pinned_array(rows, np.int32)
+        ws.topk = self._empty(rows * MAX_TOPK, np.int32)       # (n, k) views over the start
+        ws.topk_host = cuda.pinned_array(rows * MAX_TOPK, np.int32)
+        ws.moves = self._empty((2, rows), np.int32)
+        ws.moves_host = cuda.pinned_array((2, rows), np.int32)
         ws.ids_host = cuda.pinned_array(rows, np.int32)
         ws.logits_host = cuda.pinned_array(c.vocab_size, np.float32)
-        self._held += sum(int(a.nbytes) for a in arrays.values()) + int(ws.ids.nbytes) + 4
+        self._held += (sum(int(a.nbytes) for a in arrays.values()) + int(ws.ids.nbytes) + 4
+                       + int(ws.toks.nbytes) + int(ws.topk.nbytes) + int(ws.moves.nbytes))
+        self._ws = ws
         return ws
 
     def alloc_cache(self, n_layers: int, n_slots: int, kv_dtype: str) -> CUDACache:
@@ -187,6 +199,33 @@ class CUDABackend(Backend):
             dst.k.copy_to_device(src.k, stream=self.stream)
             dst.v.copy_to_device(src.v, stream=self.stream)
 
+    def move_cache_slots(self, cache: CUDACache, moves) -> None:
+        ws = self._ws
+        n = len(moves)
+        if n > ws.moves.shape[1]:
+            raise BackendError(f"move_cache_slots: {n} moves exceed the pool's {ws.moves.shape[1]}")
+        for src, dst in moves:
+            if not (0 <= src < cache.n_slots and 0 <= dst < cache.n_slots):
+                raise BackendError(f"move_cache_slots: slot move {src} -> {dst} is outside [0, {cache.n_slots})")
+        self.stream.synchronize()   # the staging buffer may still be in flight (see positions())
+        for i, (src, dst) in enumerate(moves):
+            ws.moves_host[0, i] = src
+            ws.moves_host[1, i] = dst
+        ws.moves.copy_to_device(ws.moves_host, stream=self.stream)
+        k_cache_move.move_slots(cache.k, cache.v, ws.moves, n, stream=self.stream)
+
+    def tree_layout(self, depth, path):
+        depth = np.ascontiguousarray(depth, np.int32)
+        path = np.ascontiguousarray(path, np.int32)
+        key = (depth.tobytes(), path.shape, path.tobytes())
+        lay = self._tree_layouts.get(key)
+        if lay is None:
+            # kept for the backend's lifetime: the captured graphs of tree steps point into them
+            lay = (self._to_device(depth), self._to_device(path))
+            self.stream.synchronize()
+            self._tree_layouts[key] = lay
+        return lay
+
     def _drop_spare(self) -> None:
         sp, self._spare_cache = self._spare_cache, None
         if sp is not None:
@@ -199,6 +238,7 @@ class CUDABackend(Backend):
 
     def free(self) -> None:
         self._graphs.clear()
+        self._tree_layouts.clear()
         self._spare_cache = None
         self._held = 0
         if not numba.config.ENABLE_CUDASIM:
@@ -264,6 +304,17 @@ class CUDABackend(Backend):
         self._tok_value = int(self._tok_host[0])
         return self._tok_value
 
+    def launch_topk_rows(self, ws: Workspace, n: int, k: int) -> None:
+        if not 1 <= k <= MAX_TOPK:
+            raise BackendError(f"top-k of k={k} is outside [1, {MAX_TOPK}] on the cuda backend")
+        k_argmax.topk(ws.topk[:n * k].reshape(n, k), ws.logits[:n], stream=self.stream)
+
+    def read_topk_rows(self, ws: Workspace, n: int, k: int) -> list:
+        ws.topk[:n * k].copy_to_host(ws.topk_host[:n * k], stream=self.stream)
+        self.stream.synchronize()
+        flat = ws.topk_host
+        return [[int(i) for i in flat[r * k:(r + 1) * k]] for r in range(n)]
+
     def launch_argmax_rows(self, ws: Workspace, n: int) -> None:
         k_argmax.argmax(ws.toks[:n], ws.logits[:n], stream=self.stream)
 
@@ -326,12 +377,20 @@ class CUDABackend(Backend):
     def matmul(self, x, W, out, T: int, accumulate: bool = False) -> None:
         k_matmul.matmul(out[:T], x[:T], W.w, W.scales, W.zeros, accumulate=accumulate, stream=self.stream)
 
+    def _tables(self, pos):
+        if isinstance(pos, TreeRows):
+            return pos.pos, pos.depth, pos.path
+        return pos, self._no_tree[0], self._no_tree[1]
+
     def rope_kv_append(self, q, k, v, cache: CUDACache, layer: int, pos, T: int) -> None:
-        k_rope.rope_kv_append(q[:T], k[:T], v[:T], cache.k, cache.v, layer, pos, self.inv_freq,
-                              stream=self.stream)
+        p, depth, path = self._tables(pos)
+        k_rope.rope_kv_append(q[:T], k[:T], v[:T], cache.k, cache.v, layer, p, self.inv_freq,
+                              stream=self.stream, depth=depth, path=path)
 
     def attention(self, q, cache: CUDACache, layer: int, pos, T: int, out) -> None:
-        k_attention.attention(out[:T], q[:T], cache.k, cache.v, layer, pos, stream=self.stream)
+        p, depth, path = self._tables(pos)
+        k_attention.attention(out[:T], q[:T], cache.k, cache.v, layer, p, stream=self.stream,
+                              depth=depth, path=path)
 
     def swiglu(self, g, u, out, T: int) -> None:
         k_swiglu.swiglu(out[:T], g[:T], u[:T], stream=self.stream)

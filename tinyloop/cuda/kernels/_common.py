@@ -184,6 +184,28 @@ def device_pointer(a) -> int:
     return int(a.__cuda_array_interface__["data"][0])
 
 
+_NO_TREE = []
+
+
+def no_tree():
+    """The empty (depth, path) tables that select the causal layout (made once, on first use;
+    call it before any graph capture)."""
+    if not _NO_TREE:
+        _NO_TREE.extend([cuda.to_device(np.zeros(0, np.int32)), cuda.to_device(np.zeros((0, 1), np.int32))])
+    return _NO_TREE[0], _NO_TREE[1]
+
+
+def check_tree(op, depth, path, T):
+    """Validate optional tree tables for a T-row launch; (empty tables) when depth is None."""
+    if depth is None:
+        return no_tree()
+    check_array(op, "depth", depth, np.int32, 1)
+    check_array(op, "path", path, np.int32, 2, (depth.shape[0], None))
+    if depth.shape[0] < T:
+        raise BackendError(f"{op}: tree tables of {depth.shape[0]} rows for {T} rows")
+    return depth, path
+
+
 __all__ = ["SIM", "FULL_MASK", "NEG_INF", "warp_sum", "warp_max", "block_sum", "block_max",
            "as_float", "as_bits", "cdiv", "is_device_array", "check_array", "device_pointer",
-           "float32", "uint32"]
+           "no_tree", "check_tree", "float32", "uint32"]

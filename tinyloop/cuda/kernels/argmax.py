@@ -1,9 +1,11 @@
-"""Greedy token choice: ``out[t] = argmax_i logits[t, i]`` with ties going to the lowest index.
+"""Greedy token choice: ``out[t] = argmax_i logits[t, i]`` with ties going to the lowest index;
+and its generalisation ``topk``: ``out[t, 0:K]`` = the K indices of largest logit, best first
+(tree-speculative drafts keep K candidates per node).
 
 Shapes (T rows, V = vocab_size)::
 
     logits  float32 (T, V)
-    out     int32 (T,)          written on the device (no host sync)
+    out     int32 (T,) for argmax, (T, K) for topk      written on the device (no host sync)
 
 NaN logits never win (they compare false); a row with no value above -inf (all -inf or NaN)
 yields the lowest index holding -inf, or 0 if every entry is NaN.
@@ -36,51 +38,68 @@ def better(v, i, bv, bi):
 
 
 @cuda.jit
-def _argmax_kernel(out, logits):
+def _topk_kernel(out, logits):
     V = logits.shape[1]
+    K = out.shape[1]
     t = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     sv = cuda.shared.array(NT, float32)
     si = cuda.shared.array(NT, int32)
-    bv = NEG_INF
-    bi = int32(_BIG)
-    for i in range(tid, V, NT):
-        v = logits[t, i]
-        if better(v, i, bv, bi):
-            bv = v
-            bi = int32(i)
-    sv[tid] = bv
-    si[tid] = bi
-    # All candidates must be stored before the tree reads them.
-    cuda.syncthreads()
-    step = NT // 2
-    while step > 0:
-        if tid < step:
-            if better(sv[tid + step], si[tid + step], sv[tid], si[tid]):
-                sv[tid] = sv[tid + step]
-                si[tid] = si[tid + step]
-        # This level's merges must land before the next level reads them.
+    pv = float32(np.inf)      # the previous round's winner (value, index)
+    pi = int32(-1)
+    for r in range(K):
+        bv = NEG_INF
+        bi = int32(_BIG)
+        for i in range(tid, V, NT):
+            v = logits[t, i]
+            if better(pv, pi, v, i) and better(v, i, bv, bi):
+                bv = v
+                bi = int32(i)
+        sv[tid] = bv
+        si[tid] = bi
+        # All candidates must be stored before the tree reads them.
         cuda.syncthreads()
-        step //= 2
-    if tid == 0:
-        r = si[0]
-        if r == _BIG:
-            r = 0
-        out[t] = r
+        step = NT // 2
+        while step > 0:
+            if tid < step:
+                if better(sv[tid + step], si[tid + step], sv[tid], si[tid]):
+                    sv[tid] = sv[tid + step]
+                    si[tid] = si[tid + step]
+            # This level's merges must land before the next level reads them.
+            cuda.syncthreads()
+            step //= 2
+        w = si[0]
+        if w == _BIG:         # nothing left above -inf (or only NaN): the lowest unused index
+            w = min(pi + 1, V - 1)
+        pv = logits[t, w]
+        pi = w
+        if tid == 0:
+            out[t, r] = w
+        # Every thread has read the winner before the next round overwrites sv / si.
+        cuda.syncthreads()
+
+
+def topk(out, logits, stream=0):
+    """``out[t, 0:K]`` = the K indices of largest ``logits[t]``, best first (int32, ties to the
+    lowest index), for every row t; K = out.shape[1] <= V."""
+    op = "topk"
+    check_array(op, "logits", logits, np.float32, 2)
+    T, V = logits.shape
+    check_array(op, "out", out, np.int32, 2, (T, None))
+    if V == 0:
+        raise BackendError(f"{op}: empty vocabulary")
+    if not 1 <= out.shape[1] <= V:
+        raise BackendError(f"{op}: K={out.shape[1]} is outside [1, {V}] (the vocabulary)")
+    if T == 0:
+        return
+    _topk_kernel[T, NT, stream](out, logits)
 
 
 def argmax(out, logits, stream=0):
-    """``out[t] = argmax(logits[t])`` (int32, ties to the lowest index), for every row t."""
-    op = "argmax"
-    check_array(op, "logits", logits, np.float32, 2)
-    T, V = logits.shape
-    check_array(op, "out", out, np.int32, 1, (T,))
-    if V == 0:
-        raise BackendError(f"{op}: empty vocabulary")
-    if T == 0:
-        return
-    _argmax_kernel[T, NT, stream](out, logits)
+    """``out[t] = argmax(logits[t])`` (int32, ties to the lowest index), for every row t: top-1."""
+    check_array("argmax", "out", out, np.int32, 1, (logits.shape[0],))
+    topk(out.reshape(out.shape[0], 1), logits, stream=stream)
 
 
 def ptx_signatures():
-    return [("argmax", _argmax_kernel.py_func, "void(int32[::1], float32[:, ::1])")]
+    return [("topk", _topk_kernel.py_func, "void(int32[:, ::1], float32[:, ::1])")]

@@ -22,6 +22,10 @@ Shapes (T rows, H query heads, Hkv kv heads, hd head width, L cache layers, S ma
     k_cache, v_cache  float16 or float32 (L, S, Hkv, hd)   (rope_kv_append only) slot p of
                       `layer` receives the rotated k row and the v row; rows with p >= S are not
                       written (the host keeps pos[0] + T <= S)
+    depth, path       int32 (T,), (T, D+1)   (rope_kv_append only) optional draft-tree tables:
+                      row t is then at position pos[0] + depth[t] and its K/V go to slot
+                      pos[0] + path[t, depth[t]] (tinyloop.core.backend.TreeRows); empty tables
+                      (0,) and (0, 1) mean the causal layout above
 
 Thread mapping: one thread per (row t, head, pair i), flat grid-stride. Every element depends only
 on its own inputs and p, so the result is independent of T and of the grid: batch-invariant.
@@ -37,7 +41,7 @@ import numpy as np
 from numba import cuda, float32, float64
 
 from ...core.errors import BackendError
-from ._common import cdiv, check_array
+from ._common import cdiv, check_array, check_tree
 
 NT = 256
 MAX_BLOCKS = 4096
@@ -87,7 +91,7 @@ def _rope_kernel(q, k, pos, inv_freq):
 
 
 @cuda.jit
-def _rope_kv_append_kernel(q, k, v, k_cache, v_cache, layer, pos, inv_freq):
+def _rope_kv_append_kernel(q, k, v, k_cache, v_cache, layer, pos, inv_freq, depth, path):
     half = inv_freq.shape[0]
     hd = 2 * half
     T = q.shape[0]
@@ -97,23 +101,28 @@ def _rope_kv_append_kernel(q, k, v, k_cache, v_cache, layer, pos, inv_freq):
     per_row = (H + Hk) * half
     n = T * per_row
     p0 = pos[0]
+    tree = depth.shape[0] > 0
     for idx in range(cuda.grid(1), n, cuda.gridsize(1)):
         t = idx // per_row
         r = idx - t * per_row
         head = r // half
         i = r - head * half
         p = p0 + t
+        slot = p
+        if tree:
+            p = p0 + depth[t]
+            slot = p0 + path[t, depth[t]]
         if head < H:
             _rotate(q, t, head * hd + i, half, p, inv_freq, i)
         else:
             kh = head - H
             col = kh * hd + i
             r0, r1 = _rotate(k, t, col, half, p, inv_freq, i)
-            if 0 <= p < S:
-                k_cache[layer, p, kh, i] = r0
-                k_cache[layer, p, kh, i + half] = r1
-                v_cache[layer, p, kh, i] = v[t, col]
-                v_cache[layer, p, kh, i + half] = v[t, col + half]
+            if 0 <= slot < S:
+                k_cache[layer, slot, kh, i] = r0
+                k_cache[layer, slot, kh, i + half] = r1
+                v_cache[layer, slot, kh, i] = v[t, col]
+                v_cache[layer, slot, kh, i + half] = v[t, col + half]
 
 
 def _check_common(op, q, k, pos, inv_freq):
@@ -143,9 +152,10 @@ def rope(q, k, pos, inv_freq, stream=0):
     _rope_kernel[min(cdiv(n, NT), MAX_BLOCKS), NT, stream](q, k, pos, inv_freq)
 
 
-def rope_kv_append(q, k, v, k_cache, v_cache, layer, pos, inv_freq, stream=0):
+def rope_kv_append(q, k, v, k_cache, v_cache, layer, pos, inv_freq, stream=0, depth=None, path=None):
     """`rope` on q and k, then store the rotated k rows and the v rows in cache layer `layer` at
-    slots pos[0] + t (cast to the cache dtype)."""
+    slots pos[0] + t (cast to the cache dtype); with tree tables, at the tree layout's positions
+    and slots (module doc)."""
     op = "rope_kv_append"
     T, hd, n = _check_common(op, q, k, pos, inv_freq)
     check_array(op, "v", v, np.float32, 2, tuple(k.shape))
@@ -157,10 +167,11 @@ def rope_kv_append(q, k, v, k_cache, v_cache, layer, pos, inv_freq, stream=0):
         raise BackendError(f"{op}: layer={layer} is outside [0, {k_cache.shape[0]})")
     if T > k_cache.shape[1]:
         raise BackendError(f"{op}: {T} rows do not fit a cache of {k_cache.shape[1]} slots")
+    depth, path = check_tree(op, depth, path, T)
     if T == 0:
         return
     _rope_kv_append_kernel[min(cdiv(n, NT), MAX_BLOCKS), NT, stream](
-        q, k, v, k_cache, v_cache, layer, pos, inv_freq)
+        q, k, v, k_cache, v_cache, layer, pos, inv_freq, depth, path)
 
 
 def ptx_signatures():
@@ -169,5 +180,6 @@ def ptx_signatures():
     for ct in ("float16", "float32"):
         c = f"{ct}[:, :, :, ::1]"
         sigs.append((f"rope_kv_append_{ct}", _rope_kv_append_kernel.py_func,
-                     f"void({m}, {m}, {m}, {c}, {c}, int64, int32[::1], float32[::1])"))
+                     f"void({m}, {m}, {m}, {c}, {c}, int64, int32[::1], float32[::1], int32[::1], "
+                     f"int32[:, ::1])"))
     return sigs

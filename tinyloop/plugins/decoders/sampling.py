@@ -8,13 +8,13 @@ from ...core.config import GREEDY_TEMPERATURE
 from ...core.decoding import Decoder
 from ...core.hookspecs import hookimpl
 from ...core.sampling import sample_token, uniform
+from .. import ALL_CONTEXTS_OK
 
 
 class SamplingDecoder(Decoder):
     name = "sampling"
     mode = "sampling"
-    compat = {"single": "ok", "batched": "ok", "speculative": "ok", "tree_speculative": "rejected",
-              "prefix_reuse": "ok", "warm_start": "ok"}
+    compat = ALL_CONTEXTS_OK
 
     @classmethod
     def matches(cls, config) -> bool:

@@ -1,0 +1,136 @@
+"""Choosing the faster decoder for a checkpoint (the spec's pattern 5: "benchmark before committing
+to speculative"): time plain greedy decoding against chain and tree self-speculative decoding on a
+few prompts, on this model and backend, and keep the winner.
+
+``calibrate(model, loops)`` runs the benchmark and caches the result on the model (one entry per
+loop depth); the ``auto`` decoder plugin (GenerateConfig(decoder="auto")) calls it on its first
+request at a depth and then hands every request to the winner. Greedy self-speculative decoding
+is exact (the same tokens as plain decoding), so the choice changes speed only — each candidate's
+output is checked against plain decoding during calibration, and a candidate that differs is
+discarded (and reported) rather than used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+from .config import GenerateConfig, GenerateStats, SpeculativeConfig, TreeSpeculativeConfig
+from .errors import ConfigError
+
+#: Texts the default calibration prompts are made from (with the model's tokenizer, if it has one).
+DEFAULT_TEXTS = ("def main():\n", "The quick brown fox", "import os\nimport sys\n\n",
+                 "class Node:\n    def __init__(self, value):", "Once upon a time, ")
+#: The spec's fallback rule: speculative is used only when it is at least this much faster.
+DEFAULT_MIN_SPEEDUP = 1.3
+
+
+@dataclass
+class DecoderChoice:
+    """The outcome of :func:`calibrate` for one loop depth."""
+
+    loops: int
+    decoder: str
+    """"greedy" (plain decoding), "speculative" or "tree_speculative"."""
+    config: Optional[SpeculativeConfig]
+    """The winning speculative configuration (its max_tokens / sampling fields are per request)."""
+    speedup: float
+    """Winner's decode tokens/s over plain decoding's (1.0 when plain won)."""
+    results: List[dict] = field(default_factory=list)
+    """Every candidate: decoder, its knobs, decode tokens/s, exact (output equal to plain)."""
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["config"] = None if self.config is None else dataclasses.asdict(self.config)
+        return d
+
+
+def default_candidates(loops: int) -> List[SpeculativeConfig]:
+    """A small grid: chain drafts at a quarter and half the depth (and 1), 2-6 tokens ahead; trees of
+    2 branches, 2-3 deep."""
+    if loops < 2:
+        return []
+    depths = sorted({1, max(1, loops // 4), max(1, loops // 2)} - {loops})
+    out: List[SpeculativeConfig] = []
+    for Ld in depths:
+        for ahead in (2, 4, 6):
+            out.append(SpeculativeConfig(draft_loops=Ld, verify_loops=loops, draft_ahead=ahead))
+    for D in (2, 3):
+        out.append(TreeSpeculativeConfig(draft_loops=depths[-1] if len(depths) > 1 else 1, verify_loops=loops,
+                                         draft_ahead=D, K_branches=2))
+    return out
+
+
+def _default_prompts(model) -> List[List[int]]:
+    from .tokenizer import resolve_tokenizer
+    try:
+        tok = resolve_tokenizer(model.header.tokenizer, None, model.vocab_size)
+        prompts = [tok.encode(t) for t in DEFAULT_TEXTS]
+        if all(0 < len(p) and all(0 <= i < model.vocab_size for i in p) for p in prompts):
+            return prompts
+    except Exception:
+        pass
+    V = model.vocab_size
+    return [[(7 * i + 13 * j + 1) % V for j in range(6 + i)] for i in range(len(DEFAULT_TEXTS))]
+
+
+def calibrate(model, loops: Optional[int] = None, prompts: Optional[Sequence[Sequence[int]]] = None,
+              max_tokens: int = 32, min_speedup: float = DEFAULT_MIN_SPEEDUP,
+              candidates: Optional[Sequence[SpeculativeConfig]] = None) -> DecoderChoice:
+    """Benchmark plain greedy decoding against each speculative candidate at `loops` (default: the
+    model's default depth) on `prompts` (default: a few generic prompts), `max_tokens` new tokens
+    each, and cache the choice on the model. Speculative wins only when its decode tokens/s beat
+    plain's by `min_speedup`. Every candidate is warmed up once (kernels, graphs) before timing."""
+    from .engine import generate_stream, resolve_loops
+    from .speculative import generate_speculative, generate_tree_speculative
+    model._check_live()
+    L = resolve_loops(model, loops)
+    if isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float)) or min_speedup <= 0:
+        raise ConfigError(f"min_speedup={min_speedup!r} must be a number > 0")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
+        raise ConfigError(f"max_tokens={max_tokens!r} must be an integer >= 2 for a calibration run")
+    prompts = [list(p) for p in (prompts if prompts is not None else _default_prompts(model))]
+    if not prompts:
+        raise ConfigError("calibrate needs at least one prompt")
+    cands = list(default_candidates(L) if candidates is None else candidates)
+    for c in cands:
+        if not isinstance(c, SpeculativeConfig) or c.verify_loops != L:
+            raise ConfigError(f"calibration candidates must be SpeculativeConfig / TreeSpeculativeConfig with "
+                              f"verify_loops={L}, got {c!r}")
+
+    def timed(run):
+        run(prompts[0])                      # warm-up: compile kernels, capture graphs
+        outs, tokens, ms = [], 0, 0.0
+        for p in prompts:
+            st = GenerateStats()
+            outs.append(run(p, st))
+            tokens += max(0, st.tokens_emitted - 1)
+            ms += st.decode_ms
+        return outs, (tokens / (ms / 1e3) if ms > 0 else 0.0)
+
+    base_cfg = GenerateConfig(max_tokens=max_tokens, loops=L)
+    ref, base_rate = timed(lambda p, st=None: generate_stream(model, p, base_cfg, stats=st))
+    results = [{"decoder": "greedy", "loops": L, "tokens_per_s": base_rate, "exact": True}]
+    best, best_rate = None, base_rate
+    for c in cands:
+        c = dataclasses.replace(c, max_tokens=max_tokens, temperature=0.0)
+        tree = isinstance(c, TreeSpeculativeConfig)
+        fn = generate_tree_speculative if tree else generate_speculative
+        outs, rate = timed(lambda p, st=None, c=c, fn=fn: fn(model, p, c, stats=st))
+        exact = outs == ref
+        row = {"decoder": "tree_speculative" if tree else "speculative", "draft_loops": c.draft_loops,
+               "draft_ahead": c.draft_ahead, "tokens_per_s": rate, "exact": exact}
+        if tree:
+            row["K_branches"] = c.K_branches
+        results.append(row)
+        if exact and rate > best_rate:
+            best, best_rate = c, rate
+    speedup = best_rate / base_rate if base_rate > 0 else 1.0
+    if best is None or speedup < min_speedup:
+        choice = DecoderChoice(L, "greedy", None, 1.0, results)
+    else:
+        name = "tree_speculative" if isinstance(best, TreeSpeculativeConfig) else "speculative"
+        choice = DecoderChoice(L, name, best, speedup, results)
+    model.decoder_choices[L] = choice
+    return choice
