@@ -196,12 +196,13 @@ def no_tree():
 
 
 def check_tree(op, depth, path, T):
-    """Validate optional tree tables for a T-row launch; (empty tables) when depth is None."""
+    """Validate optional tree tables for a T-row launch: None or empty tables select the causal
+    layout (the empty tables are returned); otherwise they must cover the T rows."""
     if depth is None:
         return no_tree()
     check_array(op, "depth", depth, np.int32, 1)
     check_array(op, "path", path, np.int32, 2, (depth.shape[0], None))
-    if depth.shape[0] < T:
+    if 0 < depth.shape[0] < T:
         raise BackendError(f"{op}: tree tables of {depth.shape[0]} rows for {T} rows")
     return depth, path
 
