@@ -1,19 +1,24 @@
-"""Speculative decoding benchmark: plain greedy vs chain self-speculative on one model, one device.
+"""Speculative decoding benchmark: plain greedy vs chain and tree self-speculative decoding on one
+model, one device, in one run.
 
-    python bench/speculative_bench.py [--model FILE] [--backend cuda|cpu] [--verify-loops 4]
-        [--draft-loops 1,2,3] [--draft-ahead 2,4,6] [--new-tokens 128] [--json out.json]
+    python bench/speculative_bench.py [--model FILE | --preset 360m] [--backend cuda|cpu]
+        [--verify-loops 4] [--draft-loops 1,2,3] [--draft-ahead 2,4,6]
+        [--tree-k 2,3] [--tree-depth 2,3] [--no-resume-grid] [--new-tokens 128] [--json out.json]
 
 Wall-clock decode tokens/s (first token excluded, median of --repeats after a warm-up that also
-captures the graphs), acceptance rate and tokens per verify pass, with and without verify-resume.
-Every speculative output is checked to equal plain greedy decoding at verify_loops.
-Default model: the shipped demo model, on prompts of Python code.
+captures the graphs), acceptance rate and tokens per verify pass; chain configurations with and
+without verify-resume, trees (K_branches x depth) with it. Every speculative output is checked to
+equal plain greedy decoding at verify_loops. Default model: the shipped demo model, on prompts of
+Python code; with --preset, a synthesized model (random weights) on fixed token prompts.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,71 +36,121 @@ def rate(st: tl.GenerateStats) -> float:
     return (st.tokens_emitted - 1) / (st.decode_ms / 1e3) if st.decode_ms > 0 else float("nan")
 
 
+def _ints(s: str):
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model")
+    ap.add_argument("--preset", help="synthesize this preset (e.g. 360m) instead of the demo model")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--verify-loops", default="4")
     ap.add_argument("--draft-loops", default="1,2,3")
     ap.add_argument("--draft-ahead", default="2,4,6")
+    ap.add_argument("--tree-k", default="2,3")
+    ap.add_argument("--tree-depth", default="2,3")
+    ap.add_argument("--no-resume-grid", action="store_true", help="chain configurations with verify-resume only")
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS))
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--calibrate", action="store_true",
+                    help="also run tinyloop.calibrate (the auto decoder's choice) at each verify depth")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     from tinyloop.core.models import demo_model_path
-    from tinyloop.core.tokenizer import resolve_tokenizer
-    path = args.model or demo_model_path()
+    tmp = None
+    if args.preset:
+        from tinyloop.cli.synth import synth_model
+        tmp = tempfile.TemporaryDirectory()
+        path = os.path.join(tmp.name, f"{args.preset}.tinyloop")
+        synth_model(args.preset, path, seed=0)
+    else:
+        path = args.model or demo_model_path()
     m = tl.load_model(path, max_seq_len=512, backend=args.backend)
-    tok = resolve_tokenizer(m.header.tokenizer, None, m.vocab_size)
-    prompts = [tok.encode(p) for p in PROMPTS]
+    if args.preset:
+        rng = np.random.default_rng(0)
+        prompts = [[int(t) for t in rng.integers(1, m.vocab_size, 16)] for _ in range(args.prompts)]
+    else:
+        from tinyloop.core.tokenizer import resolve_tokenizer
+        tok = resolve_tokenizer(m.header.tokenizer, None, m.vocab_size)
+        prompts = [tok.encode(p) for p in PROMPTS[:args.prompts]]
     rows = []
-    try:
-        for Lv in [int(x) for x in args.verify_loops.split(",")]:
-            def plain(ids):
-                st = tl.GenerateStats()
-                out = tl.generate_stream(m, ids, tl.GenerateConfig(max_tokens=args.new_tokens, loops=Lv), stats=st)
-                return out, st
 
-            refs = {}
-            base = []
+    def measure(fn, cfg, refs):
+        rates, acc, mal, exact = [], [], [], True
+        for ids in prompts:
+            fn(m, ids, cfg)                                  # warm-up and graph capture
+            r = []
+            for _ in range(args.repeats):
+                st = tl.GenerateStats()
+                out = fn(m, ids, cfg, stats=st)
+                exact &= out == refs[tuple(ids)]
+                r.append(rate(st))
+            rates.append(np.median(r))
+            acc.append(st.acceptance_rate)
+            mal.append(st.mean_accepted_length)
+        return float(np.mean(rates)), float(np.mean(acc)), float(np.mean(mal)), bool(exact)
+
+    try:
+        for Lv in _ints(args.verify_loops):
+            def plain(ids, st=None):
+                return tl.generate_stream(m, ids, tl.GenerateConfig(max_tokens=args.new_tokens, loops=Lv), stats=st)
+
+            refs, base = {}, []
             for ids in prompts:
-                refs[tuple(ids)] = plain(ids)[0]
-                base.append(np.median([rate(plain(ids)[1]) for _ in range(args.repeats)]))
+                refs[tuple(ids)] = plain(ids)
+                r = []
+                for _ in range(args.repeats):
+                    st = tl.GenerateStats()
+                    plain(ids, st)
+                    r.append(rate(st))
+                base.append(np.median(r))
             base_rate = float(np.mean(base))
             rows.append({"verify_loops": Lv, "mode": "plain", "tokens_per_s": base_rate})
             print(f"L={Lv} plain greedy: {base_rate:.1f} tok/s", flush=True)
-            for Ld in [int(x) for x in args.draft_loops.split(",") if int(x) < Lv]:
-                for K in [int(x) for x in args.draft_ahead.split(",")]:
-                    for resume in (True, False):
-                        cfg = tl.SpeculativeConfig(max_tokens=args.new_tokens, draft_loops=Ld, verify_loops=Lv,
-                                                   draft_ahead=K, verify_resume=resume)
-                        rates, acc, mal, exact = [], [], [], True
-                        for ids in prompts:
-                            tl.generate_speculative(m, ids, cfg)        # warm-up and graph capture
-                            r = []
-                            for _ in range(args.repeats):
-                                st = tl.GenerateStats()
-                                out = tl.generate_speculative(m, ids, cfg, stats=st)
-                                exact &= out == refs[tuple(ids)]
-                                r.append(rate(st))
-                            rates.append(np.median(r))
-                            acc.append(st.acceptance_rate)
-                            mal.append(st.mean_accepted_length)
-                        row = {"verify_loops": Lv, "mode": "speculative", "draft_loops": Ld, "draft_ahead": K,
-                               "verify_resume": resume, "tokens_per_s": float(np.mean(rates)),
-                               "speedup": float(np.mean(rates)) / base_rate, "acceptance_rate": float(np.mean(acc)),
-                               "tokens_per_verify": float(np.mean(mal)), "exact": bool(exact)}
-                        rows.append(row)
-                        print(f"L={Lv} Ld={Ld} K={K} resume={resume!s:5}: {row['tokens_per_s']:8.1f} tok/s "
-                              f"x{row['speedup']:.2f} accept {row['acceptance_rate']:.2f} "
-                              f"tok/verify {row['tokens_per_verify']:.2f} exact {exact}", flush=True)
+            grid = []
+            for Ld in [x for x in _ints(args.draft_loops) if x < Lv]:
+                for K in _ints(args.draft_ahead):
+                    for resume in ((True,) if args.no_resume_grid else (True, False)):
+                        grid.append(("speculative", tl.SpeculativeConfig(
+                            max_tokens=args.new_tokens, draft_loops=Ld, verify_loops=Lv, draft_ahead=K,
+                            verify_resume=resume)))
+                for Kb in _ints(args.tree_k):
+                    for D in _ints(args.tree_depth):
+                        grid.append(("tree", tl.TreeSpeculativeConfig(
+                            max_tokens=args.new_tokens, draft_loops=Ld, verify_loops=Lv, draft_ahead=D,
+                            K_branches=Kb)))
+            for mode, cfg in grid:
+                fn = tl.generate_tree_speculative if mode == "tree" else tl.generate_speculative
+                tps, acc, mal, exact = measure(fn, cfg, refs)
+                row = {"verify_loops": Lv, "mode": mode, "draft_loops": cfg.draft_loops,
+                       "draft_ahead": cfg.draft_ahead, "verify_resume": cfg.verify_resume, "tokens_per_s": tps,
+                       "speedup": tps / base_rate, "acceptance_rate": acc, "tokens_per_verify": mal,
+                       "exact": exact}
+                if mode == "tree":
+                    row["K_branches"] = cfg.K_branches
+                rows.append(row)
+                kb = f" Kb={cfg.K_branches}" if mode == "tree" else ""
+                print(f"L={Lv} {mode:11} Ld={cfg.draft_loops} ahead={cfg.draft_ahead}{kb} "
+                      f"resume={cfg.verify_resume!s:5}: {tps:8.1f} tok/s x{tps / base_rate:.2f} accept {acc:.2f} "
+                      f"tok/verify {mal:.2f} exact {exact}", flush=True)
+            if args.calibrate:
+                t0 = time.perf_counter()
+                choice = tl.calibrate(m, Lv, prompts=prompts[:3])
+                rows.append({"verify_loops": Lv, "mode": "auto", "choice": choice.to_dict(),
+                             "calibration_s": time.perf_counter() - t0})
+                print(f"L={Lv} auto: {choice.decoder} x{choice.speedup:.2f} {choice.config} "
+                      f"(calibrated in {time.perf_counter() - t0:.1f}s)", flush=True)
     finally:
         backend = m.backend_name
         tl.free_model(m)
+        if tmp is not None:
+            tmp.cleanup()
     if args.json:
         Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "backend": backend,
-                                               "model": Path(path).name, "new_tokens": args.new_tokens,
-                                               "rows": rows}, indent=2))
+                                               "model": args.preset or Path(path).name,
+                                               "new_tokens": args.new_tokens, "rows": rows}, indent=2))
     return 0
 
 
