@@ -157,6 +157,11 @@ def test_speculative_exact_on_gpu(pair):
                     assert tl.generate_speculative(gpu, p, cfg) == ref, (draft_loops, draft_ahead, resume)
     cfg = tl.SpeculativeConfig(max_tokens=24, draft_loops=2, verify_loops=6, draft_ahead=4)
     assert tl.generate_speculative(gpu, p, cfg) == tl.generate_speculative(cpu, p, cfg)
+    # a greedy draft cycle (k drafts, the tail and the verify) is one graph launch once captured
+    st = tl.GenerateStats()
+    before = gpu.backend.graph_launches
+    tl.generate_speculative(gpu, p, cfg, stats=st)
+    assert gpu.backend.graph_launches - before == st.verify_forwards
 
 
 def test_speculative_demo_model_exact_on_gpu():

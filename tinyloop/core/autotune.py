@@ -81,7 +81,8 @@ def calibrate(model, loops: Optional[int] = None, prompts: Optional[Sequence[Seq
     """Benchmark plain greedy decoding against each speculative candidate at `loops` (default: the
     model's default depth) on `prompts` (default: a few generic prompts), `max_tokens` new tokens
     each, and cache the choice on the model. Speculative wins only when its decode tokens/s beat
-    plain's by `min_speedup`. Every candidate is warmed up once (kernels, graphs) before timing."""
+    plain's by `min_speedup`. Every candidate is warmed up on every prompt (kernels, graphs) before
+    timing."""
     from .engine import generate_stream, resolve_loops
     from .speculative import generate_speculative, generate_tree_speculative
     model._check_live()
@@ -100,7 +101,8 @@ def calibrate(model, loops: Optional[int] = None, prompts: Optional[Sequence[Seq
                               f"verify_loops={L}, got {c!r}")
 
     def timed(run):
-        run(prompts[0])                      # warm-up: compile kernels, capture graphs
+        for p in prompts:                    # warm-up: compile kernels, capture graphs (per cache size)
+            run(p)
         outs, tokens, ms = [], 0, 0.0
         for p in prompts:
             st = GenerateStats()

@@ -257,9 +257,22 @@ class Backend(ABC):
     def read_topk_rows(self, ws: Workspace, n: int, k: int) -> list:
         """For each of ws.logits[0:n] the k ids of largest logit, best first (ties to the lower id)."""
 
-    def advance_position(self, pos) -> None:
-        """Advance a device-resident position by one at the end of a one-token step (a captured step
-        then finds the next position in place); a no-op where positions are host ints."""
+    def advance_position(self, pos, n: int = 1) -> None:
+        """Advance a device-resident position by n (default: one, at the end of a one-token step, so
+        a captured step finds the next position in place); a no-op where positions are host ints."""
+
+    #: True when greedy token ids can stay where the logits live from one step to the next
+    #: (store_token), so a whole draft cycle can run as one captured sequence with one readback.
+    chains_on_device: bool = False
+
+    def store_token(self, ws: Workspace, row: int) -> None:
+        """ws.ids[row] = the id in the one-token id buffer (the last launch_argmax's token, or the last
+        one-token set_ids), where both live (chains_on_device)."""
+        raise NotImplementedError(f"{self.name} backend does not chain tokens on the device")
+
+    def read_ids(self, ws: Workspace, n: int) -> list:
+        """ws.ids[0:n] as host ints, after every op queued before it has finished."""
+        raise NotImplementedError(f"{self.name} backend does not read ids back")
 
     # ------------------------------------------------------------------ greedy pick and graphs
     def launch_argmax(self, ws: Workspace) -> None:

@@ -116,6 +116,52 @@ class SpeculativeSession(Session):
         self.stats.verify_forwards += 1
         return be.read_argmax_rows(ws, n)
 
+    def draft_cycle(self, pending: int, k: int):
+        """Greedy draft of k tokens after `pending`, then their verify: ``(drafts, verified)`` with
+        verified[i] the verify argmax after row i of [pending] + drafts. The same ops as k calls of
+        draft() and one of verify(); where the backend chains tokens on the device they run as ONE
+        replayed sequence (each draft step reads the previous step's argmax in place) with a single
+        readback at the end, instead of a host round trip per drafted token."""
+        be, fwd, ws, cache = self.model.backend, self.model.fwd, self.model.ws, self.cache
+        if not be.chains_on_device:
+            drafts, tok = [], pending
+            for i in range(k):
+                tok = self.draft(tok, i)
+                drafts.append(tok)
+            return drafts, self.verify([pending] + drafts)
+        Ld, Lv, resume = self.draft_loops, self.verify_loops, self.spec.verify_resume
+        tok = be.set_ids(ws, [pending])
+        pos = be.positions(self.position)
+
+        def cycle():
+            be.store_token(ws, 0)
+            for i in range(k):
+                fwd.prefix(tok, pos, 1, cache)
+                fwd.run_loop_iters_range(pos, 1, cache, 0, Ld)
+                self._stash(i)
+                fwd.suffix(pos, 1, cache, Ld, post_layer0=self.draft_post0)
+                fwd.logits(0, 1)
+                be.launch_argmax(ws)
+                be.store_token(ws, i + 1)
+                be.advance_position(pos)
+            if resume:
+                fwd.prefix(be.rows(ws.ids, k), pos, 1, cache)
+                fwd.run_loop_iters_range(pos, 1, cache, 0, Ld)
+                self._stash(k)
+                be.advance_position(pos, -k)
+                self._resume(pos, k + 1)
+            else:
+                be.advance_position(pos, -k)
+                fwd.forward(ws.ids, pos, k + 1, cache, Lv)
+                fwd.logits(0, k + 1)
+                be.launch_argmax_rows(ws, k + 1)
+        be.replay(("cycle", Ld, Lv, resume, cache, k), cycle)
+        self.stats.loop_iters_run += k * Ld + Lv      # the tail's Ld + the resumed Lv - Ld, or a full Lv
+        self.stats.drafted_tokens += k
+        self.stats.verify_forwards += 1
+        verified = be.read_argmax_rows(ws, k + 1)
+        return be.read_ids(ws, k + 1)[1:], verified
+
     def verify_logits(self, n: int):
         """Host copy of the verify pass's n logits rows (speculative sampling)."""
         return self.model.backend.logits_block_to_host(self.model.ws, n)

@@ -4,8 +4,9 @@ Memory (all taken at load, released by free()):
   weights     packed as stored in the file (q8/q4/q2 + fp16 scales + uint8 zeros, or fp16/fp32);
   workspace   the BufferPool: float32 activations for `rows` rows, the logits rows, ids, the
               position, the argmax token, and pinned host staging buffers;
-  KV caches   fp16 or fp32 (n_layers, slots, n_kv_heads, head_dim); a released cache is kept and
-              handed to the next request that fits, so captured graphs stay valid across requests.
+  KV caches   fp16 or fp32 (n_layers, slots, n_kv_heads, head_dim), slots rounded up to a power of
+              two; up to MAX_SPARE_CACHES released caches are kept and handed to later requests that
+              fit, so captured graphs stay valid across requests (counted in memory_bytes).
 
 Decode steps run as captured CUDA graphs (``replay``): the first step of a (loops, cache) pair runs
 eagerly (compiling kernels), the second is captured on this backend's stream through the driver API
@@ -42,6 +43,8 @@ from .kernels import rope as k_rope
 from .kernels import swiglu as k_swiglu
 
 MAX_GRAPHS = 64
+#: Released KV caches kept for later requests (a plain and a speculative shape, beams, ...).
+MAX_SPARE_CACHES = 4
 #: Largest top-k a launch_topk_rows call may ask for (tree-speculative K_branches).
 MAX_TOPK = 16
 _DT = {"fp16": np.float16, "fp32": np.float32}
@@ -93,7 +96,7 @@ class CUDABackend(Backend):
         self._pos_value = None
         self._tok_value = None
         self._held = 0
-        self._spare_cache = None
+        self._spares = []                 # released caches kept for later requests (oldest first)
         self._graphs: "OrderedDict[Any, tuple]" = OrderedDict()
         self.use_graphs = (os.environ.get("TINYLOOP_CUDA_GRAPHS", "1") not in ("0", "false", "no")
                            and not numba.config.ENABLE_CUDASIM)
@@ -166,14 +169,25 @@ class CUDABackend(Backend):
     def alloc_cache(self, n_layers: int, n_slots: int, kv_dtype: str) -> CUDACache:
         if kv_dtype not in _DT:
             raise BackendError(f"cuda backend stores KV as fp32 or fp16, not {kv_dtype!r}")
-        sp = self._spare_cache
-        if sp is not None and sp.kv_dtype == kv_dtype and sp.n_layers == n_layers and sp.n_slots >= n_slots:
-            self._spare_cache = None
-            return sp
-        self._drop_spare()
+        fits = [c for c in self._spares if c.kv_dtype == kv_dtype and c.n_layers == n_layers and c.n_slots >= n_slots]
+        if fits:
+            best = min(fits, key=lambda c: c.n_slots)
+            self._spares.remove(best)
+            return best
+        # slots rounded up to a power of two (>= 128): requests of similar length then share caches,
+        # and with them the captured graphs
+        n_slots = max(128, 1 << max(0, n_slots - 1).bit_length())
         shape = (n_layers, n_slots, self.cfg.n_kv_heads, self.cfg.head_dim)
-        k = self._empty(shape, _DT[kv_dtype])
-        v = self._empty(shape, _DT[kv_dtype])
+        try:
+            k = self._empty(shape, _DT[kv_dtype])
+            v = self._empty(shape, _DT[kv_dtype])
+        except OutOfMemoryError:
+            if not self._spares:
+                raise
+            while self._spares:        # the spares may be what fills the device: drop them, retry
+                self._drop_spare(self._spares[0])
+            k = self._empty(shape, _DT[kv_dtype])
+            v = self._empty(shape, _DT[kv_dtype])
         return CUDACache(k, v, kv_dtype)
 
     def report(self, stats) -> None:
@@ -185,10 +199,12 @@ class CUDABackend(Backend):
                   f"{self.graph_launches} graph launches so far", file=sys.stderr)
 
     def release_cache(self, cache: CUDACache) -> None:
-        """Keep the cache for the next request (its graphs stay valid); drop any older spare."""
-        if cache is not self._spare_cache:
-            self._drop_spare()
-            self._spare_cache = cache
+        """Keep the cache for a later request (its graphs stay valid); beyond MAX_SPARE_CACHES the
+        least recently released spare is freed with its graphs."""
+        if cache not in self._spares:
+            self._spares.append(cache)
+        while len(self._spares) > MAX_SPARE_CACHES:
+            self._drop_spare(self._spares[0])
 
     def copy_cache(self, dst: CUDACache, src: CUDACache, n_slots: int) -> None:
         """Device-to-device copy of the whole K and V arrays (contiguous) on the backend stream."""
@@ -226,20 +242,18 @@ class CUDABackend(Backend):
             self._tree_layouts[key] = lay
         return lay
 
-    def _drop_spare(self) -> None:
-        sp, self._spare_cache = self._spare_cache, None
-        if sp is not None:
-            for key in [k for k in self._graphs if any(part is sp for part in k)]:
-                del self._graphs[key]
+    def _drop_spare(self, sp: CUDACache) -> None:
+        self._spares.remove(sp)
+        for key in [k for k in self._graphs if any(part is sp for part in k)]:
+            del self._graphs[key]
 
     def memory_bytes(self) -> int:
-        spare = self._spare_cache.nbytes if self._spare_cache is not None else 0
-        return self._held + spare
+        return self._held + sum(c.nbytes for c in self._spares)
 
     def free(self) -> None:
         self._graphs.clear()
         self._tree_layouts.clear()
-        self._spare_cache = None
+        self._spares = []
         self._held = 0
         if not numba.config.ENABLE_CUDASIM:
             cuda.current_context().deallocations.clear()
@@ -254,10 +268,20 @@ class CUDABackend(Backend):
             self._pos_value = pos
         return self.pos
 
-    def advance_position(self, pos) -> None:
-        k_position.advance_position(self.pos, 1, stream=self.stream)
+    def advance_position(self, pos, n: int = 1) -> None:
+        k_position.advance_position(self.pos, n, stream=self.stream)
         if self._pos_value is not None:
-            self._pos_value += 1
+            self._pos_value += n
+
+    chains_on_device = True
+
+    def store_token(self, ws: Workspace, row: int) -> None:
+        ws.ids[row:row + 1].copy_to_device(ws.tok, stream=self.stream)
+
+    def read_ids(self, ws: Workspace, n: int) -> list:
+        ws.ids[:n].copy_to_host(ws.ids_host[:n], stream=self.stream)
+        self.stream.synchronize()
+        return [int(t) for t in ws.ids_host[:n]]
 
     def set_ids(self, ws: Workspace, ids):
         n = len(ids)

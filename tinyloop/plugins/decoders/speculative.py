@@ -36,12 +36,7 @@ class ChainSpeculativeDecoder(Decoder):
         pending = session.greedy()                 # the verify-depth token after the prompt
         yield pending
         while True:
-            drafts = []
-            tok = pending
-            for k in range(spec.draft_ahead):
-                tok = session.draft(tok, k)
-                drafts.append(tok)
-            verified = session.verify([pending] + drafts)
+            drafts, verified = session.draft_cycle(pending, spec.draft_ahead)
             n = 0
             while n < len(drafts) and drafts[n] == verified[n]:
                 n += 1
