@@ -27,7 +27,9 @@ def write(tmp_path, data) -> str:
     ({"prompts": ["x"], "bogus": 1}, "unknown key 'bogus' in run config"),
     ({"prompts": ["x"], "generate": {"temprature": 0.5}}, "unknown key 'temprature' in generate"),
     ({"prompts": ["x"], "generate": {"top_p": 2.0}}, r"top_p=2.0 is outside the allowed range \(0, 1\]"),
-    ({"prompts": ["x"], "mode": "beam"}, "mode='beam' is not one of generate, batch, speculative"),
+    ({"prompts": ["x"], "mode": "beam"}, "mode='beam' is not one of generate, batch, speculative, tree_speculative"),
+    ({"prompts": ["x"], "mode": "tree_speculative", "speculative": {"K_branch": 2}}, "unknown key 'K_branch'"),
+    ({"prompts": ["x"], "mode": "speculative", "speculative": {"K_branches": 2}}, "unknown key 'K_branches'"),
     ({"prompts": ["x"], "mode": "speculative"}, "needs a `speculative:` section"),
     ({"prompts": ["x"], "speculative": {"draft_loops": 1}}, "only used with mode: speculative"),
     ({"prompts": ["x"], "mode": "speculative", "speculative": {"draft_ahed": 3}}, "unknown key 'draft_ahed'"),
@@ -45,12 +47,13 @@ def test_shipped_configs_parse():
             load_run_config(str(p))
 
 
-def test_speculative_mode_equals_greedy(tmp_path):
+@pytest.mark.parametrize("mode,extra", [("speculative", {}), ("tree_speculative", {"K_branches": 3})])
+def test_speculative_mode_equals_greedy(tmp_path, mode, extra):
     out = tmp_path / "o.jsonl"
     path = write(tmp_path, {"backend": "cpu", "max_seq_len": 256, "prompts": ["def fibonacci(n):"],
-                            "stream": False, "output_jsonl": str(out), "mode": "speculative",
+                            "stream": False, "output_jsonl": str(out), "mode": mode,
                             "speculative": {"max_tokens": 24, "draft_loops": 2, "verify_loops": 6,
-                                            "draft_ahead": 3}})
+                                            "draft_ahead": 3, **extra}})
     assert main(["run", path]) == 0
     rec = json.loads(out.read_text().splitlines()[0])
     m = tl.load_model(demo_model_path(), max_seq_len=256, backend="cpu")

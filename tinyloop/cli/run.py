@@ -16,7 +16,7 @@ from typing import List, Optional
 
 from ..core.config import GenerateStats, RunConfig, load_run_config
 from ..core.engine import free_model, generate_batch, generate_iter, load_model
-from ..core.speculative import generate_speculative
+from ..core.speculative import generate_speculative, generate_tree_speculative
 from ..core.errors import ConfigError
 from ..core.models import demo_model_path
 from ..core.tokenizer import resolve_tokenizer
@@ -87,7 +87,7 @@ def run(args) -> int:
         records = []
         out = sys.stdout
         depth = (f"draft loops {cfg.speculative.draft_loops}, verify loops {cfg.speculative.verify_loops}"
-                 if cfg.mode == "speculative" else f"loops={cfg.generate.loops or model.cfg.default_loops}")
+                 if cfg.speculative is not None else f"loops={cfg.generate.loops or model.cfg.default_loops}")
         print(f"[tinyloop] {Path(model_path).name} on {model.backend_name}, {depth}, tokenizer {tok.name}",
               file=sys.stderr)
         if cfg.mode == "batch":
@@ -106,8 +106,9 @@ def run(args) -> int:
                 if cfg.stream:
                     out.write(prompt)
                     out.flush()
-                if cfg.mode == "speculative":
-                    tokens = generate_speculative(model, ids, cfg.speculative, stats=st)[len(ids):]
+                if cfg.speculative is not None:
+                    fn = generate_tree_speculative if cfg.mode == "tree_speculative" else generate_speculative
+                    tokens = fn(model, ids, cfg.speculative, stats=st)[len(ids):]
                 else:
                     tokens = generate_iter(model, ids, cfg.generate, st)
                 for t in tokens:

@@ -201,6 +201,10 @@ class TreeSpeculativeConfig(SpeculativeConfig):
         _int("K_branches", self.K_branches, 1, 16)
 
 
+#: RunConfig.mode values.
+RUN_MODES = ("generate", "batch", "speculative", "tree_speculative")
+
+
 class StopReason(str, enum.Enum):
     """Why a generation ended."""
 
@@ -297,8 +301,9 @@ class RunConfig:
     """A text file with one prompt per line (blank lines skipped), or a .jsonl file of
     {"prompt": ...} objects."""
     mode: str = "generate"
-    """generate (one prompt after another), batch (generate_batch over all prompts) or speculative
-    (generate_speculative per prompt, with the `speculative` section)."""
+    """generate (one prompt after another), batch (generate_batch over all prompts), speculative
+    (generate_speculative per prompt, with the `speculative` section) or tree_speculative
+    (generate_tree_speculative; the `speculative` section then also takes K_branches)."""
     stream: bool = True
     """Print tokens to the terminal as they are produced."""
     output_jsonl: Optional[str] = None
@@ -306,7 +311,8 @@ class RunConfig:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     """Decode settings (GenerateConfig fields)."""
     speculative: Optional[SpeculativeConfig] = None
-    """mode: speculative only: SpeculativeConfig fields (draft_loops, verify_loops, draft_ahead, ...)."""
+    """mode: speculative / tree_speculative only: SpeculativeConfig fields (draft_loops, verify_loops,
+    draft_ahead, ...; K_branches for trees)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str):
@@ -321,17 +327,19 @@ class RunConfig:
             if not isinstance(p, str):
                 raise ConfigError(f"prompts must be strings, got {p!r}")
         object.__setattr__(self, "prompts", tuple(self.prompts))
-        if self.mode not in ("generate", "batch", "speculative"):
-            raise ConfigError(f"mode={self.mode!r} is not one of generate, batch, speculative")
+        if self.mode not in RUN_MODES:
+            raise ConfigError(f"mode={self.mode!r} is not one of {', '.join(RUN_MODES)}")
+        spec_mode = self.mode in ("speculative", "tree_speculative")
+        cls = TreeSpeculativeConfig if self.mode == "tree_speculative" else SpeculativeConfig
         if isinstance(self.speculative, Mapping):
-            object.__setattr__(self, "speculative",
-                               from_mapping(SpeculativeConfig, self.speculative, "speculative"))
+            object.__setattr__(self, "speculative", from_mapping(cls, self.speculative, "speculative"))
         elif self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
-            raise ConfigError(f"speculative must be a mapping of SpeculativeConfig fields, got {self.speculative!r}")
-        if self.mode == "speculative" and self.speculative is None:
-            raise ConfigError("mode: speculative needs a `speculative:` section (draft_loops, verify_loops, ...)")
-        if self.mode != "speculative" and self.speculative is not None:
-            raise ConfigError(f"a `speculative:` section is only used with mode: speculative (mode is {self.mode!r})")
+            raise ConfigError(f"speculative must be a mapping of {cls.__name__} fields, got {self.speculative!r}")
+        if spec_mode and self.speculative is None:
+            raise ConfigError(f"mode: {self.mode} needs a `speculative:` section (draft_loops, verify_loops, ...)")
+        if not spec_mode and self.speculative is not None:
+            raise ConfigError(f"a `speculative:` section is only used with mode: speculative or tree_speculative "
+                              f"(mode is {self.mode!r})")
         if not isinstance(self.stream, bool):
             raise ConfigError(f"stream must be true or false, got {self.stream!r}")
         if isinstance(self.generate, Mapping):
