@@ -2,9 +2,12 @@
 
 CUDA logits match the float64 reference within fp32 tolerance; greedy tokens equal the CPU
 backend's; graphs on/off, prefill chunking, the uncached path and the three generate forms give
-identical tokens on the GPU."""
+identical tokens on the GPU. The fused decode path (norm in the matmul, q|k|v and gate|up as one
+matmul each) gives the same greedy tokens as the unfused composites (TINYLOOP_CUDA_FUSE=0)."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -88,6 +91,64 @@ def test_decode_paths_identical_on_gpu(pair, monkeypatch):
         tl.free_model(eager)
 
 
+def _load_cuda(path, fuse: str):
+    """A CUDA model loaded with TINYLOOP_CUDA_FUSE=fuse (read by the backend at construction)."""
+    old = os.environ.get("TINYLOOP_CUDA_FUSE")
+    os.environ["TINYLOOP_CUDA_FUSE"] = fuse
+    try:
+        return tl.load_model(str(path), max_seq_len=128, backend="cuda")
+    finally:
+        if old is None:
+            del os.environ["TINYLOOP_CUDA_FUSE"]
+        else:
+            os.environ["TINYLOOP_CUDA_FUSE"] = old
+
+
+@pytest.fixture(scope="module")
+def unfused(pair):
+    m = _load_cuda(pair[0], "0")
+    assert not m.backend.fuse
+    yield m
+    tl.free_model(m)
+
+
+@pytest.mark.parametrize("loops", [1, 3, 8])
+def test_fused_and_unfused_match_reference_and_each_other(pair, unfused, loops):
+    path, _, gpu = pair
+    assert gpu.backend.fuse
+    assert all(b.wqkv is not None and b.wgu is not None
+               for b in gpu.weights.pre + gpu.weights.loop + gpu.weights.post)
+    W = logical_weights(path)
+    for p in PROMPTS:
+        ref = reference_logits(gpu.cfg, W, p, loops)
+        got = tl.score(gpu, p, loops=loops, cache_mode="fp32")
+        base = tl.score(unfused, p, loops=loops, cache_mode="fp32")
+        scale = np.abs(ref).max()
+        assert np.abs(got - ref).max() / scale < 1e-4
+        assert np.abs(base - ref).max() / scale < 1e-4
+        assert np.abs(got - base).max() / scale < 1e-5
+        for cache_mode in ("fp16", "fp32"):
+            cfg = tl.GenerateConfig(max_tokens=24, loops=loops, cache_mode=cache_mode)
+            assert tl.generate(gpu, p, cfg) == tl.generate(unfused, p, cfg)
+
+
+def test_fusion_removes_launches(pair):
+    """Captured decode step: 5 nodes fewer per block (12 -> 7 launches) and 1 fewer for the final
+    norm."""
+    counts = {}
+    for fuse in ("1", "0"):
+        m = _load_cuda(pair[0], fuse)
+        try:
+            tl.generate(m, PROMPTS[0], tl.GenerateConfig(max_tokens=6, loops=2))
+            counts[fuse] = m.backend.step_nodes
+        finally:
+            tl.free_model(m)
+    cfg = pair[2].cfg
+    blocks = cfg.n_pre + 2 * cfg.n_loop + cfg.n_post
+    assert counts["1"] > 0
+    assert counts["0"] - counts["1"] == 5 * blocks + 1
+
+
 def test_graph_is_replayed(pair):
     _, _, gpu = pair
     before = gpu.backend.graph_launches
@@ -130,6 +191,23 @@ def test_demo_model_tokens_equal_cpu():
     finally:
         tl.free_model(cpu)
         tl.free_model(gpu)
+
+
+def test_demo_model_fused_tokens_equal_unfused():
+    from tinyloop.core.models import demo_model_path
+    from tinyloop.core.tokenizer import resolve_tokenizer
+    fused = _load_cuda(demo_model_path(), "1")
+    unfused = _load_cuda(demo_model_path(), "0")
+    try:
+        tok = resolve_tokenizer(fused.header.tokenizer, None, fused.vocab_size)
+        for text in ("def fibonacci(n):", "class Stack:\n    def push(self, x):", "import os\n"):
+            ids = tok.encode(text)
+            for loops in (1, 4, 8):
+                cfg = tl.GenerateConfig(max_tokens=32, loops=loops)
+                assert tl.generate(fused, ids, cfg) == tl.generate(unfused, ids, cfg), (text, loops)
+    finally:
+        tl.free_model(fused)
+        tl.free_model(unfused)
 
 
 def test_oom_is_typed_and_releases(tmp_path):

@@ -104,6 +104,35 @@ def test_matmul_prefill_rows_match_decode():
     assert np.array_equal(rows_alone(one, T), got)
 
 
+@pytest.mark.parametrize("kind,group", [("q4", 128), ("q8", 64), ("q2", 64), ("f16", 0), ("f32", 0),
+                                        ("q4", 8)])
+def test_matmul_fused_norm_gpu(kind, group):
+    """Fused RMSNorm at realistic sizes: float64 reference, a 64-row prefill against 64 one-row
+    launches, and equality with rmsnorm + plain matmul (the prologue reproduces rmsnorm's
+    summation order; q4 group 8 takes the simple kernel)."""
+    rng = np.random.default_rng(4096)
+    N, K, T, eps = 768, 2048, 64, 1e-6
+    arrays, W = make_weight(rng, kind, N, K, group)
+    dev = {k: D(v) for k, v in arrays.items()}
+    x = (rng.standard_normal((T, K)) * (1.0 + np.arange(T)[:, None] / 8)).astype(np.float32)
+    nw = D((1.0 + 0.1 * rng.standard_normal(K)).astype(np.float32))
+    out = D(np.full((T, N), np.nan, np.float32))
+    matmul.matmul(out, D(x), dev["w"], dev.get("scales"), dev.get("zeros"), norm_w=nw, eps=eps)
+    got = host(out)
+    assert rel_err(got, ref_rmsnorm(x, host(nw), eps) @ W.T) < 1e-5
+
+    def one(t):
+        o = D(np.full((1, N), np.nan, np.float32))
+        matmul.matmul(o, D(x[t:t + 1]), dev["w"], dev.get("scales"), dev.get("zeros"), norm_w=nw, eps=eps)
+        return host(o)[0]
+    assert np.array_equal(rows_alone(one, T), got)
+    h = D(np.zeros((T, K), np.float32))
+    rmsnorm.rmsnorm(h, D(x), nw, eps)
+    plain = D(np.full((T, N), np.nan, np.float32))
+    matmul.matmul(plain, h, dev["w"], dev.get("scales"), dev.get("zeros"))
+    assert np.array_equal(host(plain), got)
+
+
 # =============================================================================== others
 def test_rmsnorm_add_swiglu_embed_gpu():
     rng = np.random.default_rng(1)

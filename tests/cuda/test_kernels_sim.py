@@ -196,6 +196,96 @@ def test_matmul_argument_errors():
         matmul.matmul(D(np.zeros((2, 4), np.float64)), x, D(np.zeros((4, 16), np.float32)))
 
 
+# =============================================================================== fused-norm matmul
+NORM_CASES = [
+    # kind, N, K, group (all fast-path shapes; the simple kernel is forced by monkeypatching).
+    # N <= 4: one simple-kernel block per row (the simulator's cost is per block).
+    ("f32", 4, 34, 0),
+    ("f16", 4, 36, 0),
+    ("q8", 4, 40, 8),
+    ("q4", 3, 320, 32),     # K > 256: several terms per rmsnorm partial; a warp past N
+    ("q2", 4, 64, 32),
+]
+
+
+def norm_inputs(rng, T, K):
+    # rows of different scales, so a wrong (shared or mis-ordered) inverse RMS shows
+    x = (rng.standard_normal((T, K)) * (1.0 + np.arange(T)[:, None])).astype(np.float32)
+    nw = (1.0 + 0.1 * rng.standard_normal(K)).astype(np.float32)
+    return x, nw
+
+
+def run_norm(out_host, x, dev, nw, eps, accumulate=False):
+    out = D(out_host.copy())
+    matmul.matmul(out, D(x), dev["w"], dev.get("scales"), dev.get("zeros"), accumulate=accumulate,
+                  norm_w=D(nw), eps=eps)
+    return host(out)
+
+
+def run_unfused(out_host, x, dev, nw, eps, accumulate=False):
+    h = D(np.zeros(x.shape, np.float32))
+    rmsnorm.rmsnorm(h, D(x), D(nw), eps)
+    out = D(out_host.copy())
+    matmul.matmul(out, h, dev["w"], dev.get("scales"), dev.get("zeros"), accumulate=accumulate)
+    return host(out)
+
+
+@pytest.mark.parametrize("path", ["fast", "simple"])
+@pytest.mark.parametrize("kind,N,K,group", NORM_CASES)
+def test_matmul_fused_norm_reference(kind, N, K, group, path, monkeypatch):
+    """Each storage kind through both kernels against float64 rmsnorm + product. The prologue
+    reproduces rmsnorm's summation order, so the result also equals rmsnorm followed by the plain
+    matmul bit for bit. The fast kernel runs one row (GEMV configuration; the GEMM configuration
+    is in the next test, the simulator is slow on it); the simple kernel two rows, plus batch
+    invariance."""
+    rng = np.random.default_rng(N * 100 + K)
+    arrays, W = make_weight(rng, kind, N, K, group)
+    assert matmul.uses_fast_path(kind, K, group)
+    if path == "simple":
+        monkeypatch.setattr(matmul, "uses_fast_path", lambda *a, **k: False)
+    dev = {k: D(v) for k, v in arrays.items()}
+    T, eps = (1 if path == "fast" else 2), 1e-5
+    x, nw = norm_inputs(rng, T, K)
+    blank = np.full((T, N), np.nan, np.float32)
+    got = run_norm(blank, x, dev, nw, eps)
+    close(got, ref_rmsnorm(x, nw, eps) @ W.T, 1e-5 * math.sqrt(K))
+    assert np.array_equal(run_unfused(blank, x, dev, nw, eps), got)
+    if T > 1:
+        assert np.array_equal(run_norm(blank[:1], x[T - 1:], dev, nw, eps)[0], got[T - 1])
+
+
+@pytest.mark.parametrize("kind,N,K,group,unfused", [
+    ("q4", 5, 1536, 64, True),   # several staged chunks (KC = 1024 for T > 1)
+    ("f32", 6, 34, 0, False),
+])
+def test_matmul_fused_norm_gemm_batch_invariance(kind, N, K, group, unfused):
+    """Fast kernel, GEMM configuration (T > 1) with the residual add fused: reference, row t of
+    the 2-row launch == the row alone (GEMV configuration), and == rmsnorm + matmul."""
+    rng = np.random.default_rng(11)
+    arrays, W = make_weight(rng, kind, N, K, group)
+    dev = {k: D(v) for k, v in arrays.items()}
+    T, eps = 2, 1e-6
+    x, nw = norm_inputs(rng, T, K)
+    base = rng.standard_normal((T, N)).astype(np.float32)
+    got = run_norm(base, x, dev, nw, eps, accumulate=True)
+    close(got, base + ref_rmsnorm(x, nw, eps) @ W.T, 1e-5 * math.sqrt(K))
+    assert np.array_equal(run_norm(base[1:], x[1:], dev, nw, eps, accumulate=True)[0], got[1])
+    if unfused:
+        assert np.array_equal(run_unfused(base, x, dev, nw, eps, accumulate=True), got)
+
+
+def test_matmul_fused_norm_argument_errors():
+    x = D(np.zeros((2, 16), np.float32))
+    out = D(np.zeros((2, 4), np.float32))
+    w = D(np.zeros((4, 16), np.float32))
+    with pytest.raises(BackendError, match="norm_w"):
+        matmul.matmul(out, x, w, norm_w=D(np.ones(15, np.float32)), eps=1e-5)
+    with pytest.raises(BackendError, match="norm_w"):
+        matmul.matmul(out, x, w, norm_w=np.ones(16, np.float32), eps=1e-5)
+    with pytest.raises(BackendError, match="eps"):
+        matmul.matmul(out, x, w, norm_w=D(np.ones(16, np.float32)), eps=-1.0)
+
+
 # =============================================================================== norm, add, swiglu
 def test_rmsnorm():
     rng = np.random.default_rng(1)
@@ -297,6 +387,35 @@ def test_rope_and_kv_append():
         assert not hk.any() and not hv.any()
     with pytest.raises(BackendError, match="layer"):
         rope.rope_kv_append(qd, kd, D(v), kc, vc, 3, pos, D(inv))
+
+
+def test_rope_kv_append_qkv_matches_separate_buffers():
+    rng = np.random.default_rng(9)
+    T, H, Hk, hd, p0 = 3, 4, 2, 8, 2
+    inv = D(rope.inv_freq(hd, 10000.0))
+    q = rng.standard_normal((T, H * hd)).astype(np.float32)
+    k = rng.standard_normal((T, Hk * hd)).astype(np.float32)
+    v = rng.standard_normal((T, Hk * hd)).astype(np.float32)
+    pos = D(np.array([p0], np.int32))
+    for cdt in (np.float16, np.float32):
+        L, S = 2, 8
+        kc, vc = D(np.zeros((L, S, Hk, hd), cdt)), D(np.zeros((L, S, Hk, hd), cdt))
+        qd = D(q)
+        rope.rope_kv_append(qd, D(k), D(v), kc, vc, 1, pos, inv)
+        kc2, vc2 = D(np.zeros((L, S, Hk, hd), cdt)), D(np.zeros((L, S, Hk, hd), cdt))
+        qkv = D(np.concatenate([q, k, v], axis=1))
+        q_out = D(np.full((T, H * hd), np.nan, np.float32))
+        rope.rope_kv_append_qkv(qkv, q_out, kc2, vc2, 1, pos, inv)
+        assert np.array_equal(host(q_out), host(qd))
+        assert np.array_equal(host(kc2), host(kc)) and np.array_equal(host(vc2), host(vc))
+        # q and v columns of qkv are left as they were (k is rotated in place).
+        hq = host(qkv)
+        assert np.array_equal(hq[:, :H * hd], q) and np.array_equal(hq[:, (H + Hk) * hd:], v)
+    with pytest.raises(BackendError, match="qkv"):
+        rope.rope_kv_append_qkv(D(np.zeros((T, (H + Hk) * hd), np.float32)), q_out, kc2, vc2, 1,
+                                pos, inv)
+    with pytest.raises(BackendError, match="layer"):
+        rope.rope_kv_append_qkv(qkv, q_out, kc2, vc2, 2, pos, inv)
 
 
 # =============================================================================== attention

@@ -2,6 +2,9 @@
 
 Memory (all taken at load, released by free()):
   weights     packed as stored in the file (q8/q4/q2 + fp16 scales + uint8 zeros, or fp16/fp32);
+              per block, wq|wk|wv and w_gate|w_up are uploaded concatenated by rows (``wqkv``,
+              ``wgu`` on the BlockWeights) and wq, wk, wv, w_gate, w_up are row views into them
+              (one copy resident); a group whose tensors differ in storage stays separate;
   workspace   the BufferPool: float32 activations for `rows` rows, the logits rows, ids, the
               position, the argmax token, and pinned host staging buffers;
   KV caches   fp16 or fp32 (n_layers, slots, n_kv_heads, head_dim), slots rounded up to a power of
@@ -13,6 +16,12 @@ eagerly (compiling kernels), the second is captured on this backend's stream thr
 and every later one replays it. Positions and token ids live in device buffers written before each
 replay. ``TINYLOOP_CUDA_GRAPHS=0`` runs every step eagerly (same tokens). Only the argmax token id
 (4 bytes) crosses to the host per greedy step.
+
+Fusion (``attn_half``, ``mlp_half``, ``final_logits`` overridden): the block's RMSNorm runs inside
+the following matmul (``matmul(norm_w=...)``), q|k|v and gate|up are one matmul each into
+``ws.qkv`` / ``ws.gu``, RoPE + KV append reads ``ws.qkv`` and writes the rotated q to ``ws.q``,
+and SwiGLU reads ``ws.gu``: 4 + 3 launches per block instead of 7 + 5, and the final norm rides
+in the head matmul. ``TINYLOOP_CUDA_FUSE=0`` runs the unfused default composites (A/B, debugging).
 """
 
 from __future__ import annotations
@@ -50,11 +59,20 @@ MAX_TOPK = 16
 _DT = {"fp16": np.float16, "fp32": np.float32}
 
 
-class CUDAWeight:
-    """A weight on the device: `w` plus `scales` / `zeros` when quantized."""
+#: Weights of a block concatenated by rows at load: attribute on BlockWeights -> member tensors.
+FUSED_WEIGHTS = (("wqkv", ("wq", "wk", "wv")), ("wgu", ("w_gate", "w_up")))
 
-    def __init__(self, w, scales=None, zeros=None):
-        self.w, self.scales, self.zeros = w, scales, zeros
+
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "1") not in ("0", "false", "no")
+
+
+class CUDAWeight:
+    """A weight on the device: `w` plus `scales` / `zeros` when quantized. `owner` is the
+    concatenated weight this one is a row view of (its memory is counted there), else None."""
+
+    def __init__(self, w, scales=None, zeros=None, owner=None):
+        self.w, self.scales, self.zeros, self.owner = w, scales, zeros, owner
 
     @property
     def nbytes(self) -> int:
@@ -98,8 +116,8 @@ class CUDABackend(Backend):
         self._held = 0
         self._spares = []                 # released caches kept for later requests (oldest first)
         self._graphs: "OrderedDict[Any, tuple]" = OrderedDict()
-        self.use_graphs = (os.environ.get("TINYLOOP_CUDA_GRAPHS", "1") not in ("0", "false", "no")
-                           and not numba.config.ENABLE_CUDASIM)
+        self.use_graphs = _env_on("TINYLOOP_CUDA_GRAPHS") and not numba.config.ENABLE_CUDASIM
+        self.fuse = _env_on("TINYLOOP_CUDA_FUSE")
         self.profile = os.environ.get("TINYLOOP_CUDA_PROFILE", "") not in ("", "0")
         self.graph_launches = 0
         self.step_nodes = 0
@@ -129,18 +147,58 @@ class CUDABackend(Backend):
 
     def load_weights(self, model_file) -> ModelWeights:
         handles = {}
+        fused = {}
         t = model_file.tensors
-        for name, tq in model_file.header.quant.items():
+        quant = model_file.header.quant
+        cfg = self.cfg
+        for part, n in (("pre", cfg.n_pre), ("loop", cfg.n_loop), ("post", cfg.n_post)):
+            for i in range(n):
+                for attr, members in FUSED_WEIGHTS:
+                    names = [f"{part}.{i}.{m}" for m in members]
+                    w = self._load_concatenated(t, quant, names, handles)
+                    if w is not None:
+                        fused[(part, i, attr)] = w
+        for name, tq in quant.items():
+            if name in handles:
+                continue
             if name.endswith("norm"):      # norm weights are read as float32 by the kernels
                 handles[name] = CUDAWeight(self._to_device(np.asarray(t[name], np.float32)))
-            elif tq.type in ("f32", "f16"):
-                handles[name] = CUDAWeight(self._to_device(t[name]))
             else:
-                handles[name] = CUDAWeight(self._to_device(t[name + ".q"]), self._to_device(t[name + ".scales"]),
-                                           self._to_device(t[name + ".zeros"]))
+                handles[name] = CUDAWeight(*(self._to_device(a) for a in self._host_parts(t, name, tq)))
         self.stream.synchronize()
-        nbytes = sum(w.nbytes for w in handles.values())
-        return ModelWeights.from_handles(self.cfg, handles, nbytes=nbytes)
+        nbytes = (sum(w.nbytes for w in handles.values() if w.owner is None)
+                  + sum(w.nbytes for w in fused.values()))
+        weights = ModelWeights.from_handles(self.cfg, handles, nbytes=nbytes)
+        for part in ("pre", "loop", "post"):
+            for i, blk in enumerate(getattr(weights, part)):
+                for attr, _ in FUSED_WEIGHTS:
+                    setattr(blk, attr, fused.get((part, i, attr)))
+        return weights
+
+    @staticmethod
+    def _host_parts(t, name, tq) -> tuple:
+        """The host arrays of a stored matrix: (w,) for f32/f16, (q, scales, zeros) for qN."""
+        if tq.type in ("f32", "f16"):
+            return (t[name],)
+        return (t[name + ".q"], t[name + ".scales"], t[name + ".zeros"])
+
+    def _load_concatenated(self, t, quant, names, handles):
+        """Upload the matrices `names` (same in_features) concatenated by rows, and put row views
+        of the result into `handles` under each name. None (nothing uploaded) when their storage
+        kinds or group sizes differ."""
+        tqs = [quant[n] for n in names]
+        if len({(q.type, q.group_size) for q in tqs}) != 1:
+            return None
+        parts = [self._host_parts(t, n, q) for n, q in zip(names, tqs)]
+        whole = CUDAWeight(*(self._to_device(np.concatenate([p[j] for p in parts], axis=0))
+                             for j in range(len(parts[0]))))
+        r0 = 0
+        for n, p in zip(names, parts):
+            rows = int(p[0].shape[0])
+            views = [a[r0:r0 + rows] for a in (whole.w, whole.scales, whole.zeros) if a is not None]
+            handles[n] = CUDAWeight(*views, owner=whole)
+            r0 += rows
+        return whole
 
     def alloc_workspace(self, rows: int) -> Workspace:
         c = self.cfg
@@ -149,8 +207,11 @@ class CUDABackend(Backend):
                     k=(rows, c.kv_dim), v=(rows, c.kv_dim), att=(rows, c.q_dim), g=(rows, c.d_ff),
                     u=(rows, c.d_ff), logits=(rows, c.vocab_size), snap_x=(rows, c.d_model),
                     snap_e=(rows, c.d_model))
-        arrays = {n: self._empty(s, f) for n, s in bufs.items()}
-        ws = Workspace(rows=rows, **arrays)
+        # fused projections (attn_half / mlp_half): q|k|v and gate|up outputs
+        extra = dict(qkv=(rows, c.q_dim + 2 * c.kv_dim), gu=(rows, 2 * c.d_ff))
+        arrays = {n: self._empty(s, f) for n, s in {**bufs, **extra}.items()}
+        ws = Workspace(rows=rows, **{n: arrays[n] for n in bufs})
+        ws.qkv, ws.gu = arrays["qkv"], arrays["gu"]
         ws.ids = self._empty(rows, np.int32)
         ws.tok = self._empty(1, np.int32)
         ws.toks = self._empty(rows, np.int32)
@@ -424,3 +485,48 @@ class CUDABackend(Backend):
 
     def copy(self, dst, src, T: int) -> None:
         dst[:T].copy_to_device(src[:T], stream=self.stream)
+
+    # ------------------------------------------------------------------ fused composites
+    def _norm_matmul(self, x, norm, W, out, T: int) -> None:
+        """out[:T] = (rmsnorm(x[:T]) * norm) @ W^T in one launch."""
+        k_matmul.matmul(out[:T], x[:T], W.w, W.scales, W.zeros, stream=self.stream, norm_w=norm.w,
+                        eps=self.cfg.norm_eps)
+
+    def attn_half(self, ws: Workspace, b, cache: CUDACache, layer: int, pos, T: int) -> None:
+        """norm+q|k|v matmul, RoPE + KV append from ws.qkv, attention, wo (+= x): 4 launches.
+        A block without a concatenated wqkv takes three norm-fused matmuls instead."""
+        if not self.fuse:
+            return super().attn_half(ws, b, cache, layer, pos, T)
+        wqkv = getattr(b, "wqkv", None)
+        if wqkv is not None:
+            self._norm_matmul(ws.x, b.attn_norm, wqkv, ws.qkv, T)
+            p, depth, path = self._tables(pos)
+            k_rope.rope_kv_append_qkv(ws.qkv[:T], ws.q[:T], cache.k, cache.v, layer, p, self.inv_freq,
+                                      stream=self.stream, depth=depth, path=path)
+        else:
+            for W, out in ((b.wq, ws.q), (b.wk, ws.k), (b.wv, ws.v)):
+                self._norm_matmul(ws.x, b.attn_norm, W, out, T)
+            self.rope_kv_append(ws.q, ws.k, ws.v, cache, layer, pos, T)
+        self.attention(ws.q, cache, layer, pos, T, ws.att)
+        self.matmul(ws.att, b.wo, ws.x, T, accumulate=True)
+
+    def mlp_half(self, ws: Workspace, b, T: int) -> None:
+        """norm+gate|up matmul, SwiGLU from ws.gu, down (+= x): 3 launches. A block without a
+        concatenated wgu takes two norm-fused matmuls and the two-input SwiGLU instead."""
+        if not self.fuse:
+            return super().mlp_half(ws, b, T)
+        wgu = getattr(b, "wgu", None)
+        if wgu is not None:
+            self._norm_matmul(ws.x, b.mlp_norm, wgu, ws.gu, T)
+            k_swiglu.swiglu_fused(ws.g[:T], ws.gu[:T], stream=self.stream)
+        else:
+            self._norm_matmul(ws.x, b.mlp_norm, b.w_gate, ws.g, T)
+            self._norm_matmul(ws.x, b.mlp_norm, b.w_up, ws.u, T)
+            self.swiglu(ws.g, ws.u, ws.g, T)
+        self.matmul(ws.g, b.w_down, ws.x, T, accumulate=True)
+
+    def final_logits(self, ws: Workspace, w: ModelWeights, row0: int, T: int) -> None:
+        """The final norm fused into the head matmul (one launch)."""
+        if not self.fuse:
+            return super().final_logits(ws, w, row0, T)
+        self._norm_matmul(self.rows(ws.x, row0), w.final_norm, w.head, ws.logits, T)

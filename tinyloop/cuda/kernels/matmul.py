@@ -38,6 +38,21 @@ configurations differ only in TT, R, NW, KC): row t of a T-row launch is bit-ide
 row launched alone. The simple kernel has the same property
 (lane l: k = l, l+32, ..., fma per element, then the butterfly).
 
+Fused RMSNorm (``norm_w=``, ``eps=``): ``out (+)= (rmsnorm(x) * norm_w) @ W^T`` in one launch,
+without an intermediate normed buffer. Every block first computes the inverse RMS of its token
+rows (the norm prologue), then stages ``(x[t, k] * inv[t]) * norm_w[k]`` instead of ``x[t, k]``.
+The prologue reproduces the standalone rmsnorm kernel's summation order exactly, independent of
+the block shape: the row's sum of squares is split into the 8 partials of rmsnorm's 256-thread
+block ("virtual warps": partial i = ``fma(x, x, ss)`` over k = i, i+256, ..., `rmsnorm.sumsq_partial`),
+each virtual warp's 32 partials are combined by the same xor butterfly, and the 8 totals are added
+in order 0..7; ``inv = 1 / sqrt(ss / K + eps)`` (`rmsnorm.inv_rms`). Warp w of the block takes
+virtual warps w, w+NW, ... (each a full-warp butterfly from uniform control flow), so NW, TT, T
+and the grid only decide who computes a partial, not the order: the staged values are the bits
+the rmsnorm kernel would have written, and the product is the same as rmsnorm followed by the
+plain matmul (same kernel choice, same reduction). Both kernels (fast and simple) support it; the
+norm is a compile-time variant of each (the launch signature always carries ``norm_w`` and
+``eps``; without a norm the launcher passes row 0 of x as an unused placeholder).
+
 Warp reductions use shuffles on the GPU and the shared-memory twin under the simulator
 (see `_common`).
 """
@@ -49,6 +64,9 @@ from numba import cuda, float32, int32, uint32
 
 from ...core.errors import BackendError
 from ._common import as_float, cdiv, check_array, device_pointer, warp_sum
+from .rmsnorm import NT as NORM_NT
+from .rmsnorm import NW as NORM_NW
+from .rmsnorm import check_eps, inv_rms, sumsq_partial
 
 #: Elements per 8-byte word for each storage kind.
 WORD_ELEMS = {"f32": 2, "f16": 4, "q8": 8, "q4": 16, "q2": 32}
@@ -132,15 +150,61 @@ def _make_decoder(kind):
     return decode
 
 
+# ----------------------------------------------------------------------------- norm prologue
+_prologue_cache = {}
+
+
+def _make_norm_prologue(TT, NW):
+    """Device function filling ``invs[tt]`` (shared, TT floats) with the inverse RMS of rows
+    t0 + tt < T, in the rmsnorm kernel's summation order (see module doc). `part` is a shared
+    float32 array of TT * NORM_NW entries. Every thread of the block must call it (uniform control
+    flow: each warp runs the same number of butterflies). `invs` is written by threads tid < TT
+    and is visible to the block only after the caller's next ``syncthreads``."""
+    key = (TT, NW)
+    if key in _prologue_cache:
+        return _prologue_cache[key]
+    NJ = TT * NORM_NW          # (row, virtual warp) partial sums of the block
+    assert NORM_NT == NORM_NW * 32
+
+    @cuda.jit(device=True)
+    def norm_prologue(x, t0, T, eps, invs, part, scratch, tid, warp, lane):
+        K = x.shape[1]
+        for j0 in range(0, NJ, NW):
+            j = j0 + warp
+            tt = j // NORM_NW
+            t = t0 + tt
+            ss = float32(0.0)
+            if j < NJ and t < T:
+                ss = sumsq_partial(x, t, (j - tt * NORM_NW) * 32 + lane, K)
+            ss = warp_sum(ss, scratch, warp, lane)
+            if lane == 0 and j < NJ:
+                part[j] = ss
+        # Every virtual warp's total must be stored before they are added up.
+        cuda.syncthreads()
+        if tid < TT:
+            b = tid * NORM_NW
+            tot = part[b]
+            for i in range(1, NORM_NW):
+                tot += part[b + i]
+            invs[tid] = inv_rms(tot, K, eps)
+
+    _prologue_cache[key] = norm_prologue
+    return norm_prologue
+
+
 # ----------------------------------------------------------------------------- fast kernels
 _fast_cache = {}
 
 
-def _make_fast(kind, TT, R, NW, KC):
-    """Build the fast kernel for one storage kind and block configuration (see module doc)."""
-    key = (kind, TT, R, NW, KC)
+def _make_fast(kind, TT, R, NW, KC, norm=False):
+    """Build the fast kernel for one storage kind and block configuration (see module doc);
+    `norm` compiles in the fused-RMSNorm prologue and staging."""
+    key = (kind, TT, R, NW, KC, bool(norm))
     if key in _fast_cache:
         return _fast_cache[key]
+    NORM = bool(norm)
+    NJ = TT * NORM_NW
+    prologue = _make_norm_prologue(TT, NW)
     E = WORD_ELEMS[kind]
     NT = NW * 32
     NWC = KC // E          # words per staged chunk
@@ -152,15 +216,22 @@ def _make_fast(kind, TT, R, NW, KC):
     assert KC % (32 * 32) == 0
 
     @cuda.jit(device=True)
-    def stage_x(xs, x, t0, c0, cw, T, tid):
-        """Copy x[t0:t0+TT, c0*E:(c0+cw)*E] into xs (word-transposed); rows past T read as 0."""
+    def stage_x(xs, x, nw, invs, t0, c0, cw, T, tid):
+        """Copy x[t0:t0+TT, c0*E:(c0+cw)*E] into xs (word-transposed), normed as
+        ``(x * invs[tt]) * nw`` when NORM; rows past T read as 0."""
         n_el = cw * E
         base = c0 * E
         for tt in range(TT):
             t = t0 + tt
             if t < T:
-                for rem in range(tid, n_el, NT):
-                    xs[tt, rem & EM1, rem >> LOG2E] = x[t, base + rem]
+                if NORM:
+                    inv = invs[tt]
+                    for rem in range(tid, n_el, NT):
+                        k = base + rem
+                        xs[tt, rem & EM1, rem >> LOG2E] = (x[t, k] * inv) * nw[k]
+                else:
+                    for rem in range(tid, n_el, NT):
+                        xs[tt, rem & EM1, rem >> LOG2E] = x[t, base + rem]
             else:
                 for rem in range(tid, n_el, NT):
                     xs[tt, rem & EM1, rem >> LOG2E] = float32(0.0)
@@ -181,7 +252,7 @@ def _make_fast(kind, TT, R, NW, KC):
 
     if quant:
         @cuda.jit
-        def kernel(out, x, qw, scales, zeros, gw, accumulate):
+        def kernel(out, x, nw, eps, qw, scales, zeros, gw, accumulate):
             T = x.shape[0]
             N = out.shape[1]
             nwords = qw.shape[1]
@@ -192,6 +263,11 @@ def _make_fast(kind, TT, R, NW, KC):
             t0 = cuda.blockIdx.y * TT
             xs = cuda.shared.array((TT, E, XW), float32)
             scratch = cuda.shared.array((NW, 32), float32)
+            invs = cuda.shared.array(TT, float32)
+            part = cuda.shared.array(NJ, float32)
+            if NORM:
+                # invs becomes visible at the first chunk's barrier below.
+                prologue(x, t0, T, eps, invs, part, scratch, tid, warp, lane)
             acc = cuda.local.array((TT, R), float32)
             wv = cuda.local.array(E, float32)
             for tt in range(TT):
@@ -202,7 +278,7 @@ def _make_fast(kind, TT, R, NW, KC):
                 cw = min(NWC, nwords - c0)
                 # The previous chunk's reads of xs must be done before it is overwritten.
                 cuda.syncthreads()
-                stage_x(xs, x, t0, c0, cw, T, tid)
+                stage_x(xs, x, nw, invs, t0, c0, cw, T, tid)
                 # The staged chunk must be visible to every warp before the dot products.
                 cuda.syncthreads()
                 for wl in range(lane, cw, 32):
@@ -224,7 +300,7 @@ def _make_fast(kind, TT, R, NW, KC):
             finish(out, acc, scratch, warp, lane, n0, t0, N, T, accumulate)
     else:
         @cuda.jit
-        def kernel(out, x, qw, accumulate):
+        def kernel(out, x, nw, eps, qw, accumulate):
             T = x.shape[0]
             N = out.shape[1]
             nwords = qw.shape[1]
@@ -235,6 +311,11 @@ def _make_fast(kind, TT, R, NW, KC):
             t0 = cuda.blockIdx.y * TT
             xs = cuda.shared.array((TT, E, XW), float32)
             scratch = cuda.shared.array((NW, 32), float32)
+            invs = cuda.shared.array(TT, float32)
+            part = cuda.shared.array(NJ, float32)
+            if NORM:
+                # invs becomes visible at the first chunk's barrier below.
+                prologue(x, t0, T, eps, invs, part, scratch, tid, warp, lane)
             acc = cuda.local.array((TT, R), float32)
             wv = cuda.local.array(E, float32)
             for tt in range(TT):
@@ -244,7 +325,7 @@ def _make_fast(kind, TT, R, NW, KC):
                 cw = min(NWC, nwords - c0)
                 # The previous chunk's reads of xs must be done before it is overwritten.
                 cuda.syncthreads()
-                stage_x(xs, x, t0, c0, cw, T, tid)
+                stage_x(xs, x, nw, invs, t0, c0, cw, T, tid)
                 # The staged chunk must be visible to every warp before the dot products.
                 cuda.syncthreads()
                 for wl in range(lane, cw, 32):
@@ -264,54 +345,90 @@ def _make_fast(kind, TT, R, NW, KC):
 
 
 # ----------------------------------------------------------------------------- simple kernels
-@cuda.jit
-def _simple_q_kernel(out, x, q, scales, zeros, bits, group, accumulate):
-    T = x.shape[0]
-    K = x.shape[1]
-    N = out.shape[1]
-    tid = cuda.threadIdx.x
-    warp = tid // 32
-    lane = tid % 32
-    scratch = cuda.shared.array((SIMPLE_WARPS, 32), float32)
-    n_raw = cuda.blockIdx.x * SIMPLE_WARPS + warp
-    n = min(n_raw, N - 1)
-    t = cuda.blockIdx.y
-    per = 8 // bits
-    mask = (1 << bits) - 1
-    acc = float32(0.0)
-    for k in range(lane, K, 32):
-        b = int32(q[n, k // per])
-        v = (b >> ((k % per) * bits)) & mask
-        g = k // group
-        wgt = (float32(v) - float32(zeros[n, g])) * float32(scales[n, g])
-        acc = cuda.fma(wgt, x[t, k], acc)
-    acc = warp_sum(acc, scratch, warp, lane)
-    if lane == 0 and n_raw < N and t < T:
-        if accumulate:
-            acc = out[t, n] + acc
-        out[t, n] = acc
+_simple_cache = {}
 
 
-@cuda.jit
-def _simple_f_kernel(out, x, w, accumulate):
-    T = x.shape[0]
-    K = x.shape[1]
-    N = out.shape[1]
-    tid = cuda.threadIdx.x
-    warp = tid // 32
-    lane = tid % 32
-    scratch = cuda.shared.array((SIMPLE_WARPS, 32), float32)
-    n_raw = cuda.blockIdx.x * SIMPLE_WARPS + warp
-    n = min(n_raw, N - 1)
-    t = cuda.blockIdx.y
-    acc = float32(0.0)
-    for k in range(lane, K, 32):
-        acc = cuda.fma(float32(w[n, k]), x[t, k], acc)
-    acc = warp_sum(acc, scratch, warp, lane)
-    if lane == 0 and n_raw < N and t < T:
-        if accumulate:
-            acc = out[t, n] + acc
-        out[t, n] = acc
+def _make_simple(quant, norm=False):
+    """Build the simple kernel (one warp per (t, n)) for quantized or float weights; `norm`
+    compiles in the fused-RMSNorm prologue (every block has a single token row t)."""
+    key = (bool(quant), bool(norm))
+    if key in _simple_cache:
+        return _simple_cache[key]
+    NORM = bool(norm)
+    prologue = _make_norm_prologue(1, SIMPLE_WARPS)
+
+    @cuda.jit(device=True)
+    def setup(x, nw, eps, invs, part, scratch, tid, warp, lane):
+        """(t, inv) of this block: the token row and, when NORM, its inverse RMS."""
+        t = cuda.blockIdx.y
+        inv = float32(1.0)
+        if NORM:
+            prologue(x, t, x.shape[0], eps, invs, part, scratch, tid, warp, lane)
+            # invs[0] was written by thread 0.
+            cuda.syncthreads()
+            inv = invs[0]
+        return t, inv
+
+    @cuda.jit(device=True)
+    def xval(x, nw, inv, t, k):
+        if NORM:
+            return (x[t, k] * inv) * nw[k]
+        return x[t, k]
+
+    @cuda.jit(device=True)
+    def store(out, acc, t, n_raw, n, lane, accumulate):
+        if lane == 0 and n_raw < out.shape[1] and t < out.shape[0]:
+            if accumulate:
+                acc = out[t, n] + acc
+            out[t, n] = acc
+
+    if quant:
+        @cuda.jit
+        def kernel(out, x, nw, eps, q, scales, zeros, bits, group, accumulate):
+            K = x.shape[1]
+            N = out.shape[1]
+            tid = cuda.threadIdx.x
+            warp = tid // 32
+            lane = tid % 32
+            scratch = cuda.shared.array((SIMPLE_WARPS, 32), float32)
+            invs = cuda.shared.array(1, float32)
+            part = cuda.shared.array(NORM_NW, float32)
+            t, inv = setup(x, nw, eps, invs, part, scratch, tid, warp, lane)
+            n_raw = cuda.blockIdx.x * SIMPLE_WARPS + warp
+            n = min(n_raw, N - 1)
+            per = 8 // bits
+            mask = (1 << bits) - 1
+            acc = float32(0.0)
+            for k in range(lane, K, 32):
+                b = int32(q[n, k // per])
+                v = (b >> ((k % per) * bits)) & mask
+                g = k // group
+                wgt = (float32(v) - float32(zeros[n, g])) * float32(scales[n, g])
+                acc = cuda.fma(wgt, xval(x, nw, inv, t, k), acc)
+            acc = warp_sum(acc, scratch, warp, lane)
+            store(out, acc, t, n_raw, n, lane, accumulate)
+    else:
+        @cuda.jit
+        def kernel(out, x, nw, eps, w, accumulate):
+            K = x.shape[1]
+            N = out.shape[1]
+            tid = cuda.threadIdx.x
+            warp = tid // 32
+            lane = tid % 32
+            scratch = cuda.shared.array((SIMPLE_WARPS, 32), float32)
+            invs = cuda.shared.array(1, float32)
+            part = cuda.shared.array(NORM_NW, float32)
+            t, inv = setup(x, nw, eps, invs, part, scratch, tid, warp, lane)
+            n_raw = cuda.blockIdx.x * SIMPLE_WARPS + warp
+            n = min(n_raw, N - 1)
+            acc = float32(0.0)
+            for k in range(lane, K, 32):
+                acc = cuda.fma(float32(w[n, k]), xval(x, nw, inv, t, k), acc)
+            acc = warp_sum(acc, scratch, warp, lane)
+            store(out, acc, t, n_raw, n, lane, accumulate)
+
+    _simple_cache[key] = kernel
+    return kernel
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -343,13 +460,17 @@ def uses_fast_path(kind: str, K: int, group_size: int, w=None) -> bool:
     return True
 
 
-def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0):
+def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_w=None, eps=0.0):
     """``out[t, n] = sum_k x[t, k] * W[n, k]`` (``+=`` when accumulate), for t < T, n < N.
 
     The storage is inferred: float32 or float16 `w` of shape (N, K), or uint8 `w` of shape
     (N, K*B/8) with B in 8, 4, 2 together with `scales` float16 (N, G) and `zeros` uint8 (N, G),
     group_size = K / G. `out` must not alias `x`. Launches asynchronously on `stream`; T == 0 is a
-    no-op."""
+    no-op.
+
+    With `norm_w` (float32 (K,)) the product uses the RMS-normed rows instead of x:
+    ``x[t] / sqrt(mean(x[t]^2) + eps) * norm_w`` (fused, see module doc); `eps` is a model
+    constant (Python float)."""
     op = "matmul"
     check_array(op, "x", x, np.float32, 2)
     T, K = x.shape
@@ -375,49 +496,58 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0):
             raise BackendError(f"{op}: in_features={K} is not a whole number of the {G} groups "
                                f"given by scales {tuple(scales.shape)}")
         group = K // G
+    norm = norm_w is not None
+    if norm:
+        check_array(op, "norm_w", norm_w, np.float32, 1, (K,))
+        eps = check_eps(op, eps)
+    else:
+        eps = np.float32(0.0)
     if device_pointer(out) == device_pointer(x) != 0:
         raise BackendError(f"{op}: out must not alias x")
     if T == 0:
         return
     acc_flag = 1 if accumulate else 0
+    # Without a norm the kernel's norm_w parameter is unused: pass a view (no allocation).
+    nw = norm_w if norm else x[0]
 
     if uses_fast_path(kind, K, group, w):
         TT, R, NW, KC = config_for(kind, T)
-        kern = _make_fast(kind, TT, R, NW, KC)
+        kern = _make_fast(kind, TT, R, NW, KC, norm)
         E = WORD_ELEMS[kind]
         qw = w.view(np.uint64)
         grid = (cdiv(N, NW * R), cdiv(T, TT))
         if kind.startswith("q"):
-            kern[grid, NW * 32, stream](out, x, qw, scales, zeros, group // E, acc_flag)
+            kern[grid, NW * 32, stream](out, x, nw, eps, qw, scales, zeros, group // E, acc_flag)
         else:
-            kern[grid, NW * 32, stream](out, x, qw, acc_flag)
+            kern[grid, NW * 32, stream](out, x, nw, eps, qw, acc_flag)
         return
 
     grid = (cdiv(N, SIMPLE_WARPS), T)
     if kind.startswith("q"):
-        _simple_q_kernel[grid, SIMPLE_WARPS * 32, stream](
-            out, x, w, scales, zeros, {"q8": 8, "q4": 4, "q2": 2}[kind], group, acc_flag)
+        _make_simple(True, norm)[grid, SIMPLE_WARPS * 32, stream](
+            out, x, nw, eps, w, scales, zeros, {"q8": 8, "q4": 4, "q2": 2}[kind], group, acc_flag)
     else:
-        _simple_f_kernel[grid, SIMPLE_WARPS * 32, stream](out, x, w, acc_flag)
+        _make_simple(False, norm)[grid, SIMPLE_WARPS * 32, stream](out, x, nw, eps, w, acc_flag)
 
 
 def ptx_signatures():
-    """(python function, signature) pairs the launcher compiles, for PTX compile tests."""
+    """(name, python function, signature) triples the launcher compiles, for PTX compile tests."""
     sigs = []
     f32_2 = "float32[:, ::1]"
-    for kind in WORD_ELEMS:
-        for cfg in (config_for(kind, 1), config_for(kind, 2)):
-            k = _make_fast(kind, *cfg)
-            if kind.startswith("q"):
-                sig = (f"void({f32_2}, {f32_2}, uint64[:, ::1], float16[:, ::1], uint8[:, ::1], "
-                       "int64, int64)")
-            else:
-                sig = f"void({f32_2}, {f32_2}, uint64[:, ::1], int64)"
-            sigs.append((f"matmul_fast_{kind}_{'_'.join(map(str, cfg))}", k.py_func, sig))
-    sigs.append(("matmul_simple_q", _simple_q_kernel.py_func,
-                 f"void({f32_2}, {f32_2}, uint8[:, ::1], float16[:, ::1], uint8[:, ::1], "
-                 "int64, int64, int64)"))
-    for wt in ("float32", "float16"):
-        sigs.append((f"matmul_simple_{wt}", _simple_f_kernel.py_func,
-                     f"void({f32_2}, {f32_2}, {wt}[:, ::1], int64)"))
+    head = f"{f32_2}, {f32_2}, float32[::1], float32"      # out, x, norm_w, eps
+    for norm in (False, True):
+        tag = "_norm" if norm else ""
+        for kind in WORD_ELEMS:
+            for cfg in (config_for(kind, 1), config_for(kind, 2)):
+                k = _make_fast(kind, *cfg, norm)
+                if kind.startswith("q"):
+                    sig = f"void({head}, uint64[:, ::1], float16[:, ::1], uint8[:, ::1], int64, int64)"
+                else:
+                    sig = f"void({head}, uint64[:, ::1], int64)"
+                sigs.append((f"matmul_fast{tag}_{kind}_{'_'.join(map(str, cfg))}", k.py_func, sig))
+        sigs.append((f"matmul_simple{tag}_q", _make_simple(True, norm).py_func,
+                     f"void({head}, uint8[:, ::1], float16[:, ::1], uint8[:, ::1], int64, int64, int64)"))
+        for wt in ("float32", "float16"):
+            sigs.append((f"matmul_simple{tag}_{wt}", _make_simple(False, norm).py_func,
+                         f"void({head}, {wt}[:, ::1], int64)"))
     return sigs

@@ -11,6 +11,11 @@ Thread mapping: one block of NT = 256 threads (8 warps) per row t; thread i accu
 256 partials (warp xor-butterflies, then warp totals in warp order). The block shape is fixed, so
 the sum of a row, and hence every output element, does not depend on T or on the grid:
 batch-invariant. Warp reductions: shuffles on the GPU, shared-memory twin under the simulator.
+
+The per-thread partial (`sumsq_partial`) and the scale formula (`inv_rms`) are device functions:
+the matmul's fused-norm prologue (matmul.py, ``norm_w=``) reproduces this kernel's summation order
+with them (the NW warp partials, each a butterfly, added in warp order), so a fused norm computes
+the same inverse RMS bits as this kernel.
 """
 
 from __future__ import annotations
@@ -27,6 +32,23 @@ NW = 8
 NT = NW * 32
 
 
+@cuda.jit(device=True)
+def sumsq_partial(x, t, i, D):
+    """Thread i's partial sum of squares of row t: ``fma(x, x, ss)`` over k = i, i+NT, ...
+    ascending, from 0."""
+    ss = float32(0.0)
+    for k in range(i, D, NT):
+        v = x[t, k]
+        ss = cuda.fma(v, v, ss)
+    return ss
+
+
+@cuda.jit(device=True)
+def inv_rms(ss, D, eps):
+    """``1 / sqrt(ss / D + eps)`` in float32 (ss: the row's sum of squares)."""
+    return float32(1.0) / math.sqrt(ss / float32(D) + eps)
+
+
 @cuda.jit
 def _rmsnorm_kernel(out, x, w, eps):
     D = x.shape[1]
@@ -36,12 +58,9 @@ def _rmsnorm_kernel(out, x, w, eps):
     lane = tid % 32
     scratch = cuda.shared.array((NW, 32), float32)
     part = cuda.shared.array(NW, float32)
-    ss = float32(0.0)
-    for k in range(tid, D, NT):
-        v = x[t, k]
-        ss = cuda.fma(v, v, ss)
+    ss = sumsq_partial(x, t, tid, D)
     ss = block_sum(ss, scratch, part, warp, lane, NW)
-    inv = float32(1.0) / math.sqrt(ss / float32(D) + eps)
+    inv = inv_rms(ss, D, eps)
     # x is read again after the block sum's barriers, so out may alias x: each element is
     # read and written by the same thread.
     for k in range(tid, D, NT):
@@ -58,12 +77,18 @@ def rmsnorm(out, x, w, eps, stream=0):
     check_array(op, "w", w, np.float32, 1, (D,))
     if D == 0:
         raise BackendError(f"{op}: empty feature dimension")
+    eps = check_eps(op, eps)
+    if T == 0:
+        return
+    _rmsnorm_kernel[T, NT, stream](out, x, w, eps)
+
+
+def check_eps(op, eps):
+    """`eps` as a float32 after checking it is finite and >= 0 (raises BackendError)."""
     eps = float(eps)
     if not (eps >= 0.0 and math.isfinite(eps)):
         raise BackendError(f"{op}: eps={eps!r} must be finite and >= 0")
-    if T == 0:
-        return
-    _rmsnorm_kernel[T, NT, stream](out, x, w, np.float32(eps))
+    return np.float32(eps)
 
 
 def ptx_signatures():

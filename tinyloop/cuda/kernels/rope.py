@@ -17,6 +17,10 @@ Shapes (T rows, H query heads, Hkv kv heads, hd head width, L cache layers, S ma
     q         float32 (T, H * hd)          rotated in place
     k         float32 (T, Hkv * hd)        rotated in place
     v         float32 (T, Hkv * hd)        (rope_kv_append only) read
+    qkv       float32 (T, (H + 2 Hkv) hd)  (rope_kv_append_qkv only) the fused q|k|v projection:
+                                           q in columns [0, H hd), k in [H hd, (H + Hkv) hd),
+                                           v after; read (k is rotated in place there as well)
+    q_out     float32 (T, H * hd)          (rope_kv_append_qkv only) receives the rotated q
     pos       int32 (1,)                   position of row 0, read on the device
     inv_freq  float32 (hd / 2,)
     k_cache, v_cache  float16 or float32 (L, S, Hkv, hd)   (rope_kv_append only) slot p of
@@ -26,6 +30,11 @@ Shapes (T rows, H query heads, Hkv kv heads, hd head width, L cache layers, S ma
                       row t is then at position pos[0] + depth[t] and its K/V go to slot
                       pos[0] + path[t, depth[t]] (tinyloop.core.backend.TreeRows); empty tables
                       (0,) and (0, 1) mean the causal layout above
+
+`rope_kv_append` and `rope_kv_append_qkv` are one kernel: it reads q, k and v at column offsets of
+source arrays and writes the rotated q to a destination that may be the source (in place), so the
+separate-buffer form passes (q, q, k, v, offsets 0) and the fused form (qkv, q_out, qkv, qkv,
+offsets 0, H hd, (H + Hkv) hd).
 
 Thread mapping: one thread per (row t, head, pair i), flat grid-stride. Every element depends only
 on its own inputs and p, so the result is independent of T and of the grid: batch-invariant.
@@ -56,16 +65,18 @@ def inv_freq(head_dim: int, theta: float) -> np.ndarray:
 
 
 @cuda.jit(device=True)
-def _rotate(x, t, col, half, p, inv_freq, i):
+def _rotate(src, dst, t, scol, dcol, half, p, inv_freq, i):
+    """Rotate the pair (src[t, scol], src[t, scol + half]) into dst[t, dcol], dst[t, dcol + half]
+    (dst may be src: each element is read before it is written, by the same thread)."""
     a = float32(p) * inv_freq[i]
     c = float32(math.cos(float64(a)))
     s = float32(math.sin(float64(a)))
-    x0 = x[t, col]
-    x1 = x[t, col + half]
+    x0 = src[t, scol]
+    x1 = src[t, scol + half]
     r0 = x0 * c - x1 * s
     r1 = x1 * c + x0 * s
-    x[t, col] = r0
-    x[t, col + half] = r1
+    dst[t, dcol] = r0
+    dst[t, dcol + half] = r1
     return r0, r1
 
 
@@ -85,18 +96,23 @@ def _rope_kernel(q, k, pos, inv_freq):
         head = r // half
         i = r - head * half
         if head < H:
-            _rotate(q, t, head * hd + i, half, p0 + t, inv_freq, i)
+            col = head * hd + i
+            _rotate(q, q, t, col, col, half, p0 + t, inv_freq, i)
         else:
-            _rotate(k, t, (head - H) * hd + i, half, p0 + t, inv_freq, i)
+            col = (head - H) * hd + i
+            _rotate(k, k, t, col, col, half, p0 + t, inv_freq, i)
 
 
 @cuda.jit
-def _rope_kv_append_kernel(q, k, v, k_cache, v_cache, layer, pos, inv_freq, depth, path):
+def _rope_kv_append_kernel(q, q_out, k, v, qoff, koff, voff, k_cache, v_cache, layer, pos, inv_freq,
+                           depth, path):
+    # q, k, v: source arrays, read at column offsets qoff, koff, voff; rotated q goes to q_out
+    # (columns from 0), rotated k back into k and into the cache, v into the cache.
     half = inv_freq.shape[0]
     hd = 2 * half
-    T = q.shape[0]
-    H = q.shape[1] // hd
-    Hk = k.shape[1] // hd
+    T = q_out.shape[0]
+    H = q_out.shape[1] // hd
+    Hk = k_cache.shape[2]
     S = k_cache.shape[1]
     per_row = (H + Hk) * half
     n = T * per_row
@@ -113,16 +129,17 @@ def _rope_kv_append_kernel(q, k, v, k_cache, v_cache, layer, pos, inv_freq, dept
             p = p0 + depth[t]
             slot = p0 + path[t, depth[t]]
         if head < H:
-            _rotate(q, t, head * hd + i, half, p, inv_freq, i)
+            col = head * hd + i
+            _rotate(q, q_out, t, qoff + col, col, half, p, inv_freq, i)
         else:
             kh = head - H
             col = kh * hd + i
-            r0, r1 = _rotate(k, t, col, half, p, inv_freq, i)
+            r0, r1 = _rotate(k, k, t, koff + col, koff + col, half, p, inv_freq, i)
             if 0 <= slot < S:
                 k_cache[layer, slot, kh, i] = r0
                 k_cache[layer, slot, kh, i + half] = r1
-                v_cache[layer, slot, kh, i] = v[t, col]
-                v_cache[layer, slot, kh, i + half] = v[t, col + half]
+                v_cache[layer, slot, kh, i] = v[t, voff + col]
+                v_cache[layer, slot, kh, i + half] = v[t, voff + col + half]
 
 
 def _check_common(op, q, k, pos, inv_freq):
@@ -152,14 +169,7 @@ def rope(q, k, pos, inv_freq, stream=0):
     _rope_kernel[min(cdiv(n, NT), MAX_BLOCKS), NT, stream](q, k, pos, inv_freq)
 
 
-def rope_kv_append(q, k, v, k_cache, v_cache, layer, pos, inv_freq, stream=0, depth=None, path=None):
-    """`rope` on q and k, then store the rotated k rows and the v rows in cache layer `layer` at
-    slots pos[0] + t (cast to the cache dtype); with tree tables, at the tree layout's positions
-    and slots (module doc)."""
-    op = "rope_kv_append"
-    T, hd, n = _check_common(op, q, k, pos, inv_freq)
-    check_array(op, "v", v, np.float32, 2, tuple(k.shape))
-    Hk = k.shape[1] // hd
+def _check_cache(op, T, Hk, hd, k_cache, v_cache, layer):
     check_array(op, "k_cache", k_cache, (np.float16, np.float32), 4, (None, None, Hk, hd))
     check_array(op, "v_cache", v_cache, k_cache.dtype, 4, tuple(k_cache.shape))
     layer = int(layer)
@@ -167,11 +177,47 @@ def rope_kv_append(q, k, v, k_cache, v_cache, layer, pos, inv_freq, stream=0, de
         raise BackendError(f"{op}: layer={layer} is outside [0, {k_cache.shape[0]})")
     if T > k_cache.shape[1]:
         raise BackendError(f"{op}: {T} rows do not fit a cache of {k_cache.shape[1]} slots")
+    return layer
+
+
+def rope_kv_append(q, k, v, k_cache, v_cache, layer, pos, inv_freq, stream=0, depth=None, path=None):
+    """`rope` on q and k, then store the rotated k rows and the v rows in cache layer `layer` at
+    slots pos[0] + t (cast to the cache dtype); with tree tables, at the tree layout's positions
+    and slots (module doc)."""
+    op = "rope_kv_append"
+    T, hd, n = _check_common(op, q, k, pos, inv_freq)
+    check_array(op, "v", v, np.float32, 2, tuple(k.shape))
+    layer = _check_cache(op, T, k.shape[1] // hd, hd, k_cache, v_cache, layer)
     depth, path = check_tree(op, depth, path, T)
     if T == 0:
         return
     _rope_kv_append_kernel[min(cdiv(n, NT), MAX_BLOCKS), NT, stream](
-        q, k, v, k_cache, v_cache, layer, pos, inv_freq, depth, path)
+        q, q, k, v, 0, 0, 0, k_cache, v_cache, layer, pos, inv_freq, depth, path)
+
+
+def rope_kv_append_qkv(qkv, q_out, k_cache, v_cache, layer, pos, inv_freq, stream=0, depth=None, path=None):
+    """`rope_kv_append` reading q, k and v from the fused projection `qkv` (T, q_dim + 2 kv_dim):
+    the rotated q rows go to `q_out` (T, q_dim), the rotated k rows (also left in qkv's k
+    columns) and the v rows to cache layer `layer` at slots pos[0] + t (or the tree layout's).
+    kv_dim is the cache's n_kv_heads * head_dim."""
+    op = "rope_kv_append_qkv"
+    # q_out stands in for both q and k in the shared checks (inv_freq, pos, widths vs head_dim).
+    T, hd, _ = _check_common(op, q_out, q_out, pos, inv_freq)
+    q_dim = q_out.shape[1]
+    check_array(op, "k_cache", k_cache, (np.float16, np.float32), 4, (None, None, None, hd))
+    kv_dim = int(k_cache.shape[2]) * hd
+    if kv_dim == 0:
+        raise BackendError(f"{op}: the cache has no kv heads")
+    check_array(op, "qkv", qkv, np.float32, 2, (T, q_dim + 2 * kv_dim))
+    n = T * (q_dim + kv_dim) // 2
+    if n >= 2 ** 31:
+        raise BackendError(f"{op}: too many elements for one launch")
+    layer = _check_cache(op, T, kv_dim // hd, hd, k_cache, v_cache, layer)
+    depth, path = check_tree(op, depth, path, T)
+    if T == 0:
+        return
+    _rope_kv_append_kernel[min(cdiv(n, NT), MAX_BLOCKS), NT, stream](
+        qkv, q_out, qkv, qkv, 0, q_dim, q_dim + kv_dim, k_cache, v_cache, layer, pos, inv_freq, depth, path)
 
 
 def ptx_signatures():
@@ -180,6 +226,6 @@ def ptx_signatures():
     for ct in ("float16", "float32"):
         c = f"{ct}[:, :, :, ::1]"
         sigs.append((f"rope_kv_append_{ct}", _rope_kv_append_kernel.py_func,
-                     f"void({m}, {m}, {m}, {c}, {c}, int64, int32[::1], float32[::1], int32[::1], "
-                     f"int32[:, ::1])"))
+                     f"void({m}, {m}, {m}, {m}, int64, int64, int64, {c}, {c}, int64, int32[::1], "
+                     "float32[::1], int32[::1], int32[:, ::1])"))
     return sigs
