@@ -35,6 +35,7 @@ from typing import Any
 import numba
 import numpy as np
 from numba import cuda
+from numba.cuda.cudadrv.driver import device_memset
 
 from ..core.backend import Backend, ModelWeights, TreeRows, Workspace
 from ..core.errors import BackendError, OutOfMemoryError
@@ -234,6 +235,7 @@ class CUDABackend(Backend):
         if fits:
             best = min(fits, key=lambda c: c.n_slots)
             self._spares.remove(best)
+            self._zero(best)
             return best
         # slots rounded up to a power of two (>= 128): requests of similar length then share caches,
         # and with them the captured graphs
@@ -249,7 +251,19 @@ class CUDABackend(Backend):
                 self._drop_spare(self._spares[0])
             k = self._empty(shape, _DT[kv_dtype])
             v = self._empty(shape, _DT[kv_dtype])
-        return CUDACache(k, v, kv_dtype)
+        cache = CUDACache(k, v, kv_dtype)
+        self._zero(cache)
+        return cache
+
+    def _zero(self, cache: CUDACache) -> None:
+        """Every request starts from a zeroed cache, as on the CPU: a slot the decode never wrote (a
+        speculative draft's post layers at a position only the verify pass computed) then reads the
+        same values every time, so seeded speculative sampling is reproducible."""
+        for a in (cache.k, cache.v):
+            if numba.config.ENABLE_CUDASIM:
+                a.copy_to_device(np.zeros(a.shape, a.dtype))
+            else:
+                device_memset(a, 0, int(a.nbytes), stream=self.stream)
 
     def report(self, stats) -> None:
         if self.profile:
