@@ -56,6 +56,17 @@ class SpeculativeSession(Session):
         if self.inject:
             be.copy(be.rows(ws.snap_e, row0), ws.e, n)
 
+    def _draft_ops(self, ids, pos, n: int, row0: int, head: bool = True) -> None:
+        """A draft pass over n rows: prefix, iterations 0..draft_loops-1, the residual stashed in
+        rows row0.., then (head=True) the draft's post blocks and the head into ws.logits[0:n]."""
+        fwd, cache, Ld = self.model.fwd, self.cache, self.draft_loops
+        fwd.prefix(ids, pos, n, cache)
+        fwd.run_loop_iters_range(pos, n, cache, 0, Ld)
+        self._stash(row0, n)
+        if head:
+            fwd.suffix(pos, n, cache, Ld, post_layer0=self.draft_post0)
+            fwd.logits(0, n)
+
     def _resume(self, pos, n: int) -> None:
         """Rows 0..n-1 restart from the stash and run iterations draft_loops..verify_loops-1, the
         post blocks and the head; the argmax of each row is started on the device."""
@@ -69,17 +80,13 @@ class SpeculativeSession(Session):
         be.launch_argmax_rows(ws, n)
 
     def draft(self, token: int, k: int) -> int:
-        be, fwd, ws, cache = self.model.backend, self.model.fwd, self.model.ws, self.cache
+        be, ws, cache = self.model.backend, self.model.ws, self.cache
         ids = be.set_ids(ws, [token])
         pos = be.positions(self.position + k)
         Ld = self.draft_loops
 
         def step():
-            fwd.prefix(ids, pos, 1, cache)
-            fwd.run_loop_iters_range(pos, 1, cache, 0, Ld)
-            self._stash(k)
-            fwd.suffix(pos, 1, cache, Ld, post_layer0=self.draft_post0)
-            fwd.logits(0, 1)
+            self._draft_ops(ids, pos, 1, k)
             be.launch_argmax(ws)
             be.advance_position(pos)
         be.replay(("draft", Ld, cache, k), step)
@@ -95,11 +102,7 @@ class SpeculativeSession(Session):
             ids = be.set_ids(ws, [tokens[-1]])
             pos = be.positions(self.position + n - 1)
 
-            def tail():
-                fwd.prefix(ids, pos, 1, cache)
-                fwd.run_loop_iters_range(pos, 1, cache, 0, Ld)
-                self._stash(n - 1)
-            be.replay(("tail", Ld, cache, n - 1), tail)
+            be.replay(("tail", Ld, cache, n - 1), lambda: self._draft_ops(ids, pos, 1, n - 1, head=False))
             pos0 = be.positions(self.position)
             be.replay(("verify", Ld, Lv, cache, n), lambda: self._resume(pos0, n))
             self.stats.loop_iters_run += Ld + (Lv - Ld)
@@ -136,18 +139,12 @@ class SpeculativeSession(Session):
         def cycle():
             be.store_token(ws, 0)
             for i in range(k):
-                fwd.prefix(tok, pos, 1, cache)
-                fwd.run_loop_iters_range(pos, 1, cache, 0, Ld)
-                self._stash(i)
-                fwd.suffix(pos, 1, cache, Ld, post_layer0=self.draft_post0)
-                fwd.logits(0, 1)
+                self._draft_ops(tok, pos, 1, i)
                 be.launch_argmax(ws)
                 be.store_token(ws, i + 1)
                 be.advance_position(pos)
             if resume:
-                fwd.prefix(be.rows(ws.ids, k), pos, 1, cache)
-                fwd.run_loop_iters_range(pos, 1, cache, 0, Ld)
-                self._stash(k)
+                self._draft_ops(be.rows(ws.ids, k), pos, 1, k, head=False)
                 be.advance_position(pos, -k)
                 self._resume(pos, k + 1)
             else:
@@ -232,7 +229,7 @@ class TreeSpeculativeSession(SpeculativeSession):
         self.layout = model.backend.tree_layout(self.tree.depth, self.tree.path)
 
     def draft_level(self, d: int, tokens: Sequence[int]) -> List[List[int]]:
-        be, fwd, ws, cache = self.model.backend, self.model.fwd, self.model.ws, self.cache
+        be, ws, cache = self.model.backend, self.model.ws, self.cache
         tr = self.tree
         row0, n = tr.level_start[d], len(tokens)
         ids = be.set_ids(ws, list(tokens))
@@ -240,11 +237,7 @@ class TreeSpeculativeSession(SpeculativeSession):
         Ld, K = self.draft_loops, tr.K
 
         def step():
-            fwd.prefix(ids, pos, n, cache)
-            fwd.run_loop_iters_range(pos, n, cache, 0, Ld)
-            self._stash(row0, n)
-            fwd.suffix(pos, n, cache, Ld, post_layer0=self.draft_post0)
-            fwd.logits(0, n)
+            self._draft_ops(ids, pos, n, row0)
             be.launch_topk_rows(ws, n, K)
         be.replay(("tree-draft", Ld, cache, self.layout, d, K, n), step)
         self.stats.loop_iters_run += Ld
@@ -262,11 +255,8 @@ class TreeSpeculativeSession(SpeculativeSession):
             pos = be.tree_positions(self.layout, self.position, leaf0)
             nl = N - leaf0
 
-            def tail():
-                fwd.prefix(ids, pos, nl, cache)
-                fwd.run_loop_iters_range(pos, nl, cache, 0, Ld)
-                self._stash(leaf0, nl)
-            be.replay(("tree-tail", Ld, cache, self.layout, nl), tail)
+            be.replay(("tree-tail", Ld, cache, self.layout, nl),
+                      lambda: self._draft_ops(ids, pos, nl, leaf0, head=False))
             pos0 = be.tree_positions(self.layout, self.position, 0)
             be.replay(("tree-verify", Ld, Lv, cache, self.layout, N), lambda: self._resume(pos0, N))
             self.stats.loop_iters_run += Lv
