@@ -319,40 +319,6 @@ def _time_us(fn, reps=200):
 
 
 @pytest.mark.skipif(not os.environ.get("TINYLOOP_BENCH"), reason="set TINYLOOP_BENCH=1 to time")
-def test_bench_matmul():
-    """Times every (TT, R, NW, KC) candidate; none changes the reduction order."""
-    rng = np.random.default_rng(9)
-    saved = (matmul.GEMV_CONFIG, matmul.GEMM_CONFIG)
-    gemv_cfgs = [(1, 2, 8, 4096), (1, 1, 16, 4096), (1, 1, 8, 4096), (1, 2, 4, 4096)]
-    gemm_cfgs = [(4, 4, 4, 1024), (4, 2, 4, 1024)]
-    shapes = [("q4", 2048, 2048, 128), ("q4", 5632, 2048, 128), ("q4", 2048, 5632, 128),
-              ("q8", 2048, 2048, 128), ("f16", 2048, 2048, 0), ("q4", 32000, 2048, 128)]
-    print("\nkind     N     K    T  config              us      GB/s(w)  TFLOP/s", flush=True)
-    try:
-        for kind, N, K, grp in shapes:
-            arrays, _ = make_weight(rng, kind, N, K, grp)
-            dev = {k: D(v) for k, v in arrays.items()}
-            wbytes = sum(v.nbytes for v in arrays.values())
-            for T, cfgs in ((1, gemv_cfgs), (16, gemm_cfgs), (256, gemm_cfgs)):
-                if N > 8192 and T > 1:
-                    continue
-                x = D(rng.standard_normal((T, K)).astype(np.float32))
-                out = D(np.zeros((T, N), np.float32))
-                for cfg in cfgs:
-                    if T == 1:
-                        matmul.GEMV_CONFIG = cfg
-                    else:
-                        matmul.GEMM_CONFIG = cfg
-                    us = _time_us(lambda st: matmul.matmul(out, x, dev["w"], dev.get("scales"),
-                                                           dev.get("zeros"), stream=st),
-                                  reps=100 if T <= 16 else 10)
-                    print(f"{kind:4s} {N:6d} {K:5d} {T:4d}  {str(cfg):20s} {us:8.2f} "
-                          f"{wbytes / us / 1e3:9.1f} {2 * T * N * K / us / 1e6:8.3f}", flush=True)
-    finally:
-        matmul.GEMV_CONFIG, matmul.GEMM_CONFIG = saved
-
-
-@pytest.mark.skipif(not os.environ.get("TINYLOOP_BENCH"), reason="set TINYLOOP_BENCH=1 to time")
 def test_bench_other_kernels():
     rng = np.random.default_rng(10)
     H, Hk, hd, S = 16, 4, 128, 8192

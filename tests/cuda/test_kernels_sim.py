@@ -162,6 +162,27 @@ def test_matmul_reference_and_batch_invariance(kind, N, K, group, fast):
     assert np.array_equal(host(o1)[0], got[T - 1])
 
 
+@pytest.mark.parametrize("kind,N,K,group", [("q4", 21, 128, 32), ("q2", 10, 64, 32), ("f16", 11, 36, 0)])
+def test_matmul_wide_gemv_config_is_batch_invariant(monkeypatch, kind, N, K, group):
+    """The one-row launch of a wide weight (N >= WIDE_N; lowered here so tiny shapes reach it) uses
+    GEMV_WIDE_CONFIG: still the same bits as the row inside a multi-row launch."""
+    monkeypatch.setattr(matmul, "WIDE_N", 8)
+    assert matmul.config_for(kind, 1, N)[1:] != matmul.config_for(kind, 1, 4)[1:]
+    rng = np.random.default_rng(N + K)
+    arrays, W = make_weight(rng, kind, N, K, group)
+    T = 3
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    dev = {k: D(v) for k, v in arrays.items()}
+    out = D(np.full((T, N), np.nan, np.float32))
+    matmul.matmul(out, D(x), dev["w"], dev.get("scales"), dev.get("zeros"))
+    got = host(out)
+    close(got, x.astype(np.float64) @ W.T, 1e-5 * math.sqrt(K))
+    for t in range(T):
+        o1 = D(np.full((1, N), np.nan, np.float32))
+        matmul.matmul(o1, D(x[t:t + 1]), dev["w"], dev.get("scales"), dev.get("zeros"))
+        assert np.array_equal(host(o1)[0], got[t])
+
+
 def test_matmul_accumulate_and_chunks():
     """K spanning several staged chunks (T > 1: KC=1024 -> 2 chunks; T == 1: one chunk) with the
     residual add fused."""

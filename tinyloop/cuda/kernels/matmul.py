@@ -77,17 +77,31 @@ QBITS = {8: "q8", 4: "q4", 2: "q2"}
 #: None of these changes the reduction order of an output element, so they are tuned freely
 #: (measured on an H200, see docs/KERNELS.md).
 GEMV_CONFIG = (1, 2, 8, 4096)
-GEMM_CONFIG = (4, 4, 4, 1024)
+#: T == 1 with at least WIDE_N output rows (gate|up, large heads): more rows per warp and fewer warps
+#: per block (bench/matmul_tune.py on the H200: q4 11264x2048 14.2 -> 11.7 us, 16384x4096 33.3 ->
+#: 28.6 us, while 2048x5632 is 50% slower with it, hence the threshold). Depends on the weight's
+#: shape only, never on T.
+GEMV_WIDE_CONFIG = (1, 8, 4, 4096)
+WIDE_N = 8192
+#: T > 1 (same tuning run: (2, 8, 4) beat (4, 4, 4) by 3-9% at T = 16 and 128 on every shape).
+GEMM_CONFIG = (2, 8, 4, 1024)
 #: Largest TT * R * E (fmas per lane per word) the compiler still unrolls fully (read off the
 #: PTX); beyond it the accumulators are indexed at run time and live in local memory, so R is
 #: lowered to fit.
 MAX_UNROLL = 256
+#: Largest R * E (weight elements one lane holds decoded per step): q2 with R = 8 (256) spills
+#: even at TT = 1 (PTX test), so R is lowered to fit this as well.
+MAX_ROW_ELEMS = 128
 
 
-def config_for(kind: str, T: int):
-    """(TT, R, NW, KC) the fast kernel uses for storage `kind` and T rows."""
-    TT, R, NW, KC = GEMV_CONFIG if T == 1 else GEMM_CONFIG
-    R = max(1, min(R, MAX_UNROLL // (TT * WORD_ELEMS[kind])))
+def config_for(kind: str, T: int, N: int = 0):
+    """(TT, R, NW, KC) the fast kernel uses for storage `kind`, T rows and N output features."""
+    if T == 1:
+        TT, R, NW, KC = GEMV_WIDE_CONFIG if N >= WIDE_N else GEMV_CONFIG
+    else:
+        TT, R, NW, KC = GEMM_CONFIG
+    E = WORD_ELEMS[kind]
+    R = max(1, min(R, MAX_UNROLL // (TT * E), MAX_ROW_ELEMS // E))
     return TT, R, NW, KC
 
 
@@ -511,7 +525,7 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
     nw = norm_w if norm else x[0]
 
     if uses_fast_path(kind, K, group, w):
-        TT, R, NW, KC = config_for(kind, T)
+        TT, R, NW, KC = config_for(kind, T, N)
         kern = _make_fast(kind, TT, R, NW, KC, norm)
         E = WORD_ELEMS[kind]
         qw = w.view(np.uint64)
@@ -538,7 +552,7 @@ def ptx_signatures():
     for norm in (False, True):
         tag = "_norm" if norm else ""
         for kind in WORD_ELEMS:
-            for cfg in (config_for(kind, 1), config_for(kind, 2)):
+            for cfg in (config_for(kind, 1), config_for(kind, 1, WIDE_N), config_for(kind, 2)):
                 k = _make_fast(kind, *cfg, norm)
                 if kind.startswith("q"):
                     sig = f"void({head}, uint64[:, ::1], float16[:, ::1], uint8[:, ::1], int64, int64)"

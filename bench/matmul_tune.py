@@ -1,0 +1,98 @@
+"""Tune the CUDA matmul's block configuration: time the fast kernel for several (TT, R, NW, KC)
+choices on the model shapes, one row (decode GEMV) and many rows (prefill / verify GEMM), each
+inside a captured graph, and check every configuration gives bit-identical outputs (the
+configuration must never change the reduction order).
+
+    python bench/matmul_tune.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+GEMV = [(1, 2, 8, 4096), (1, 1, 8, 4096), (1, 4, 8, 4096), (1, 2, 4, 4096), (1, 4, 4, 4096), (1, 8, 4, 4096),
+        (1, 2, 16, 4096), (1, 4, 8, 2048)]
+GEMM = [(2, 8, 4, 1024), (4, 4, 4, 1024), (8, 2, 4, 1024), (16, 1, 4, 1024), (8, 2, 8, 1024), (4, 4, 8, 1024),
+        (8, 1, 8, 1024)]
+SHAPES = {"2048x2048": (2048, 2048), "6144x2048 (q|k|v)": (6144, 2048), "11264x2048 (gate|up)": (11264, 2048),
+          "2048x5632": (2048, 5632), "16384x4096": (16384, 4096)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,16,128")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    from numba import cuda
+
+    from tinyloop.core.arch import TensorQuant
+    from tinyloop.core.quant import quantize
+    from tinyloop.cuda.graphs import Graph
+    from tinyloop.cuda.kernels import matmul as km
+
+    stream = cuda.stream()
+    rng = np.random.default_rng(0)
+
+    def time_graph(fn) -> float:
+        fn()
+        stream.synchronize()
+        g = Graph(stream, fn)
+        g.launch()
+        stream.synchronize()
+        best = float("inf")
+        for _ in range(5):
+            e0, e1 = cuda.event(), cuda.event()
+            e0.record(stream)
+            g.launch()
+            e1.record(stream)
+            e1.synchronize()
+            best = min(best, cuda.event_elapsed_time(e0, e1) / args.reps)
+        return best * 1e3
+
+    rows = []
+    base = (km.GEMV_CONFIG, km.GEMV_WIDE_CONFIG, km.GEMM_CONFIG)
+    try:
+        for name, (N, K) in SHAPES.items():
+            parts = quantize(rng.standard_normal((N, K), dtype=np.float32) * 0.02, TensorQuant("q4", 128))
+            q, s, z = (cuda.to_device(parts[k]) for k in ("q", "scales", "zeros"))
+            nbytes = int(q.nbytes + s.nbytes + z.nbytes)
+            for T in [int(t) for t in args.rows.split(",")]:
+                x = cuda.to_device(rng.standard_normal((T, K), dtype=np.float32))
+                out = cuda.device_array((T, N), np.float32)
+                ref = None
+                for cfg in (GEMV if T == 1 else GEMM):
+                    if T == 1:
+                        km.GEMV_CONFIG = km.GEMV_WIDE_CONFIG = cfg
+                    else:
+                        km.GEMM_CONFIG = cfg
+                    used = km.config_for("q4", T, N)
+
+                    def fn():
+                        for _ in range(args.reps):
+                            km.matmul(out, x, q, s, z, stream=stream)
+                    us = time_graph(fn)
+                    got = out.copy_to_host()
+                    same = True if ref is None else bool(np.array_equal(got, ref))
+                    ref = got if ref is None else ref
+                    row = {"shape": name, "T": T, "config": list(cfg), "used": list(used), "us": us,
+                           "GB_per_s": nbytes / (us * 1e-6) / 1e9, "identical": same}
+                    rows.append(row)
+                    print(f"{name:22} T={T:<4} cfg={cfg} used={used}: {us:8.1f} us {row['GB_per_s']:6.0f} GB/s "
+                          f"identical={same}", flush=True)
+    finally:
+        km.GEMV_CONFIG, km.GEMV_WIDE_CONFIG, km.GEMM_CONFIG = base
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
