@@ -154,32 +154,40 @@ def bench_torch(path: str, prompt: List[int], new: int, loops: int, repeats: int
 
 
 # --------------------------------------------------------------------------- matmul + copy
+def graph_time_ms(stream, fn, n_inner: int) -> float:
+    """ms per inner op of `fn` (n_inner ops on `stream`) replayed as one captured graph: compiled by
+    a first eager call, captured, then the best of 5 timed replays."""
+    from numba import cuda
+
+    from tinyloop.cuda.graphs import Graph
+    fn()
+    stream.synchronize()
+    g = Graph(stream, fn)
+    g.launch()
+    stream.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        e0, e1 = cuda.event(), cuda.event()
+        e0.record(stream)
+        g.launch()
+        e1.record(stream)
+        e1.synchronize()
+        best = min(best, cuda.event_elapsed_time(e0, e1) / n_inner)
+    return best
+
+
 def bench_matmul(shapes: Dict[str, tuple], group: int, reps: int = 50) -> dict:
     from numba import cuda
 
     from tinyloop.core.arch import TensorQuant
     from tinyloop.core.quant import quantize
-    from tinyloop.cuda.graphs import Graph
     from tinyloop.cuda.kernels import matmul as k_matmul
 
     stream = cuda.stream()
     rng = np.random.default_rng(0)
 
     def time_graph(fn, n_inner: int) -> float:
-        fn()                                              # compile before capture
-        stream.synchronize()
-        g = Graph(stream, fn)
-        g.launch()
-        stream.synchronize()
-        best = float("inf")
-        for _ in range(5):
-            e0, e1 = cuda.event(), cuda.event()
-            e0.record(stream)
-            g.launch()
-            e1.record(stream)
-            e1.synchronize()
-            best = min(best, cuda.event_elapsed_time(e0, e1) / n_inner)
-        return best                                       # ms per inner op
+        return graph_time_ms(stream, fn, n_inner)
 
     results = {}
     for name, (N, K, copies) in shapes.items():

@@ -35,27 +35,14 @@ def main(argv=None) -> int:
 
     from tinyloop.core.arch import TensorQuant
     from tinyloop.core.quant import quantize
-    from tinyloop.cuda.graphs import Graph
+    from bench.decode_bench import graph_time_ms
     from tinyloop.cuda.kernels import matmul as km
 
     stream = cuda.stream()
     rng = np.random.default_rng(0)
 
     def time_graph(fn) -> float:
-        fn()
-        stream.synchronize()
-        g = Graph(stream, fn)
-        g.launch()
-        stream.synchronize()
-        best = float("inf")
-        for _ in range(5):
-            e0, e1 = cuda.event(), cuda.event()
-            e0.record(stream)
-            g.launch()
-            e1.record(stream)
-            e1.synchronize()
-            best = min(best, cuda.event_elapsed_time(e0, e1) / args.reps)
-        return best * 1e3
+        return graph_time_ms(stream, fn, args.reps) * 1e3      # us per launch
 
     rows = []
     base = (km.GEMV_CONFIG, km.GEMV_WIDE_CONFIG, km.GEMM_CONFIG)
