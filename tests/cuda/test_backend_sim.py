@@ -70,3 +70,26 @@ def test_fused_logits_match_cpu_and_unfused(small_path, monkeypatch):
     finally:
         for m in (cpu, fused, unfused):
             tl.free_model(m)
+
+
+@pytest.mark.slow
+def test_device_chained_tree_cycle_matches_cpu(small_path):
+    """The tree cycle as the CUDA backend runs it (token ids chained on the device: each level's
+    top-K written straight into the next level's id rows, one read-back per cycle) gives the
+    tokens of plain greedy decoding, as on the CPU. Slow under the simulator (multi-row launches):
+    marked slow, so tools/run_tests.sh leaves it out of the CI simulator run; run it with
+    ``NUMBA_ENABLE_CUDASIM=1 pytest -m cudasim tests/cuda/test_backend_sim.py -k tree``."""
+    cpu = tl.load_model(str(small_path), max_seq_len=16, backend="cpu")
+    gpu = tl.load_model(str(small_path), max_seq_len=16, backend="cuda")
+    try:
+        assert gpu.backend.chains_on_device and not cpu.backend.chains_on_device
+        p = [3]
+        ref = tl.generate(cpu, p, tl.GenerateConfig(max_tokens=3, loops=2, cache_mode="fp32"))
+        tree = tl.TreeSpeculativeConfig(max_tokens=3, draft_loops=1, verify_loops=2, draft_ahead=1,
+                                        K_branches=2, cache_mode="fp32")
+        st = tl.GenerateStats()
+        assert tl.generate_tree_speculative(gpu, p, tree, stats=st) == ref
+        assert st.verify_forwards >= 1 and st.drafted_tokens == 2 * st.verify_forwards
+    finally:
+        tl.free_model(cpu)
+        tl.free_model(gpu)

@@ -250,8 +250,9 @@ class Backend(ABC):
         """For each (src, dst) of `moves` in order: slot dst of every cache layer := slot src
         (compacts an accepted tree path). Ordered after every op queued before it."""
 
-    def launch_topk_rows(self, ws: Workspace, n: int, k: int) -> None:
-        """Start the top-k of each of ws.logits[0:n] where the logits live."""
+    def launch_topk_rows(self, ws: Workspace, n: int, k: int, out_row=None) -> None:
+        """Start the top-k of each of ws.logits[0:n] where the logits live; with `out_row`, the
+        (n, k) ids go to ws.ids[out_row : out_row + n*k] (row-major) instead (chains_on_device)."""
 
     @abstractmethod
     def read_topk_rows(self, ws: Workspace, n: int, k: int) -> list:

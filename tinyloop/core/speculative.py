@@ -214,6 +214,8 @@ class TreeSpeculativeSession(SpeculativeSession):
     * ``verify_tree(tokens)``     all tree nodes (tokens by node index) at verify_loops in ONE
       tree-masked forward (verify-resume: level-D nodes first run the draft iterations, then every
       node resumes from its stash); returns the verify argmax after each node.
+    * ``tree_cycle(pending)``     both of the above for a whole tree, as one replayed sequence where
+      the backend keeps token ids on the device.
     * ``commit_path(nodes)``      the root and the accepted nodes (depth 1, 2, ..) are kept: their
       cache slots move to position + depth, then the position advances past them."""
 
@@ -272,6 +274,49 @@ class TreeSpeculativeSession(SpeculativeSession):
             self.stats.loop_iters_run += Lv
         self.stats.verify_forwards += 1
         return be.read_argmax_rows(ws, N)
+
+    def tree_cycle(self, pending: int):
+        """Draft the whole tree after `pending` and verify it: ``(tokens, verified)``, the token of
+        every node (BFS order, tokens[0] = pending) and the verify argmax after each. The same ops
+        as draft_level for every level and one verify_tree; where the backend chains tokens on the
+        device they run as ONE replayed sequence (each level's top-K lands directly in the id rows
+        of the next level, which in BFS order are exactly the flattened (nodes x K) top-K block)
+        with one read-back, instead of a host round trip per level."""
+        be, fwd, ws, cache = self.model.backend, self.model.fwd, self.model.ws, self.cache
+        tr = self.tree
+        if not be.chains_on_device:
+            tokens = [0] * tr.n_nodes
+            tokens[0] = pending
+            for d in range(tr.D):
+                level = tr.level(d)
+                for node, top in zip(level, self.draft_level(d, [tokens[i] for i in level])):
+                    for child, tok in zip(tr.children(node), top):
+                        tokens[child] = tok
+            return tokens, self.verify_tree(tokens)
+        N, K, D, ls = tr.n_nodes, tr.K, tr.D, tr.level_start
+        Ld, Lv, resume = self.draft_loops, self.verify_loops, self.spec.verify_resume
+        be.set_ids(ws, [pending])
+        pos = [be.tree_positions(self.layout, self.position, ls[d]) for d in range(D + 1)]
+
+        def cycle():
+            be.store_token(ws, 0)
+            for d in range(D):
+                n = ls[d + 1] - ls[d]
+                self._draft_ops(be.rows(ws.ids, ls[d]), pos[d], n, ls[d])
+                be.launch_topk_rows(ws, n, K, out_row=ls[d + 1])
+            if resume:
+                self._draft_ops(be.rows(ws.ids, ls[D]), pos[D], N - ls[D], ls[D], head=False)
+                self._resume(pos[0], N)
+            else:
+                fwd.forward(ws.ids, pos[0], N, cache, Lv)
+                fwd.logits(0, N)
+                be.launch_argmax_rows(ws, N)
+        be.replay(("tree-cycle", Ld, Lv, resume, cache, self.layout), cycle)
+        self.stats.loop_iters_run += D * Ld + Lv
+        self.stats.drafted_tokens += N - 1
+        self.stats.verify_forwards += 1
+        verified = be.read_argmax_rows(ws, N)
+        return be.read_ids(ws, N), verified
 
     def commit_path(self, nodes: Sequence[int]) -> None:
         moves = [(self.position + node, self.position + d) for d, node in enumerate(nodes, 1) if node != d]

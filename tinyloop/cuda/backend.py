@@ -403,10 +403,16 @@ class CUDABackend(Backend):
         self._tok_value = int(self._tok_host[0])
         return self._tok_value
 
-    def launch_topk_rows(self, ws: Workspace, n: int, k: int) -> None:
+    def launch_topk_rows(self, ws: Workspace, n: int, k: int, out_row=None) -> None:
         if not 1 <= k <= MAX_TOPK:
             raise BackendError(f"top-k of k={k} is outside [1, {MAX_TOPK}] on the cuda backend")
-        k_argmax.topk(ws.topk[:n * k].reshape(n, k), ws.logits[:n], stream=self.stream)
+        if out_row is None:
+            out = ws.topk[:n * k]
+        elif 0 <= out_row and out_row + n * k <= ws.ids.shape[0]:
+            out = ws.ids[out_row:out_row + n * k]
+        else:
+            raise BackendError(f"top-k ids for {n} x {k} rows do not fit the id buffer at row {out_row}")
+        k_argmax.topk(out.reshape(n, k), ws.logits[:n], stream=self.stream)
 
     def read_topk_rows(self, ws: Workspace, n: int, k: int) -> list:
         ws.topk[:n * k].copy_to_host(ws.topk_host[:n * k], stream=self.stream)

@@ -43,15 +43,7 @@ class TreeSpeculativeDecoder(Decoder):
         pending = draw(probs(session.logits()), uniform(rng)) if sampling else session.greedy()
         yield pending
         while True:
-            tokens = [0] * tree.n_nodes
-            tokens[0] = pending
-            for d in range(tree.D):
-                level = tree.level(d)
-                cands = session.draft_level(d, [tokens[i] for i in level])
-                for node, top in zip(level, cands):
-                    for child, tok in zip(tree.children(node), top):
-                        tokens[child] = tok
-            verified = session.verify_tree(tokens)
+            tokens, verified = session.tree_cycle(pending)
             if sampling:
                 path, last = self._walk_sampled(tree, tokens, session.verify_logits(tree.n_nodes), probs, rng)
             else:
