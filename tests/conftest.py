@@ -56,3 +56,15 @@ def tiny_model(tiny_path):
 @pytest.fixture
 def prompt():
     return [3, 17, 42, 8, 91, 23, 11, 60, 2, 77]
+
+
+@pytest.fixture(scope="module", params=[dict(), dict(n_post=0, loop_inject="none", n_loop=1)])
+def spec_model(request, tmp_path_factory):
+    """A small q4 model on the CPU for the speculative decoders: with post blocks and loop
+    injection, and without either (one loop layer)."""
+    import tinyloop as tl
+    path = tmp_path_factory.mktemp("spec") / "m.tinyloop"
+    write_tiny(path, seed=2, quant="q4", group_size=32, **request.param)
+    m = tl.load_model(str(path), max_seq_len=160, backend="cpu")
+    yield m
+    tl.free_model(m)

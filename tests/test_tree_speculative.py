@@ -15,13 +15,9 @@ from conftest import write_tiny
 from test_speculative import _chi2, _chi2_critical, _exact_marginals
 
 
-@pytest.fixture(scope="module", params=[dict(), dict(n_post=0, loop_inject="none", n_loop=1)])
-def model(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tree") / "m.tinyloop"
-    write_tiny(path, seed=2, quant="q4", group_size=32, **request.param)
-    m = tl.load_model(str(path), max_seq_len=160, backend="cpu")
-    yield m
-    tl.free_model(m)
+@pytest.fixture(scope="module")
+def model(spec_model):
+    return spec_model
 
 
 def test_draft_tree_tables():
