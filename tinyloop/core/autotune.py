@@ -62,6 +62,11 @@ def default_candidates(loops: int) -> List[SpeculativeConfig]:
     return out
 
 
+def _decoder_name(config: SpeculativeConfig) -> str:
+    """The decoder plugin that runs a speculative configuration."""
+    return "tree_speculative" if isinstance(config, TreeSpeculativeConfig) else "speculative"
+
+
 def _default_prompts(model) -> List[List[int]]:
     from .tokenizer import resolve_tokenizer
     try:
@@ -121,7 +126,7 @@ def calibrate(model, loops: Optional[int] = None, prompts: Optional[Sequence[Seq
         fn = generate_tree_speculative if tree else generate_speculative
         outs, rate = timed(lambda p, st=None, c=c, fn=fn: fn(model, p, c, stats=st))
         exact = outs == ref
-        row = {"decoder": "tree_speculative" if tree else "speculative", "draft_loops": c.draft_loops,
+        row = {"decoder": _decoder_name(c), "draft_loops": c.draft_loops,
                "draft_ahead": c.draft_ahead, "tokens_per_s": rate, "exact": exact}
         if tree:
             row["K_branches"] = c.K_branches
@@ -132,7 +137,6 @@ def calibrate(model, loops: Optional[int] = None, prompts: Optional[Sequence[Seq
     if best is None or speedup < min_speedup:
         choice = DecoderChoice(L, "greedy", None, 1.0, results)
     else:
-        name = "tree_speculative" if isinstance(best, TreeSpeculativeConfig) else "speculative"
-        choice = DecoderChoice(L, name, best, speedup, results)
+        choice = DecoderChoice(L, _decoder_name(best), best, speedup, results)
     model.decoder_choices[L] = choice
     return choice

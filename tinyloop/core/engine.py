@@ -192,7 +192,6 @@ class _Plan:
         self.decoder_config = config      # what the decoder is built from (a SpeculativeConfig for
         self.session_cls = Session        # speculative contexts, which also bring their own session)
         self.model, self.context = model, context
-        self.delegated_from: Optional[str] = None
 
     def delegate(self) -> None:
         """Let a resolving decoder (Decoder.resolve) hand the request to another decoder; call after
@@ -207,7 +206,6 @@ class _Plan:
         decs = get_plugin_manager().decoders()
         if name not in decs:
             raise PluginError(f"decoder {self.decoder_cls.name!r} delegated to {name!r}, which is not registered")
-        self.delegated_from = self.decoder_cls.name
         self.decoder_cls, self.decoder_config = decs[name], dconfig
         if not isinstance(dconfig, GenerateConfig):
             from .speculative import session_class

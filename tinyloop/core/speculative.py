@@ -38,12 +38,13 @@ from .errors import ConfigError
 class SpeculativeSession(Session):
     """A decode session with draft / verify / commit (see the module docstring)."""
 
-    def __init__(self, model: Model, prompt: List[int], plan: _Plan, chain, stats: GenerateStats):
+    def __init__(self, model: Model, prompt: List[int], plan: _Plan, chain, stats: GenerateStats,
+                 extra_slots: Optional[int] = None):
         spec: SpeculativeConfig = plan.decoder_config
         cfg = model.cfg
         # extra layers: the draft's post blocks; extra slots: drafts past the last emitted token
         super().__init__(model, prompt, plan, chain, stats, extra_layers=cfg.n_post,
-                         extra_slots=spec.draft_ahead + 1)
+                         extra_slots=spec.draft_ahead + 1 if extra_slots is None else extra_slots)
         self.spec = spec
         self.draft_loops, self.verify_loops = spec.draft_loops, spec.verify_loops
         self.draft_post0 = cfg.n_layers(spec.verify_loops)
@@ -79,6 +80,13 @@ class SpeculativeSession(Session):
         fwd.logits(0, n)
         be.launch_argmax_rows(ws, n)
 
+    def _full_verify(self, ids, pos, n: int) -> None:
+        """Rows 0..n-1 through all verify_loops iterations (no resume), the head, argmax per row."""
+        fwd = self.model.fwd
+        fwd.forward(ids, pos, n, self.cache, self.verify_loops)
+        fwd.logits(0, n)
+        self.model.backend.launch_argmax_rows(self.model.ws, n)
+
     def draft(self, token: int, k: int) -> int:
         be, ws, cache = self.model.backend, self.model.ws, self.cache
         ids = be.set_ids(ws, [token])
@@ -95,7 +103,7 @@ class SpeculativeSession(Session):
         return be.read_argmax(ws)
 
     def verify(self, tokens: Sequence[int]) -> List[int]:
-        be, fwd, ws, cache = self.model.backend, self.model.fwd, self.model.ws, self.cache
+        be, ws, cache = self.model.backend, self.model.ws, self.cache
         n = len(tokens)
         Ld, Lv = self.draft_loops, self.verify_loops
         if self.spec.verify_resume:
@@ -109,12 +117,7 @@ class SpeculativeSession(Session):
         else:
             ids = be.set_ids(ws, list(tokens))
             pos0 = be.positions(self.position)
-
-            def full():
-                fwd.forward(ids, pos0, n, cache, Lv)
-                fwd.logits(0, n)
-                be.launch_argmax_rows(ws, n)
-            be.replay(("verify-full", Lv, cache, n), full)
+            be.replay(("verify-full", Lv, cache, n), lambda: self._full_verify(ids, pos0, n))
             self.stats.loop_iters_run += Lv
         self.stats.verify_forwards += 1
         return be.read_argmax_rows(ws, n)
@@ -125,7 +128,7 @@ class SpeculativeSession(Session):
         draft() and one of verify(); where the backend chains tokens on the device they run as ONE
         replayed sequence (each draft step reads the previous step's argmax in place) with a single
         readback at the end, instead of a host round trip per drafted token."""
-        be, fwd, ws, cache = self.model.backend, self.model.fwd, self.model.ws, self.cache
+        be, ws, cache = self.model.backend, self.model.ws, self.cache
         if not be.chains_on_device:
             drafts, tok = [], pending
             for i in range(k):
@@ -149,9 +152,7 @@ class SpeculativeSession(Session):
                 self._resume(pos, k + 1)
             else:
                 be.advance_position(pos, -k)
-                fwd.forward(ws.ids, pos, k + 1, cache, Lv)
-                fwd.logits(0, k + 1)
-                be.launch_argmax_rows(ws, k + 1)
+                self._full_verify(ws.ids, pos, k + 1)
         be.replay(("cycle", Ld, Lv, resume, cache, k), cycle)
         self.stats.loop_iters_run += k * Ld + Lv      # the tail's Ld + the resumed Lv - Ld, or a full Lv
         self.stats.drafted_tokens += k
@@ -180,7 +181,7 @@ class DraftTree:
 
     def __init__(self, K: int, D: int):
         self.K, self.D = K, D
-        self.level_start = [sum(K ** i for i in range(d)) for d in range(D + 2)]
+        self.level_start = [tree_nodes(K, d - 1) for d in range(D + 2)]   # tree_nodes(K, -1) = 0
         self.n_nodes = N = self.level_start[D + 1]
         self.depth = np.zeros(N, np.int32)
         self.path = np.zeros((N, D + 1), np.int32)
@@ -222,12 +223,7 @@ class TreeSpeculativeSession(SpeculativeSession):
     def __init__(self, model: Model, prompt: List[int], plan: _Plan, chain, stats: GenerateStats):
         spec: TreeSpeculativeConfig = plan.decoder_config
         self.tree = DraftTree(spec.K_branches, spec.draft_ahead)
-        Session.__init__(self, model, prompt, plan, chain, stats, extra_layers=model.cfg.n_post,
-                         extra_slots=self.tree.n_nodes)
-        self.spec = spec
-        self.draft_loops, self.verify_loops = spec.draft_loops, spec.verify_loops
-        self.draft_post0 = model.cfg.n_layers(spec.verify_loops)
-        self.inject = model.cfg.loop_inject == "add"
+        super().__init__(model, prompt, plan, chain, stats, extra_slots=self.tree.n_nodes)
         self.layout = model.backend.tree_layout(self.tree.depth, self.tree.path)
 
     def draft_level(self, d: int, tokens: Sequence[int]) -> List[List[int]]:
@@ -247,7 +243,7 @@ class TreeSpeculativeSession(SpeculativeSession):
         return be.read_topk_rows(ws, n, K)
 
     def verify_tree(self, tokens: Sequence[int]) -> List[int]:
-        be, fwd, ws, cache = self.model.backend, self.model.fwd, self.model.ws, self.cache
+        be, ws, cache = self.model.backend, self.model.ws, self.cache
         tr = self.tree
         N = tr.n_nodes
         Ld, Lv = self.draft_loops, self.verify_loops
@@ -265,12 +261,7 @@ class TreeSpeculativeSession(SpeculativeSession):
         else:
             ids = be.set_ids(ws, list(tokens))
             pos0 = be.tree_positions(self.layout, self.position, 0)
-
-            def full():
-                fwd.forward(ids, pos0, N, cache, Lv)
-                fwd.logits(0, N)
-                be.launch_argmax_rows(ws, N)
-            be.replay(("tree-verify-full", Lv, cache, self.layout, N), full)
+            be.replay(("tree-verify-full", Lv, cache, self.layout, N), lambda: self._full_verify(ids, pos0, N))
             self.stats.loop_iters_run += Lv
         self.stats.verify_forwards += 1
         return be.read_argmax_rows(ws, N)
@@ -282,7 +273,7 @@ class TreeSpeculativeSession(SpeculativeSession):
         device they run as ONE replayed sequence (each level's top-K lands directly in the id rows
         of the next level, which in BFS order are exactly the flattened (nodes x K) top-K block)
         with one read-back, instead of a host round trip per level."""
-        be, fwd, ws, cache = self.model.backend, self.model.fwd, self.model.ws, self.cache
+        be, ws, cache = self.model.backend, self.model.ws, self.cache
         tr = self.tree
         if not be.chains_on_device:
             tokens = [0] * tr.n_nodes
@@ -308,9 +299,7 @@ class TreeSpeculativeSession(SpeculativeSession):
                 self._draft_ops(be.rows(ws.ids, ls[D]), pos[D], N - ls[D], ls[D], head=False)
                 self._resume(pos[0], N)
             else:
-                fwd.forward(ws.ids, pos[0], N, cache, Lv)
-                fwd.logits(0, N)
-                be.launch_argmax_rows(ws, N)
+                self._full_verify(ws.ids, pos[0], N)
         be.replay(("tree-cycle", Ld, Lv, resume, cache, self.layout), cycle)
         self.stats.loop_iters_run += D * Ld + Lv
         self.stats.drafted_tokens += N - 1

@@ -20,6 +20,7 @@ from ...core.autotune import calibrate
 from ...core.compat import check_request
 from ...core.config import GenerateConfig
 from ...core.decoding import Decoder
+from ...core.engine import resolve_loops
 from ...core.errors import TinyLoopError
 from ...core.hookspecs import hookimpl
 from ...core.plugins import get_plugin_manager
@@ -35,7 +36,7 @@ class AutoDecoder(Decoder):
         fallback = (get_plugin_manager().decoder_for(plain).name, plain)
         if context != "single":
             return fallback
-        loops = model.cfg.default_loops if config.loops is None else config.loops
+        loops = resolve_loops(model, config.loops)
         choice = model.decoder_choices.get(loops) or calibrate(model, loops)
         if choice.config is None:
             return fallback
