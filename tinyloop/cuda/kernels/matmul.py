@@ -397,49 +397,38 @@ def _make_simple(quant, norm=False):
             out[t, n] = acc
 
     if quant:
-        @cuda.jit
-        def kernel(out, x, nw, eps, q, scales, zeros, bits, group, accumulate):
-            K = x.shape[1]
-            N = out.shape[1]
-            tid = cuda.threadIdx.x
-            warp = tid // 32
-            lane = tid % 32
-            scratch = cuda.shared.array((SIMPLE_WARPS, 32), float32)
-            invs = cuda.shared.array(1, float32)
-            part = cuda.shared.array(NORM_NW, float32)
-            t, inv = setup(x, nw, eps, invs, part, scratch, tid, warp, lane)
-            n_raw = cuda.blockIdx.x * SIMPLE_WARPS + warp
-            n = min(n_raw, N - 1)
+        @cuda.jit(device=True)
+        def weight(w, scales, zeros, bits, group, n, k):
+            """Element (n, k) of a packed qB matrix: (q - zero) * scale of its group."""
             per = 8 // bits
-            mask = (1 << bits) - 1
-            acc = float32(0.0)
-            for k in range(lane, K, 32):
-                b = int32(q[n, k // per])
-                v = (b >> ((k % per) * bits)) & mask
-                g = k // group
-                wgt = (float32(v) - float32(zeros[n, g])) * float32(scales[n, g])
-                acc = cuda.fma(wgt, xval(x, nw, inv, t, k), acc)
-            acc = warp_sum(acc, scratch, warp, lane)
-            store(out, acc, t, n_raw, n, lane, accumulate)
+            b = int32(w[n, k // per])
+            v = (b >> ((k % per) * bits)) & ((1 << bits) - 1)
+            g = k // group
+            return (float32(v) - float32(zeros[n, g])) * float32(scales[n, g])
     else:
-        @cuda.jit
-        def kernel(out, x, nw, eps, w, accumulate):
-            K = x.shape[1]
-            N = out.shape[1]
-            tid = cuda.threadIdx.x
-            warp = tid // 32
-            lane = tid % 32
-            scratch = cuda.shared.array((SIMPLE_WARPS, 32), float32)
-            invs = cuda.shared.array(1, float32)
-            part = cuda.shared.array(NORM_NW, float32)
-            t, inv = setup(x, nw, eps, invs, part, scratch, tid, warp, lane)
-            n_raw = cuda.blockIdx.x * SIMPLE_WARPS + warp
-            n = min(n_raw, N - 1)
-            acc = float32(0.0)
-            for k in range(lane, K, 32):
-                acc = cuda.fma(float32(w[n, k]), xval(x, nw, inv, t, k), acc)
-            acc = warp_sum(acc, scratch, warp, lane)
-            store(out, acc, t, n_raw, n, lane, accumulate)
+        @cuda.jit(device=True)
+        def weight(w, scales, zeros, bits, group, n, k):
+            """Element (n, k) of an f32 / f16 matrix (scales, zeros, bits, group unused)."""
+            return float32(w[n, k])
+
+    @cuda.jit
+    def kernel(out, x, nw, eps, w, scales, zeros, bits, group, accumulate):
+        K = x.shape[1]
+        N = out.shape[1]
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        scratch = cuda.shared.array((SIMPLE_WARPS, 32), float32)
+        invs = cuda.shared.array(1, float32)
+        part = cuda.shared.array(NORM_NW, float32)
+        t, inv = setup(x, nw, eps, invs, part, scratch, tid, warp, lane)
+        n_raw = cuda.blockIdx.x * SIMPLE_WARPS + warp
+        n = min(n_raw, N - 1)
+        acc = float32(0.0)
+        for k in range(lane, K, 32):
+            acc = cuda.fma(weight(w, scales, zeros, bits, group, n, k), xval(x, nw, inv, t, k), acc)
+        acc = warp_sum(acc, scratch, warp, lane)
+        store(out, acc, t, n_raw, n, lane, accumulate)
 
     _simple_cache[key] = kernel
     return kernel
@@ -541,7 +530,8 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
         _make_simple(True, norm)[grid, SIMPLE_WARPS * 32, stream](
             out, x, nw, eps, w, scales, zeros, {"q8": 8, "q4": 4, "q2": 2}[kind], group, acc_flag)
     else:
-        _make_simple(False, norm)[grid, SIMPLE_WARPS * 32, stream](out, x, nw, eps, w, acc_flag)
+        # float weights: the scales / zeros / bits / group parameters are unused; w stands in
+        _make_simple(False, norm)[grid, SIMPLE_WARPS * 32, stream](out, x, nw, eps, w, w, w, 0, 0, acc_flag)
 
 
 def ptx_signatures():
@@ -563,5 +553,5 @@ def ptx_signatures():
                      f"void({head}, uint8[:, ::1], float16[:, ::1], uint8[:, ::1], int64, int64, int64)"))
         for wt in ("float32", "float16"):
             sigs.append((f"matmul_simple{tag}_{wt}", _make_simple(False, norm).py_func,
-                         f"void({head}, {wt}[:, ::1], int64)"))
+                         f"void({head}, {wt}[:, ::1], {wt}[:, ::1], {wt}[:, ::1], int64, int64, int64)"))
     return sigs
