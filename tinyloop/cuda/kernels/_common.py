@@ -66,34 +66,34 @@ if not SIM:
         return cuda.libdevice.float_as_int(f)
 
 else:  # CUDA simulator twins: same butterfly, through shared memory.
+    # Each lane publishes its value, reads all 32, and replays the whole butterfly locally (every
+    # lane's partial at every step, self + partner in that order), so the result is bit for bit the
+    # shuffle version's, with two barriers instead of one per step (the simulator's barriers are
+    # what makes it slow).
 
     @cuda.jit(device=True)
     def warp_sum(v, scratch, warp, lane):
         scratch[warp, lane] = v
-        # Every lane's value must be stored before any lane reads its partner's.
+        # Every lane's value must be stored before any lane reads the warp's values.
+        cuda.syncthreads()
+        vals = [scratch[warp, i] for i in range(32)]
+        # Every lane must have read the values before a later call overwrites them.
         cuda.syncthreads()
         for o in (16, 8, 4, 2, 1):
-            v = scratch[warp, lane] + scratch[warp, lane ^ o]
-            # All partners must have been read before any lane overwrites its slot.
-            cuda.syncthreads()
-            scratch[warp, lane] = v
-            # The new values must be visible before the next step reads them.
-            cuda.syncthreads()
-        return v
+            vals = [vals[i] + vals[i ^ o] for i in range(32)]
+        return vals[lane]
 
     @cuda.jit(device=True)
     def warp_max(v, scratch, warp, lane):
         scratch[warp, lane] = v
-        # Every lane's value must be stored before any lane reads its partner's.
+        # Every lane's value must be stored before any lane reads the warp's values.
+        cuda.syncthreads()
+        vals = [scratch[warp, i] for i in range(32)]
+        # Every lane must have read the values before a later call overwrites them.
         cuda.syncthreads()
         for o in (16, 8, 4, 2, 1):
-            v = max(scratch[warp, lane], scratch[warp, lane ^ o])
-            # All partners must have been read before any lane overwrites its slot.
-            cuda.syncthreads()
-            scratch[warp, lane] = v
-            # The new values must be visible before the next step reads them.
-            cuda.syncthreads()
-        return v
+            vals = [max(vals[i], vals[i ^ o]) for i in range(32)]
+        return vals[lane]
 
     @cuda.jit(device=True)
     def as_float(bits):

@@ -19,25 +19,32 @@ Shapes (T rows, H query heads, Hkv kv heads, hd head width <= 256, L layers, S m
     depth, path       int32 (T,), (T, D+1)   tree tables; empty (0,) and (0, 1) for causal
     out               float32 (T, H * hd)
 
-Thread mapping: one block of NT = 512 threads (16 warps; 256 under the simulator) per (row t,
-head h). Slots are processed in chunks of C = NT (chunk c covers slots c*C .. c*C + C - 1, so chunk
-boundaries are multiples of C from slot 0, independent of T). Per chunk:
+Thread mapping: one block of NT = 512 threads (16 warps; 128 threads / 4 warps under the
+simulator) per (row t, head h). Keys are processed in chunks of C = 32 * NW (chunk c covers keys
+c*C .. c*C + C - 1, boundaries at multiples of C from key 0, independent of T). Within a chunk, key
+jj belongs to warp ``jj % NW`` (its ``jj // NW``-th key), so a short context still spreads over
+every warp. Per chunk:
 
-0. thread j stages the cache slot of key c*C + j in shared memory;
-1. thread j computes the score of key c*C + j (two fma chains, over the even and over the odd
-   dims in ascending order, added, then times scale) into shared memory;
+1. scores: a warp scores its keys U at a time (the U keys' loads are issued together); for one key
+   lane l forms ``fma`` chains over dims l, l+32, ... ascending (coalesced cache reads: the 32 lanes
+   read consecutive dims), the 32 lane partials are added by the xor butterfly
+   (`_common.warp_sum`) and the total times scale is the score, kept by the lane whose index is the
+   key's rank in the warp (with its cache slot);
 2. the chunk max (exact) updates the running max m;
-3. thread j stores ``e_j = exp(s_j - m_new)``; the chunk sum of the e_j is a fixed-tree block sum
-   (`_common.block_sum`), and the running denominator becomes ``l = fma(l, alpha, sum)`` with
-   ``alpha = exp(m_old - m_new)``;
-4. the threads form G = NT / 128 value groups; thread (g, d) forms ``sum_j e_j V[j, d]`` over
-   slots g*C/G .. (g+1)*C/G - 1 of the chunk (j ascending, one fma chain), and group 0 adds the G
-   partials in group order and updates ``acc_d = fma(acc_d, alpha, that)`` (d = gt and gt + 128).
+3. each lane stores ``e = exp(s - m_new)`` and its slot in shared memory; the chunk sum of the e is
+   a fixed-tree block sum (`_common.block_sum`: butterflies, warps in order), and the running
+   denominator becomes ``l = fma(l, alpha, sum)`` with ``alpha = exp(m_old - m_new)``;
+4. values: warp w forms ``sum e_j V[slot_j, d]`` over its keys (ascending, one fma chain per dim,
+   lane l owning dims l, l+32, ...; U keys' loads in flight together), stores the partials, and
+   thread d adds the NW warp partials in warp order and updates ``acc_d = fma(acc_d, alpha, that)``.
 
-Finally ``out = acc_d / l``. Shared memory is fixed (q, C scores, G x 256 partials, reduction
-scratch: about 9 KB) whatever the context length; the only cap is hd <= 256. Every step's order
-depends only on p, the cache contents, q and the build constants (NW), never on T or on the grid:
-batch-invariant. Warp reductions: shuffles on the GPU, shared-memory twin under the simulator.
+Finally ``out = acc_d / l``. Shared memory is fixed (C scores and slots, NW x 256 partials,
+reduction scratch: about 22 KB) whatever the context length; the only cap is hd <= 256. Every step's
+order depends only on the row's position, the cache contents, q and the build constants (NW, U),
+never on T or on the grid: batch-invariant. Every warp runs the same number of score steps (the
+butterflies stay in uniform control flow; a warp with fewer keys scores slot 0 and drops it). Warp
+reductions: shuffles on the GPU, shared-memory twin under the simulator. The kernel is compiled
+per ND = ceil(hd / 32) (dims per lane), so the per-lane arrays stay in registers.
 """
 
 from __future__ import annotations
@@ -48,170 +55,147 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from ...core.errors import BackendError
-from ._common import NEG_INF, SIM, block_max, block_sum, check_array, check_tree
+from ._common import NEG_INF, SIM, block_max, block_sum, check_array, check_tree, warp_sum
 
-#: Warps per block: 16 on the GPU (each chunk then covers 512 slots, so long contexts take 4x
-#: fewer latency-bound chunk steps than with 128); 8 under the simulator, where every thread is a
-#: Python thread. A fixed constant of the build, never derived from T.
-NW = 8 if SIM else 16
+#: Warps per block: 16 on the GPU; 4 under the simulator, where every thread is a Python thread.
+#: A fixed constant of the build, never derived from T.
+NW = 4 if SIM else 16
 NT = NW * 32
-C = NT            # slots per chunk: one score per thread
-GT = 128          # threads per value group; each owns output dims gt and gt + 128
-G = NT // GT      # value groups: group g sums slots g*GS .. g*GS + GS - 1 of the chunk
-GS = C // G
-MAX_HD = 2 * GT   # two output dims per thread of a group
+C = NT            # keys per chunk: one per lane
+#: Keys a warp handles per step (their cache loads in flight together). It only decides when loads
+#: are issued, not the arithmetic (each key's score is its own reduction; values are added in key
+#: order either way), so the simulator takes one key per step.
+U = 1 if SIM else 4
+MAX_HD = min(256, NT)   # thread d < hd of the block owns output dim d (128 under the simulator)
 _JIT_OPTS = {} if SIM else {"max_registers": 128}   # 512 threads x 128 registers fit one SM
 
-
-@cuda.jit(device=True)
-def _score(qs, k_cache, layer, j, kvh, hd):
-    """q . K[j]: even dims into a0 and odd dims into a1, each in ascending order, then a0 + a1.
-    Unrolled by 8 so eight independent loads are in flight before the fma chain needs them
-    (the order of the chains is unchanged by the unrolling)."""
-    a0 = float32(0.0)
-    a1 = float32(0.0)
-    d = 0
-    while d + 8 <= hd:
-        k0 = float32(k_cache[layer, j, kvh, d])
-        k1 = float32(k_cache[layer, j, kvh, d + 1])
-        k2 = float32(k_cache[layer, j, kvh, d + 2])
-        k3 = float32(k_cache[layer, j, kvh, d + 3])
-        k4 = float32(k_cache[layer, j, kvh, d + 4])
-        k5 = float32(k_cache[layer, j, kvh, d + 5])
-        k6 = float32(k_cache[layer, j, kvh, d + 6])
-        k7 = float32(k_cache[layer, j, kvh, d + 7])
-        a0 = cuda.fma(qs[d], k0, a0)
-        a1 = cuda.fma(qs[d + 1], k1, a1)
-        a0 = cuda.fma(qs[d + 2], k2, a0)
-        a1 = cuda.fma(qs[d + 3], k3, a1)
-        a0 = cuda.fma(qs[d + 4], k4, a0)
-        a1 = cuda.fma(qs[d + 5], k5, a1)
-        a0 = cuda.fma(qs[d + 6], k6, a0)
-        a1 = cuda.fma(qs[d + 7], k7, a1)
-        d += 8
-    while d < hd:
-        a0 = cuda.fma(qs[d], float32(k_cache[layer, j, kvh, d]), a0)
-        a1 = cuda.fma(qs[d + 1], float32(k_cache[layer, j, kvh, d + 1]), a1)
-        d += 2
-    return a0 + a1
+_kernels = {}
 
 
-@cuda.jit(device=True)
-def _weighted_sum(sc, v_cache, layer, sl, lo, hi, kvh, d):
-    """sum_{lo <= jj < hi} sc[jj] * V[sl[jj], d] as one fma chain over jj ascending, loads
-    unrolled by 8 (sl: the chunk's staged cache slots)."""
-    tv = float32(0.0)
-    jj = lo
-    while jj + 8 <= hi:
-        v0 = float32(v_cache[layer, sl[jj], kvh, d])
-        v1 = float32(v_cache[layer, sl[jj + 1], kvh, d])
-        v2 = float32(v_cache[layer, sl[jj + 2], kvh, d])
-        v3 = float32(v_cache[layer, sl[jj + 3], kvh, d])
-        v4 = float32(v_cache[layer, sl[jj + 4], kvh, d])
-        v5 = float32(v_cache[layer, sl[jj + 5], kvh, d])
-        v6 = float32(v_cache[layer, sl[jj + 6], kvh, d])
-        v7 = float32(v_cache[layer, sl[jj + 7], kvh, d])
-        tv = cuda.fma(sc[jj], v0, tv)
-        tv = cuda.fma(sc[jj + 1], v1, tv)
-        tv = cuda.fma(sc[jj + 2], v2, tv)
-        tv = cuda.fma(sc[jj + 3], v3, tv)
-        tv = cuda.fma(sc[jj + 4], v4, tv)
-        tv = cuda.fma(sc[jj + 5], v5, tv)
-        tv = cuda.fma(sc[jj + 6], v6, tv)
-        tv = cuda.fma(sc[jj + 7], v7, tv)
-        jj += 8
-    while jj < hi:
-        tv = cuda.fma(sc[jj], float32(v_cache[layer, sl[jj], kvh, d]), tv)
-        jj += 1
-    return tv
+def _make_kernel(nd):
+    """The attention kernel for head widths with nd = ceil(hd / 32) dims per lane."""
+    if nd in _kernels:
+        return _kernels[nd]
 
+    @cuda.jit(device=True)
+    def slot_of(j, p0, t, tree, path):
+        """Cache slot of key j of row t (causal: j; tree: the row's path after the context)."""
+        if tree and j >= p0:
+            return p0 + path[t, j - p0]
+        return j
 
-@cuda.jit(**_JIT_OPTS)
-def _attention_kernel(out, q, k_cache, v_cache, layer, pos, scale, depth, path):
-    hd = k_cache.shape[3]
-    Hk = k_cache.shape[2]
-    S = k_cache.shape[1]
-    H = q.shape[1] // hd
-    t = cuda.blockIdx.x
-    h = cuda.blockIdx.y
-    kvh = h // (H // Hk)
-    tid = cuda.threadIdx.x
-    warp = tid // 32
-    lane = tid % 32
-    grp = tid // GT
-    gt = tid - grp * GT
-    qs = cuda.shared.array(MAX_HD, float32)
-    sc = cuda.shared.array(C, float32)
-    sl = cuda.shared.array(C, int32)
-    pv = cuda.shared.array((G, MAX_HD), float32)
-    scratch = cuda.shared.array((NW, 32), float32)
-    part = cuda.shared.array(NW, float32)
+    @cuda.jit(**_JIT_OPTS)
+    def kernel(out, q, k_cache, v_cache, layer, pos, scale, depth, path):
+        hd = k_cache.shape[3]
+        Hk = k_cache.shape[2]
+        S = k_cache.shape[1]
+        H = q.shape[1] // hd
+        t = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        kvh = h // (H // Hk)
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        sc = cuda.shared.array(C, float32)
+        sl = cuda.shared.array(C, int32)
+        pv = cuda.shared.array((NW, MAX_HD), float32)
+        scratch = cuda.shared.array((NW, 32), float32)
+        part = cuda.shared.array(NW, float32)
+        qv = cuda.local.array(nd, float32)
+        kv = cuda.local.array((U, nd), float32)
+        ks = cuda.local.array(U, int32)
+        ke = cuda.local.array(U, float32)
+        tv = cuda.local.array(nd, float32)
+        for k in range(nd):
+            d = lane + 32 * k
+            qv[k] = q[t, h * hd + d] if d < hd else float32(0.0)
 
-    for d in range(tid, hd, NT):
-        qs[d] = q[t, h * hd + d]
-    # q must be staged before any thread computes a score.
-    cuda.syncthreads()
+        p0 = pos[0]
+        tree = depth.shape[0] > 0
+        if tree:
+            n_slots = min(p0 + depth[t] + 1, S)
+        else:
+            n_slots = min(p0 + t + 1, S)
+        m = NEG_INF
+        l = float32(0.0)
+        acc = float32(0.0)
+        for c0 in range(0, n_slots, C):
+            cn = min(C, n_slots - c0)
+            n_step = (cn + NW - 1) // NW        # keys of warp 0: the same loop count in every warp
+            n_mine = (cn - warp + NW - 1) // NW  # keys of this warp
+            s_mine = NEG_INF
+            slot_mine = 0
+            # 1. scores, U keys at a time
+            for i0 in range(0, n_step, U):
+                for u in range(U):
+                    i = i0 + u
+                    slot = 0
+                    if i < n_mine:
+                        slot = slot_of(c0 + warp + NW * i, p0, t, tree, path)
+                    ks[u] = slot
+                    for k in range(nd):
+                        d = lane + 32 * k
+                        kv[u, k] = float32(k_cache[layer, slot, kvh, d]) if d < hd else float32(0.0)
+                for u in range(U):
+                    pp = float32(0.0)
+                    for k in range(nd):
+                        pp = cuda.fma(qv[k], kv[u, k], pp)
+                    tot = warp_sum(pp, scratch, warp, lane)
+                    if lane == i0 + u and i0 + u < n_mine:
+                        s_mine = tot * scale
+                        slot_mine = ks[u]
+            # 2. running max
+            cmax = block_max(s_mine, scratch, part, warp, lane, NW)
+            m_new = max(m, cmax)
+            # 3. weights and their sum
+            e = float32(0.0)
+            if lane < n_mine:
+                e = math.exp(s_mine - m_new)
+            sc[warp + NW * lane] = e
+            sl[warp + NW * lane] = slot_mine
+            # block_sum's barriers also publish every lane's sc[] and sl[] entries.
+            csum = block_sum(e, scratch, part, warp, lane, NW)
+            alpha = math.exp(m - m_new)  # exp(-inf) = 0 on the first chunk
+            l = cuda.fma(l, alpha, csum)
+            # 4. values, U keys at a time
+            for k in range(nd):
+                tv[k] = float32(0.0)
+            for i0 in range(0, n_mine, U):
+                for u in range(U):
+                    i = i0 + u
+                    slot = 0
+                    ew = float32(0.0)
+                    if i < n_mine:
+                        slot = sl[warp + NW * i]
+                        ew = sc[warp + NW * i]
+                    ke[u] = ew
+                    for k in range(nd):
+                        d = lane + 32 * k
+                        kv[u, k] = float32(v_cache[layer, slot, kvh, d]) if d < hd else float32(0.0)
+                for u in range(U):
+                    if i0 + u < n_mine:
+                        for k in range(nd):
+                            tv[k] = cuda.fma(ke[u], kv[u, k], tv[k])
+            for k in range(nd):
+                d = lane + 32 * k
+                if d < hd:
+                    pv[warp, d] = tv[k]
+            # Every warp's partials must be stored before thread d adds them up.
+            cuda.syncthreads()
+            if tid < hd:
+                tvs = pv[0, tid]
+                for w in range(1, NW):
+                    tvs += pv[w, tid]
+                acc = cuda.fma(acc, alpha, tvs)
+            m = m_new
+            # sc[], sl[] and pv[] must be fully read before the next chunk overwrites them.
+            cuda.syncthreads()
 
-    p0 = pos[0]
-    tree = depth.shape[0] > 0
-    if tree:
-        n_slots = min(p0 + depth[t] + 1, S)
-    else:
-        n_slots = min(p0 + t + 1, S)
-    m = NEG_INF
-    l = float32(0.0)
-    acc0 = float32(0.0)
-    acc1 = float32(0.0)
-    d0 = gt
-    d1 = gt + GT
-    for c0 in range(0, n_slots, C):
-        j = c0 + tid
-        slot = j
-        if tree and p0 <= j < n_slots:
-            slot = p0 + path[t, j - p0]
-        sl[tid] = slot
-        s = NEG_INF
-        if j < n_slots:
-            s = _score(qs, k_cache, layer, slot, kvh, hd) * scale
-        cmax = block_max(s, scratch, part, warp, lane, NW)
-        m_new = max(m, cmax)
-        e = float32(0.0)
-        if j < n_slots:
-            e = math.exp(s - m_new)
-        sc[tid] = e
-        # block_sum's barriers also publish every thread's sc[] and sl[] entries before the value loop.
-        csum = block_sum(e, scratch, part, warp, lane, NW)
-        alpha = math.exp(m - m_new)  # exp(-inf) = 0 on the first chunk
-        l = cuda.fma(l, alpha, csum)
-        cn = min(C, n_slots - c0)
-        lo = grp * GS
-        hi = min(lo + GS, cn)
-        if d0 < hd:
-            pv[grp, d0] = _weighted_sum(sc, v_cache, layer, sl, lo, hi, kvh, d0)
-        if d1 < hd:
-            pv[grp, d1] = _weighted_sum(sc, v_cache, layer, sl, lo, hi, kvh, d1)
-        # Every group's partial sums must be stored before group 0 combines them.
-        cuda.syncthreads()
-        if grp == 0:
-            if d0 < hd:
-                tv = pv[0, d0]
-                for g in range(1, G):
-                    tv += pv[g, d0]
-                acc0 = cuda.fma(acc0, alpha, tv)
-            if d1 < hd:
-                tv = pv[0, d1]
-                for g in range(1, G):
-                    tv += pv[g, d1]
-                acc1 = cuda.fma(acc1, alpha, tv)
-        m = m_new
-        # sc[], sl[] and pv[] must be fully read before the next chunk overwrites them.
-        cuda.syncthreads()
+        if tid < hd:
+            out[t, h * hd + tid] = acc / l
 
-    if grp == 0:
-        if d0 < hd:
-            out[t, h * hd + d0] = acc0 / l
-        if d1 < hd:
-            out[t, h * hd + d1] = acc1 / l
+    _kernels[nd] = kernel
+    return kernel
 
 
 def attention(out, q, k_cache, v_cache, layer, pos, stream=0, depth=None, path=None):
@@ -246,14 +230,16 @@ def attention(out, q, k_cache, v_cache, layer, pos, stream=0, depth=None, path=N
     if T == 0:
         return
     scale = np.float32(1.0 / math.sqrt(hd))
-    _attention_kernel[(T, H), NT, stream](out, q, k_cache, v_cache, layer, pos, scale, depth, path)
+    _make_kernel((hd + 31) // 32)[(T, H), NT, stream](out, q, k_cache, v_cache, layer, pos, scale,
+                                                      depth, path)
 
 
 def ptx_signatures():
     m = "float32[:, ::1]"
     sigs = []
-    for ct in ("float16", "float32"):
+    for ct, nds in (("float16", (1, 2, 4, 8)), ("float32", (4,))):
         c = f"{ct}[:, :, :, ::1]"
-        sigs.append((f"attention_{ct}", _attention_kernel.py_func,
-                     f"void({m}, {m}, {c}, {c}, int64, int32[::1], float32, int32[::1], int32[:, ::1])"))
+        for nd in nds:
+            sigs.append((f"attention_{ct}_nd{nd}", _make_kernel(nd).py_func,
+                         f"void({m}, {m}, {c}, {c}, int64, int32[::1], float32, int32[::1], int32[:, ::1])"))
     return sigs

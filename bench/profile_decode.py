@@ -1,0 +1,110 @@
+"""Per-kernel GPU time of one decoded token (CUPTI through torch.profiler).
+
+Synthesizes a preset (default `360m`), runs a prompt through the CUDA backend, then records the
+device kernels of `--tokens` graph-replayed decode steps with `torch.profiler` (CUPTI sees the
+kernels of numba's graphs too) and prints, per kernel, the device microseconds per token and the
+launches per token, plus the wall time per token of the same steps. Writes JSON with `--json`.
+
+    python bench/profile_decode.py --loops 8 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import numpy as np
+
+
+def short_name(name: str) -> str:
+    """`module.function` from a numba kernel symbol (`_ZN8tinyloop4cuda7kernels6matmul10_make_fast
+    12_3clocals_3e6kernelB2v8...` -> `matmul._make_fast.kernel`); other names unchanged."""
+    if not name.startswith("_ZN"):
+        return name
+    i, words = 3, []
+    while i < len(name) and name[i].isdigit():
+        j = i
+        while name[j].isdigit():
+            j += 1
+        n = int(name[i:j])
+        words.append(name[j:j + n])
+        i = j + n
+    words = [w for w in words if w not in ("tinyloop", "cuda", "kernels", "_3clocals_3e")]
+    return ".".join(words) or name
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="360m")
+    ap.add_argument("--loops", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args(argv)
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import tinyloop as tl
+    from tinyloop.cli.synth import synth_model
+    from tinyloop.core.format import read_header
+
+    tmp = tempfile.TemporaryDirectory()
+    path = os.path.join(tmp.name, f"{args.preset}.tinyloop")
+    synth_model(args.preset, path, seed=0)
+    cfg = read_header(path).config
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, args.prompt_len)]
+    m = tl.load_model(path, max_seq_len=args.prompt_len + 2 * args.tokens + 16, backend="cuda")
+    gc = tl.GenerateConfig(max_tokens=args.tokens, loops=args.loops)
+    tl.generate(m, prompt, tl.GenerateConfig(max_tokens=8, loops=args.loops))     # compile + capture
+    st = tl.GenerateStats()
+    tl.generate_stream(m, prompt, gc, stats=st)
+    wall = st.decode_ms / max(1, st.tokens_emitted - 1)
+    def kernels(n_new):
+        """Device time (us) and launches per kernel name of one generate_stream call."""
+        per = defaultdict(lambda: [0.0, 0])
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            tl.generate_stream(m, prompt, tl.GenerateConfig(max_tokens=n_new, loops=args.loops))
+            torch.cuda.synchronize()
+        for ev in prof.events():
+            if ev.device_type.name != "CUDA":
+                continue
+            per[short_name(ev.name)][0] += ev.device_time_total
+            per[short_name(ev.name)][1] += 1
+        return per
+
+    # The decode part is the difference between a run of 1 + n tokens and a run of 1 token (the
+    # prefill and the first token are in both).
+    base = kernels(1)
+    full = kernels(1 + args.tokens)
+    n_tok = args.tokens
+    per = {k: [v[0] - base.get(k, [0.0, 0])[0], v[1] - base.get(k, [0.0, 0])[1]] for k, v in full.items()}
+    per = {k: v for k, v in per.items() if v[1] > 0}
+    rows = sorted(per.items(), key=lambda kv: -kv[1][0])
+    total = sum(v[0] for v in per.values())
+    print(f"\n{args.preset} L={args.loops} prompt {args.prompt_len}: {n_tok} decoded tokens, "
+          f"wall {wall:.3f} ms/token (unprofiled run)")
+    print(f"{'kernel':<52}{'us/token':>10}{'launches/token':>16}{'share':>8}")
+    out_rows = []
+    for k, (us, cnt) in rows:
+        print(f"{k[:52]:<52}{us / n_tok:>10.2f}{cnt / n_tok:>16.2f}{100 * us / total:>7.1f}%")
+        out_rows.append({"kernel": k, "us_per_token": us / n_tok, "launches_per_token": cnt / n_tok})
+    print(f"{'total device time':<52}{total / n_tok:>10.2f}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"preset": args.preset, "loops": args.loops, "prompt_len": args.prompt_len,
+                       "tokens": n_tok, "wall_ms_per_token": wall,
+                       "device_us_per_token": total / n_tok, "kernels": out_rows,
+                       "date": time.strftime("%Y-%m-%d")}, fh, indent=2)
+    tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
