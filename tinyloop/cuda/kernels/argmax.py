@@ -11,8 +11,9 @@ NaN logits never win (they compare false); a row with no value above -inf (all -
 yields the lowest index holding -inf, or 0 if every entry is NaN.
 
 Thread mapping: one block of NT threads per row. Thread i scans i, i+NT, ... keeping the best
-(value, index) under the total order "larger value, then smaller index"; a shared-memory tree
-then merges the NT candidates. The order is a strict total order on (value, index) pairs, so the
+(value, index) under the total order "larger value, then smaller index" — as UNROLL independent
+candidates (element i + u*NT of each step of NT*UNROLL goes to candidate u, so UNROLL loads are in
+flight), merged at the end of the scan; a shared-memory tree then merges the NT candidates. The order is a strict total order on (value, index) pairs, so the
 winner is the same whatever the merge order: deterministic and batch-invariant. Shared memory
 only (no shuffles), so the simulator runs the same code.
 """
@@ -28,6 +29,8 @@ from ._common import NEG_INF, SIM, check_array
 #: Threads per block (a power of two). Fewer under the simulator, where each thread is a
 #: Python thread; the result does not depend on it.
 NT = 128 if SIM else 1024
+#: Elements a thread scans per step (independent candidates, loads issued together).
+UNROLL = 4
 _BIG = 2 ** 31 - 1
 
 
@@ -48,13 +51,27 @@ def _topk_kernel(out, logits):
     pv = float32(np.inf)      # the previous round's winner (value, index)
     pi = int32(-1)
     for r in range(K):
-        bv = NEG_INF
-        bi = int32(_BIG)
-        for i in range(tid, V, NT):
-            v = logits[t, i]
-            if better(pv, pi, v, i) and better(v, i, bv, bi):
-                bv = v
-                bi = int32(i)
+        # UNROLL independent candidates per thread, so UNROLL loads are in flight per step; the
+        # winner under a strict total order does not depend on who compares what first.
+        cv = cuda.local.array(UNROLL, float32)
+        ci = cuda.local.array(UNROLL, int32)
+        for u in range(UNROLL):
+            cv[u] = NEG_INF
+            ci[u] = int32(_BIG)
+        for i0 in range(tid, V, NT * UNROLL):
+            for u in range(UNROLL):
+                i = i0 + u * NT
+                if i < V:
+                    v = logits[t, i]
+                    if better(pv, pi, v, i) and better(v, i, cv[u], ci[u]):
+                        cv[u] = v
+                        ci[u] = int32(i)
+        bv = cv[0]
+        bi = ci[0]
+        for u in range(1, UNROLL):
+            if better(cv[u], ci[u], bv, bi):
+                bv = cv[u]
+                bi = ci[u]
         sv[tid] = bv
         si[tid] = bi
         # All candidates must be stored before the tree reads them.

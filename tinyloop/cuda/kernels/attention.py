@@ -52,7 +52,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, uint64
 
 from ...core.errors import BackendError
 from ._common import NEG_INF, SIM, block_max, block_sum, check_array, check_tree, warp_sum
@@ -85,14 +85,15 @@ def _make_kernel(nd):
         return j
 
     @cuda.jit(**_JIT_OPTS)
-    def kernel(out, q, k_cache, v_cache, layer, pos, scale, depth, path):
-        hd = k_cache.shape[3]
-        Hk = k_cache.shape[2]
-        S = k_cache.shape[1]
+    def kernel(out, q, kf, vf, S, Hk, hd, layer, pos, scale, depth, path):
         H = q.shape[1] // hd
         t = cuda.blockIdx.x
         h = cuda.blockIdx.y
         kvh = h // (H // Hk)
+        # Flat cache offsets in unsigned arithmetic (no negative-index wrap-around per load):
+        # element (layer, slot, kvh, d) is at base + slot * row + d.
+        row = uint64(Hk * hd)
+        base = uint64(layer) * uint64(S) * row + uint64(kvh * hd)
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
@@ -133,9 +134,9 @@ def _make_kernel(nd):
                     if i < n_mine:
                         slot = slot_of(c0 + warp + NW * i, p0, t, tree, path)
                     ks[u] = slot
+                    off = base + uint64(slot) * row + uint64(lane)
                     for k in range(nd):
-                        d = lane + 32 * k
-                        kv[u, k] = float32(k_cache[layer, slot, kvh, d]) if d < hd else float32(0.0)
+                        kv[u, k] = float32(kf[off + uint64(32 * k)]) if lane + 32 * k < hd else float32(0.0)
                 for u in range(U):
                     pp = float32(0.0)
                     for k in range(nd):
@@ -169,9 +170,9 @@ def _make_kernel(nd):
                         slot = sl[warp + NW * i]
                         ew = sc[warp + NW * i]
                     ke[u] = ew
+                    off = base + uint64(slot) * row + uint64(lane)
                     for k in range(nd):
-                        d = lane + 32 * k
-                        kv[u, k] = float32(v_cache[layer, slot, kvh, d]) if d < hd else float32(0.0)
+                        kv[u, k] = float32(vf[off + uint64(32 * k)]) if lane + 32 * k < hd else float32(0.0)
                 for u in range(U):
                     if i0 + u < n_mine:
                         for k in range(nd):
@@ -230,16 +231,18 @@ def attention(out, q, k_cache, v_cache, layer, pos, stream=0, depth=None, path=N
     if T == 0:
         return
     scale = np.float32(1.0 / math.sqrt(hd))
-    _make_kernel((hd + 31) // 32)[(T, H), NT, stream](out, q, k_cache, v_cache, layer, pos, scale,
-                                                      depth, path)
+    n = L * S * Hk * hd
+    _make_kernel((hd + 31) // 32)[(T, H), NT, stream](out, q, k_cache.reshape(n), v_cache.reshape(n), S, Hk,
+                                                      hd, layer, pos, scale, depth, path)
 
 
 def ptx_signatures():
     m = "float32[:, ::1]"
     sigs = []
     for ct, nds in (("float16", (1, 2, 4, 8)), ("float32", (4,))):
-        c = f"{ct}[:, :, :, ::1]"
+        c = f"{ct}[::1]"
         for nd in nds:
             sigs.append((f"attention_{ct}_nd{nd}", _make_kernel(nd).py_func,
-                         f"void({m}, {m}, {c}, {c}, int64, int32[::1], float32, int32[::1], int32[:, ::1])"))
+                         f"void({m}, {m}, {c}, {c}, int64, int64, int64, int64, int32[::1], float32, int32[::1], "
+                         "int32[:, ::1])"))
     return sigs
