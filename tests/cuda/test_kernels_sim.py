@@ -184,31 +184,6 @@ def test_matmul_wide_gemv_config_is_batch_invariant(monkeypatch, kind, N, K, gro
         assert np.array_equal(host(o1)[0], got[t])
 
 
-@pytest.mark.parametrize("kind,N,K,group", [("q4", 7, 64, 16), ("q4", 5, 40, 8), ("f16", 6, 36, 0)])
-def test_matmul_glu_equals_swiglu_then_matmul(kind, N, K, group):
-    """glu=True stages silu(gate) * up from a (T, 2K) gate|up buffer: bit for bit swiglu_fused
-    followed by the plain product (fast and simple kernels), accumulate included."""
-    rng = np.random.default_rng(N * 7 + K)
-    arrays, W = make_weight(rng, kind, N, K, group)
-    dev = {k: D(v) for k, v in arrays.items()}
-    for T in (1, 3):
-        gu = rng.standard_normal((T, 2 * K)).astype(np.float32)
-        base = rng.standard_normal((T, N)).astype(np.float32)
-        h = D(np.zeros((T, K), np.float32))
-        swiglu.swiglu_fused(h, D(gu))
-        want = D(base.copy())
-        matmul.matmul(want, h, dev["w"], dev.get("scales"), dev.get("zeros"), accumulate=True)
-        got = D(base.copy())
-        matmul.matmul(got, D(gu), dev["w"], dev.get("scales"), dev.get("zeros"), accumulate=True, glu=True)
-        assert np.array_equal(host(got), host(want))
-    with pytest.raises(BackendError, match="even"):
-        matmul.matmul(D(np.zeros((1, N), np.float32)), D(np.zeros((1, 2 * K + 1), np.float32)), dev["w"],
-                      dev.get("scales"), dev.get("zeros"), glu=True)
-    with pytest.raises(BackendError, match="combined"):
-        matmul.matmul(D(np.zeros((1, N), np.float32)), D(np.zeros((1, 2 * K), np.float32)), dev["w"],
-                      dev.get("scales"), dev.get("zeros"), glu=True, norm_w=D(np.ones(K, np.float32)), eps=1e-5)
-
-
 def test_matmul_accumulate_and_chunks():
     """K spanning several staged chunks (T > 1: KC=1024 -> 2 chunks; T == 1: one chunk) with the
     residual add fused."""

@@ -531,21 +531,18 @@ class CUDABackend(Backend):
         self.matmul(ws.att, b.wo, ws.x, T, accumulate=True)
 
     def mlp_half(self, ws: Workspace, b, T: int) -> None:
-        """norm+gate|up matmul into ws.gu, then down (+= x) with SwiGLU fused into its staging of
-        ws.gu: 2 launches. A block without a concatenated wgu takes two norm-fused matmuls, the
-        two-input SwiGLU and the plain down matmul instead."""
+        """norm+gate|up matmul, SwiGLU from ws.gu, down (+= x): 3 launches. A block without a
+        concatenated wgu takes two norm-fused matmuls and the two-input SwiGLU instead."""
         if not self.fuse:
             return super().mlp_half(ws, b, T)
         wgu = getattr(b, "wgu", None)
         if wgu is not None:
             self._norm_matmul(ws.x, b.mlp_norm, wgu, ws.gu, T)
-            W = b.w_down
-            k_matmul.matmul(ws.x[:T], ws.gu[:T], W.w, W.scales, W.zeros, accumulate=True, stream=self.stream,
-                            glu=True)
-            return
-        self._norm_matmul(ws.x, b.mlp_norm, b.w_gate, ws.g, T)
-        self._norm_matmul(ws.x, b.mlp_norm, b.w_up, ws.u, T)
-        self.swiglu(ws.g, ws.u, ws.g, T)
+            k_swiglu.swiglu_fused(ws.g[:T], ws.gu[:T], stream=self.stream)
+        else:
+            self._norm_matmul(ws.x, b.mlp_norm, b.w_gate, ws.g, T)
+            self._norm_matmul(ws.x, b.mlp_norm, b.w_up, ws.u, T)
+            self.swiglu(ws.g, ws.u, ws.g, T)
         self.matmul(ws.g, b.w_down, ws.x, T, accumulate=True)
 
     def final_logits(self, ws: Workspace, w: ModelWeights, row0: int, T: int) -> None:

@@ -67,7 +67,6 @@ from ._common import as_float, byte_perm, cdiv, check_array, device_pointer, war
 from .rmsnorm import NT as NORM_NT
 from .rmsnorm import NW as NORM_NW
 from .rmsnorm import check_eps, inv_rms, sumsq_partial
-from .swiglu import silu_mul
 
 #: Elements per 8-byte word for each storage kind.
 WORD_ELEMS = {"f32": 2, "f16": 4, "q8": 8, "q4": 16, "q2": 32}
@@ -240,16 +239,13 @@ def _make_norm_prologue(TT, NW):
 _fast_cache = {}
 
 
-def _make_fast(kind, TT, R, NW, KC, norm=False, glu=False):
+def _make_fast(kind, TT, R, NW, KC, norm=False):
     """Build the fast kernel for one storage kind and block configuration (see module doc);
-    `norm` compiles in the fused-RMSNorm prologue and staging, `glu` the fused-SwiGLU staging
-    (x holds gate|up, 2K columns)."""
-    key = (kind, TT, R, NW, KC, bool(norm), bool(glu))
+    `norm` compiles in the fused-RMSNorm prologue and staging."""
+    key = (kind, TT, R, NW, KC, bool(norm))
     if key in _fast_cache:
         return _fast_cache[key]
     NORM = bool(norm)
-    GLU = bool(glu)
-    assert not (NORM and GLU)
     NJ = TT * NORM_NW
     prologue = _make_norm_prologue(TT, NW)
     E = WORD_ELEMS[kind]
@@ -263,20 +259,15 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, glu=False):
     assert KC % (32 * 32) == 0
 
     @cuda.jit(device=True)
-    def stage_x(xs, x, nw, invs, t0, c0, cw, T, tid, KW):
+    def stage_x(xs, x, nw, invs, t0, c0, cw, T, tid):
         """Copy x[t0:t0+TT, c0*E:(c0+cw)*E] into xs (word-transposed), normed as
-        ``(x * invs[tt]) * nw`` when NORM, as ``silu(x[:, k]) * x[:, KW + k]`` when GLU; rows past T
-        read as 0."""
+        ``(x * invs[tt]) * nw`` when NORM; rows past T read as 0."""
         n_el = cw * E
         base = c0 * E
         for tt in range(TT):
             t = t0 + tt
             if t < T:
-                if GLU:
-                    for rem in range(tid, n_el, NT):
-                        k = base + rem
-                        xs[tt, rem & EM1, rem >> LOG2E] = silu_mul(x[t, k], x[t, KW + k])
-                elif NORM:
+                if NORM:
                     inv = invs[tt]
                     for rem in range(tid, n_el, NT):
                         k = base + rem
@@ -340,7 +331,7 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, glu=False):
                 cw = min(NWC, nwords - c0)
                 # The previous chunk's reads of xs must be done before it is overwritten.
                 cuda.syncthreads()
-                stage_x(xs, x, nw, invs, t0, c0, cw, T, tid, nwords * E)
+                stage_x(xs, x, nw, invs, t0, c0, cw, T, tid)
                 # The staged chunk must be visible to every warp before the dot products.
                 cuda.syncthreads()
                 for wl in range(lane, cw, 32):
@@ -390,7 +381,7 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, glu=False):
                 cw = min(NWC, nwords - c0)
                 # The previous chunk's reads of xs must be done before it is overwritten.
                 cuda.syncthreads()
-                stage_x(xs, x, nw, invs, t0, c0, cw, T, tid, nwords * E)
+                stage_x(xs, x, nw, invs, t0, c0, cw, T, tid)
                 # The staged chunk must be visible to every warp before the dot products.
                 cuda.syncthreads()
                 for wl in range(lane, cw, 32):
@@ -414,15 +405,13 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, glu=False):
 _simple_cache = {}
 
 
-def _make_simple(quant, norm=False, glu=False):
+def _make_simple(quant, norm=False):
     """Build the simple kernel (one warp per (t, n)) for quantized or float weights; `norm`
-    compiles in the fused-RMSNorm prologue (every block has a single token row t), `glu` the
-    fused SwiGLU of a gate|up x."""
-    key = (bool(quant), bool(norm), bool(glu))
+    compiles in the fused-RMSNorm prologue (every block has a single token row t)."""
+    key = (bool(quant), bool(norm))
     if key in _simple_cache:
         return _simple_cache[key]
     NORM = bool(norm)
-    GLU = bool(glu)
     prologue = _make_norm_prologue(1, SIMPLE_WARPS)
 
     @cuda.jit(device=True)
@@ -438,9 +427,7 @@ def _make_simple(quant, norm=False, glu=False):
         return t, inv
 
     @cuda.jit(device=True)
-    def xval(x, nw, inv, t, k, K):
-        if GLU:
-            return silu_mul(x[t, k], x[t, K + k])
+    def xval(x, nw, inv, t, k):
         if NORM:
             return (x[t, k] * inv) * nw[k]
         return x[t, k]
@@ -469,7 +456,7 @@ def _make_simple(quant, norm=False, glu=False):
 
     @cuda.jit
     def kernel(out, x, nw, eps, w, scales, zeros, bits, group, accumulate):
-        K = x.shape[1] // 2 if GLU else x.shape[1]
+        K = x.shape[1]
         N = out.shape[1]
         tid = cuda.threadIdx.x
         warp = tid // 32
@@ -482,7 +469,7 @@ def _make_simple(quant, norm=False, glu=False):
         n = min(n_raw, N - 1)
         acc = float32(0.0)
         for k in range(lane, K, 32):
-            acc = cuda.fma(weight(w, scales, zeros, bits, group, n, k), xval(x, nw, inv, t, k, K), acc)
+            acc = cuda.fma(weight(w, scales, zeros, bits, group, n, k), xval(x, nw, inv, t, k), acc)
         acc = warp_sum(acc, scratch, warp, lane)
         store(out, acc, t, n_raw, n, lane, accumulate)
 
@@ -519,7 +506,7 @@ def uses_fast_path(kind: str, K: int, group_size: int, w=None) -> bool:
     return True
 
 
-def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_w=None, eps=0.0, glu=False):
+def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_w=None, eps=0.0):
     """``out[t, n] = sum_k x[t, k] * W[n, k]`` (``+=`` when accumulate), for t < T, n < N.
 
     The storage is inferred: float32 or float16 `w` of shape (N, K), or uint8 `w` of shape
@@ -529,20 +516,10 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
 
     With `norm_w` (float32 (K,)) the product uses the RMS-normed rows instead of x:
     ``x[t] / sqrt(mean(x[t]^2) + eps) * norm_w`` (fused, see module doc); `eps` is a model
-    constant (Python float).
-
-    With `glu=True`, x is a gate|up buffer of shape (T, 2K) and the product uses
-    ``silu(x[:, :K]) * x[:, K:]`` (SwiGLU fused into the staging: the same bits as
-    `swiglu.swiglu_fused` followed by the plain product); not combinable with `norm_w`."""
+    constant (Python float)."""
     op = "matmul"
     check_array(op, "x", x, np.float32, 2)
     T, K = x.shape
-    if glu:
-        if norm_w is not None:
-            raise BackendError(f"{op}: glu=True and norm_w cannot be combined")
-        if K % 2:
-            raise BackendError(f"{op}: glu=True needs an even gate|up width, got {K} columns")
-        K //= 2
     check_array(op, "out", out, np.float32, 2, (T, None))
     N = out.shape[1]
     if K == 0 or N == 0:
@@ -581,7 +558,7 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
 
     if uses_fast_path(kind, K, group, w):
         TT, R, NW, KC = config_for(kind, T, N)
-        kern = _make_fast(kind, TT, R, NW, KC, norm, glu)
+        kern = _make_fast(kind, TT, R, NW, KC, norm)
         E = WORD_ELEMS[kind]
         qw = w.view(np.uint64)
         grid = (cdiv(N, NW * R), cdiv(T, TT))
@@ -595,11 +572,11 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
 
     grid = (cdiv(N, SIMPLE_WARPS), T)
     if kind.startswith("q"):
-        _make_simple(True, norm, glu)[grid, SIMPLE_WARPS * 32, stream](
+        _make_simple(True, norm)[grid, SIMPLE_WARPS * 32, stream](
             out, x, nw, eps, w, scales, zeros, {"q8": 8, "q4": 4, "q2": 2}[kind], group, acc_flag)
     else:
         # float weights: the scales / zeros / bits / group parameters are unused; w stands in
-        _make_simple(False, norm, glu)[grid, SIMPLE_WARPS * 32, stream](out, x, nw, eps, w, w, w, 0, 0, acc_flag)
+        _make_simple(False, norm)[grid, SIMPLE_WARPS * 32, stream](out, x, nw, eps, w, w, w, 0, 0, acc_flag)
 
 
 def ptx_signatures():
@@ -607,19 +584,19 @@ def ptx_signatures():
     sigs = []
     f32_2 = "float32[:, ::1]"
     head = f"{f32_2}, {f32_2}, float32[::1], float32"      # out, x, norm_w, eps
-    for norm, glu in ((False, False), (True, False), (False, True)):
-        tag = "_norm" if norm else "_glu" if glu else ""
+    for norm in (False, True):
+        tag = "_norm" if norm else ""
         for kind in WORD_ELEMS:
             for cfg in (config_for(kind, 1), config_for(kind, 1, WIDE_N), config_for(kind, 2)):
-                k = _make_fast(kind, *cfg, norm, glu)
+                k = _make_fast(kind, *cfg, norm)
                 if kind.startswith("q"):
                     sig = f"void({head}, uint64[:, ::1], float16[:, ::1], uint8[:, ::1], int64, int64, int64)"
                 else:
                     sig = f"void({head}, uint64[:, ::1], int64)"
                 sigs.append((f"matmul_fast{tag}_{kind}_{'_'.join(map(str, cfg))}", k.py_func, sig))
-        sigs.append((f"matmul_simple{tag}_q", _make_simple(True, norm, glu).py_func,
+        sigs.append((f"matmul_simple{tag}_q", _make_simple(True, norm).py_func,
                      f"void({head}, uint8[:, ::1], float16[:, ::1], uint8[:, ::1], int64, int64, int64)"))
         for wt in ("float32", "float16"):
-            sigs.append((f"matmul_simple{tag}_{wt}", _make_simple(False, norm, glu).py_func,
+            sigs.append((f"matmul_simple{tag}_{wt}", _make_simple(False, norm).py_func,
                          f"void({head}, {wt}[:, ::1], {wt}[:, ::1], {wt}[:, ::1], int64, int64, int64)"))
     return sigs

@@ -25,8 +25,7 @@ MAX_BLOCKS = 1024
 
 
 @cuda.jit(device=True)
-def silu_mul(g, u):
-    """silu(g) * u; shared with the matmul's fused-SwiGLU staging (same bits)."""
+def _silu_mul(g, u):
     return g / (float32(1.0) + math.exp(-g)) * u
 
 
@@ -37,7 +36,7 @@ def _swiglu_kernel(out, g, u):
     for i in range(cuda.grid(1), n, cuda.gridsize(1)):
         t = i // F
         j = i - t * F
-        out[t, j] = silu_mul(g[t, j], u[t, j])
+        out[t, j] = _silu_mul(g[t, j], u[t, j])
 
 
 @cuda.jit
@@ -47,7 +46,7 @@ def _swiglu_fused_kernel(out, gu):
     for i in range(cuda.grid(1), n, cuda.gridsize(1)):
         t = i // F
         j = i - t * F
-        out[t, j] = silu_mul(gu[t, j], gu[t, j + F])
+        out[t, j] = _silu_mul(gu[t, j], gu[t, j + F])
 
 
 def _blocks(n):
