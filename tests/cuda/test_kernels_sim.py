@@ -135,7 +135,6 @@ MATMUL_CASES = [
     ("q4", 13, 64, 16, True),
     ("q4", 9, 48, 8, False),      # group 8 < 16 elements per word: simple kernel
     ("q8", 12, 40, 8, True),
-    ("q8", 6, 48, 24, True),      # 3 words per group: the division path (not a shift)
     ("q2", 10, 64, 32, True),
     ("q2", 6, 32, 16, False),     # group 16 < 32 elements per word: simple kernel
     ("f16", 11, 36, 0, True),

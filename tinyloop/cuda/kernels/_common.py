@@ -65,11 +65,6 @@ if not SIM:
         """Reinterpret a float32 as int32 bits."""
         return cuda.libdevice.float_as_int(f)
 
-    @cuda.jit(device=True)
-    def byte_perm(x, y, s):
-        """PRMT: byte n of the result is byte ``(s >> 4n) & 7`` of the 8 bytes (x low, y high)."""
-        return cuda.libdevice.byte_perm(x, y, s)
-
 else:  # CUDA simulator twins: same butterfly, through shared memory.
     # Each lane publishes its value, reads all 32, and replays the whole butterfly locally (every
     # lane's partial at every step, self + partner in that order), so the result is bit for bit the
@@ -107,14 +102,6 @@ else:  # CUDA simulator twins: same butterfly, through shared memory.
     @cuda.jit(device=True)
     def as_bits(f):
         return np.float32(f).view(np.int32)
-
-    @cuda.jit(device=True)
-    def byte_perm(x, y, s):
-        src = ((int(y) & 0xFFFFFFFF) << 32) | (int(x) & 0xFFFFFFFF)
-        r = 0
-        for n in range(4):
-            r |= ((src >> (8 * ((int(s) >> (4 * n)) & 7))) & 0xFF) << (8 * n)
-        return np.uint32(r).view(np.int32)
 
 
 @cuda.jit(device=True)

@@ -63,7 +63,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from ...core.errors import BackendError
-from ._common import as_float, byte_perm, cdiv, check_array, device_pointer, warp_sum
+from ._common import as_float, cdiv, check_array, device_pointer, warp_sum
 from .rmsnorm import NT as NORM_NT
 from .rmsnorm import NW as NORM_NW
 from .rmsnorm import check_eps, inv_rms, sumsq_partial
@@ -110,10 +110,6 @@ SIMPLE_WARPS = 4
 _U32_MASK = np.uint64(0xFFFFFFFF)
 _SH32 = np.uint64(32)
 _MAGIC = np.uint32(0x4B000000)
-_MAGIC_I = np.int32(0x4B000000)
-#: byte_perm selector 0x764k: byte 0 <- byte k of the data, bytes 1, 2 <- 0x00, byte 3 <- 0x4B.
-_SEL = np.int32(0x7640)
-_NIB_LO = np.uint32(0x0F0F0F0F)
 _TWO23 = float32(8388608.0)
 _F16_MAG = np.uint32(0x7FFF)
 _F16_SIGN = np.uint32(0x8000)
@@ -156,31 +152,6 @@ def _make_decoder(kind):
 
     bits = {"q8": 8, "q4": 4, "q2": 2}[kind]
     mask = np.uint32((1 << bits) - 1)
-
-    if kind in ("q8", "q4"):
-        # One PRMT per element: byte k of a 32-bit half (q8: the element; q4: after splitting the
-        # low and high nibbles into bytes) is placed under the magic exponent, 0x4B0000qq, in one
-        # instruction instead of shift + mask + or. Same bits, so the same arithmetic.
-        NB = 4 if kind == "q8" else 8     # elements per 32-bit half
-
-        @cuda.jit(device=True)
-        def decode_half(h, wv, base, c):
-            if NB == 4:
-                hs = int32(h)
-                for k in range(4):
-                    wv[base + k] = as_float(byte_perm(hs, _MAGIC_I, _SEL + k)) - c
-            else:
-                a = int32(h & _NIB_LO)                        # elements 0, 2, 4, 6
-                b = int32(uint32(h >> uint32(4)) & _NIB_LO)    # elements 1, 3, 5, 7
-                for k in range(4):
-                    wv[base + 2 * k] = as_float(byte_perm(a, _MAGIC_I, _SEL + k)) - c
-                    wv[base + 2 * k + 1] = as_float(byte_perm(b, _MAGIC_I, _SEL + k)) - c
-
-        @cuda.jit(device=True)
-        def decode(word, wv, c):
-            decode_half(uint32(word & _U32_MASK), wv, 0, c)
-            decode_half(uint32(word >> _SH32), wv, NB, c)
-        return decode
 
     @cuda.jit(device=True)
     def decode(word, wv, c):
@@ -293,17 +264,9 @@ def _make_fast(kind, TT, R, NW, KC, norm=False):
                         v = out[t, n] + v
                     out[t, n] = v
 
-    @cuda.jit(device=True)
-    def load_x(xv, xs, wl):
-        """Registers <- the staged x values of word wl for the TT rows (read once, used by the
-        R weight rows)."""
-        for tt in range(TT):
-            for i in range(E):
-                xv[tt, i] = xs[tt, i, wl]
-
     if quant:
         @cuda.jit
-        def kernel(out, x, nw, eps, qw, scales, zeros, gw, gsh, accumulate):
+        def kernel(out, x, nw, eps, qw, scales, zeros, gw, accumulate):
             T = x.shape[0]
             N = out.shape[1]
             nwords = qw.shape[1]
@@ -321,12 +284,10 @@ def _make_fast(kind, TT, R, NW, KC, norm=False):
                 prologue(x, t0, T, eps, invs, part, scratch, tid, warp, lane)
             acc = cuda.local.array((TT, R), float32)
             wv = cuda.local.array(E, float32)
-            xv = cuda.local.array((TT, E), float32)
             for tt in range(TT):
                 for r in range(R):
                     acc[tt, r] = float32(0.0)
             ugw = uint32(gw)
-            ugsh = uint32(max(gsh, 0))
             for c0 in range(0, nwords, NWC):
                 cw = min(NWC, nwords - c0)
                 # The previous chunk's reads of xs must be done before it is overwritten.
@@ -336,9 +297,7 @@ def _make_fast(kind, TT, R, NW, KC, norm=False):
                 cuda.syncthreads()
                 for wl in range(lane, cw, 32):
                     w = c0 + wl
-                    # words per group: a shift when it is a power of two (gsh >= 0)
-                    g = (uint32(w) >> ugsh) if gsh >= 0 else uint32(w) // ugw
-                    load_x(xv, xs, wl)
+                    g = uint32(w) // ugw
                     for r in range(R):
                         # Rows past N are computed on row N-1 and never stored: the warp stays
                         # converged for the butterfly.
@@ -350,7 +309,7 @@ def _make_fast(kind, TT, R, NW, KC, norm=False):
                         for tt in range(TT):
                             p = float32(0.0)
                             for i in range(E):
-                                p = cuda.fma(wv[i], xv[tt, i], p)
+                                p = cuda.fma(wv[i], xs[tt, i, wl], p)
                             acc[tt, r] = cuda.fma(s, p, acc[tt, r])
             finish(out, acc, scratch, warp, lane, n0, t0, N, T, accumulate)
     else:
@@ -373,7 +332,6 @@ def _make_fast(kind, TT, R, NW, KC, norm=False):
                 prologue(x, t0, T, eps, invs, part, scratch, tid, warp, lane)
             acc = cuda.local.array((TT, R), float32)
             wv = cuda.local.array(E, float32)
-            xv = cuda.local.array((TT, E), float32)
             for tt in range(TT):
                 for r in range(R):
                     acc[tt, r] = float32(0.0)
@@ -386,14 +344,13 @@ def _make_fast(kind, TT, R, NW, KC, norm=False):
                 cuda.syncthreads()
                 for wl in range(lane, cw, 32):
                     w = c0 + wl
-                    load_x(xv, xs, wl)
                     for r in range(R):
                         n = min(n0 + r, N - 1)
                         decode(qw[n, w], wv, _TWO23)
                         for tt in range(TT):
                             p = float32(0.0)
                             for i in range(E):
-                                p = cuda.fma(wv[i], xv[tt, i], p)
+                                p = cuda.fma(wv[i], xs[tt, i, wl], p)
                             acc[tt, r] = acc[tt, r] + p
             finish(out, acc, scratch, warp, lane, n0, t0, N, T, accumulate)
 
@@ -563,9 +520,7 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
         qw = w.view(np.uint64)
         grid = (cdiv(N, NW * R), cdiv(T, TT))
         if kind.startswith("q"):
-            gw = group // E
-            gsh = gw.bit_length() - 1 if gw & (gw - 1) == 0 else -1
-            kern[grid, NW * 32, stream](out, x, nw, eps, qw, scales, zeros, gw, gsh, acc_flag)
+            kern[grid, NW * 32, stream](out, x, nw, eps, qw, scales, zeros, group // E, acc_flag)
         else:
             kern[grid, NW * 32, stream](out, x, nw, eps, qw, acc_flag)
         return
@@ -590,7 +545,7 @@ def ptx_signatures():
             for cfg in (config_for(kind, 1), config_for(kind, 1, WIDE_N), config_for(kind, 2)):
                 k = _make_fast(kind, *cfg, norm)
                 if kind.startswith("q"):
-                    sig = f"void({head}, uint64[:, ::1], float16[:, ::1], uint8[:, ::1], int64, int64, int64)"
+                    sig = f"void({head}, uint64[:, ::1], float16[:, ::1], uint8[:, ::1], int64, int64)"
                 else:
                     sig = f"void({head}, uint64[:, ::1], int64)"
                 sigs.append((f"matmul_fast{tag}_{kind}_{'_'.join(map(str, cfg))}", k.py_func, sig))
