@@ -93,3 +93,24 @@ def test_device_chained_tree_cycle_matches_cpu(small_path):
     finally:
         tl.free_model(cpu)
         tl.free_model(gpu)
+
+
+def test_rope_table_covers_every_cache_and_is_counted():
+    """The backend's cos/sin table covers the largest cache a session can ask for (prompt +
+    max_tokens <= max_seq_len, plus <= 65 chain-draft or <= max_seq_len tree slots, rounded to a
+    power of two) plus the launchers' POSITION_MARGIN, holds rope_table's values, and is counted
+    in memory_bytes."""
+    from tinyloop.cuda.backend import CUDABackend, round_slots
+    from tinyloop.cuda.kernels import rope
+    cfg = ModelConfig(**SMALL)
+    for max_seq_len in (8, 100, 2048):
+        be = CUDABackend(cfg, max_seq_len)
+        try:
+            P = be.rope_table.shape[0]
+            for request in (max_seq_len + 65, 2 * max_seq_len):
+                assert P >= round_slots(request) + rope.POSITION_MARGIN
+            assert be.memory_bytes() == be.rope_table.nbytes
+            assert np.array_equal(be.rope_table.copy_to_host(),
+                                  rope.rope_table(cfg.head_dim, cfg.rope_theta, P))
+        finally:
+            be.free()

@@ -29,8 +29,8 @@ from tinyloop.cuda.kernels import (add, argmax, attention, embed, matmul, rmsnor
 import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for the shared references
-from test_kernels_sim import (close, make_weight, ref_attention, ref_rmsnorm,  # noqa: E402
-                              ref_rope)
+from test_kernels_sim import (close, make_weight, old_formula_table, ref_attention,  # noqa: E402
+                              ref_rmsnorm, ref_rope)
 
 D = cuda.to_device
 
@@ -181,7 +181,8 @@ def test_rope_attention_long_context_gpu():
     kc, vc = D(kc_h), D(vc_h)
     pos = D(np.array([p0], np.int32))
     qd, kd = D(q), D(k)
-    rope.rope_kv_append(qd, kd, D(v), kc, vc, layer, pos, D(inv))
+    cs = D(rope.rope_table(hd, 500000.0, S + rope.POSITION_MARGIN))
+    rope.rope_kv_append(qd, kd, D(v), kc, vc, layer, pos, cs)
     gq = host(qd)
     close(gq, ref_rope(q, p0, inv), 1e-5)
     kc_h[layer, p0:] = host(kc)[layer, p0:]
@@ -196,6 +197,17 @@ def test_rope_attention_long_context_gpu():
         attention.attention(o, D(gq[t:t + 1]), kc, vc, layer, D(np.array([p0 + t], np.int32)))
         return host(o)[0]
     assert np.array_equal(rows_alone(one, T), got)
+
+
+@pytest.mark.parametrize("hd,theta,P", [(64, 10000.0, 4096 + 65), (128, 500000.0, 8192 + 65),
+                                        (64, 100000.0, 32768 + 65)])
+def test_rope_table_matches_device_formula_gpu(hd, theta, P):
+    """The host table (numpy float64 cos/sin) equals, bit for bit, what the pre-table kernels
+    computed per thread with libdevice's float64 cos/sin, so decoding is unchanged."""
+    got = rope.rope_table(hd, theta, P)
+    want = old_formula_table(hd, theta, P)
+    bad = np.argwhere(got != want)
+    assert bad.size == 0, f"{len(bad)} entries differ, first (p, i, cos/sin) = {bad[:5].tolist()}"
 
 
 def test_argmax_sample_large_vocab_gpu():
@@ -228,7 +240,7 @@ def test_graph_capture_replay():
         pytest.skip("PyTorch without CUDA")
     rng = np.random.default_rng(4)
     H, Hk, hd, L, S, d = 4, 2, 64, 1, 64, 256
-    inv = D(rope.inv_freq(hd, 10000.0))
+    cs = D(rope.rope_table(hd, 10000.0, S + rope.POSITION_MARGIN))
     arrays, W = make_weight(rng, "q4", H * hd, d, 64)
     wq = {k: D(v) for k, v in arrays.items()}
     x = D(rng.standard_normal((1, d)).astype(np.float32))
@@ -246,7 +258,7 @@ def test_graph_capture_replay():
 
     def step(stream):
         matmul.matmul(q, x, wq["w"], wq["scales"], wq["zeros"], stream=stream)
-        rope.rope_kv_append(q, kb, vb, kc, vc, 0, pos, inv, stream=stream)
+        rope.rope_kv_append(q, kb, vb, kc, vc, 0, pos, cs, stream=stream)
         attention.attention(out, q, kc, vc, 0, pos, stream=stream)
         sample.sample(tok, logits, params, state, advance=True, stream=stream)
 

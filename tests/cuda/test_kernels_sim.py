@@ -379,18 +379,19 @@ def test_rope_and_kv_append():
     rng = np.random.default_rng(4)
     T, H, Hk, hd, p0 = 3, 4, 2, 8, 5
     inv = rope.inv_freq(hd, 10000.0)
+    cs = D(rope.rope_table(hd, 10000.0, 12 + rope.POSITION_MARGIN))
     q = rng.standard_normal((T, H * hd)).astype(np.float32)
     k = rng.standard_normal((T, Hk * hd)).astype(np.float32)
     v = rng.standard_normal((T, Hk * hd)).astype(np.float32)
     pos = D(np.array([p0], np.int32))
     qd, kd = D(q), D(k)
-    rope.rope(qd, kd, pos, D(inv))
+    rope.rope(qd, kd, pos, cs)
     gq, gk = host(qd), host(kd)
     close(gq, ref_rope(q, p0, inv), 1e-6)
     close(gk, ref_rope(k, p0, inv), 1e-6)
     # Batch invariance: row 2 alone at position p0 + 2.
     q1, k1 = D(q[2:3]), D(k[2:3])
-    rope.rope(q1, k1, D(np.array([p0 + 2], np.int32)), D(inv))
+    rope.rope(q1, k1, D(np.array([p0 + 2], np.int32)), cs)
     assert np.array_equal(host(q1)[0], gq[2]) and np.array_equal(host(k1)[0], gk[2])
 
     for cdt in (np.float16, np.float32):
@@ -398,7 +399,7 @@ def test_rope_and_kv_append():
         kc = D(np.zeros((L, S, Hk, hd), cdt))
         vc = D(np.zeros((L, S, Hk, hd), cdt))
         qd, kd = D(q), D(k)
-        rope.rope_kv_append(qd, kd, D(v), kc, vc, 1, pos, D(inv))
+        rope.rope_kv_append(qd, kd, D(v), kc, vc, 1, pos, cs)
         assert np.array_equal(host(qd), gq) and np.array_equal(host(kd), gk)
         hk, hv = host(kc), host(vc)
         assert np.array_equal(hk[1, p0:p0 + T], gk.reshape(T, Hk, hd).astype(cdt))
@@ -407,13 +408,13 @@ def test_rope_and_kv_append():
         hv[1, p0:p0 + T] = 0
         assert not hk.any() and not hv.any()
     with pytest.raises(BackendError, match="layer"):
-        rope.rope_kv_append(qd, kd, D(v), kc, vc, 3, pos, D(inv))
+        rope.rope_kv_append(qd, kd, D(v), kc, vc, 3, pos, cs)
 
 
 def test_rope_kv_append_qkv_matches_separate_buffers():
     rng = np.random.default_rng(9)
     T, H, Hk, hd, p0 = 3, 4, 2, 8, 2
-    inv = D(rope.inv_freq(hd, 10000.0))
+    cs = D(rope.rope_table(hd, 10000.0, 8 + rope.POSITION_MARGIN))
     q = rng.standard_normal((T, H * hd)).astype(np.float32)
     k = rng.standard_normal((T, Hk * hd)).astype(np.float32)
     v = rng.standard_normal((T, Hk * hd)).astype(np.float32)
@@ -422,11 +423,11 @@ def test_rope_kv_append_qkv_matches_separate_buffers():
         L, S = 2, 8
         kc, vc = D(np.zeros((L, S, Hk, hd), cdt)), D(np.zeros((L, S, Hk, hd), cdt))
         qd = D(q)
-        rope.rope_kv_append(qd, D(k), D(v), kc, vc, 1, pos, inv)
+        rope.rope_kv_append(qd, D(k), D(v), kc, vc, 1, pos, cs)
         kc2, vc2 = D(np.zeros((L, S, Hk, hd), cdt)), D(np.zeros((L, S, Hk, hd), cdt))
         qkv = D(np.concatenate([q, k, v], axis=1))
         q_out = D(np.full((T, H * hd), np.nan, np.float32))
-        rope.rope_kv_append_qkv(qkv, q_out, kc2, vc2, 1, pos, inv)
+        rope.rope_kv_append_qkv(qkv, q_out, kc2, vc2, 1, pos, cs)
         assert np.array_equal(host(q_out), host(qd))
         assert np.array_equal(host(kc2), host(kc)) and np.array_equal(host(vc2), host(vc))
         # q and v columns of qkv are left as they were (k is rotated in place).
@@ -434,9 +435,136 @@ def test_rope_kv_append_qkv_matches_separate_buffers():
         assert np.array_equal(hq[:, :H * hd], q) and np.array_equal(hq[:, (H + Hk) * hd:], v)
     with pytest.raises(BackendError, match="qkv"):
         rope.rope_kv_append_qkv(D(np.zeros((T, (H + Hk) * hd), np.float32)), q_out, kc2, vc2, 1,
-                                pos, inv)
+                                pos, cs)
     with pytest.raises(BackendError, match="layer"):
-        rope.rope_kv_append_qkv(qkv, q_out, kc2, vc2, 2, pos, inv)
+        rope.rope_kv_append_qkv(qkv, q_out, kc2, vc2, 2, pos, cs)
+
+
+@cuda.jit
+def _old_formula_kernel(out, inv_freq):
+    """The angle and cos/sin the rope kernels evaluated per thread before the table (float64
+    math.cos/sin of the float32 angle, rounded): out[p, i] = (cos, sin)."""
+    half = inv_freq.shape[0]
+    for idx in range(cuda.grid(1), out.shape[0] * half, cuda.gridsize(1)):
+        p = idx // half
+        i = idx - p * half
+        a = numba.float32(p) * inv_freq[i]
+        out[p, i, 0] = numba.float32(math.cos(numba.float64(a)))
+        out[p, i, 1] = numba.float32(math.sin(numba.float64(a)))
+
+
+@cuda.jit
+def _old_rope_kernel(x, pos, inv_freq):
+    """The pre-table rope kernel's arithmetic on one (T, heads * hd) array, in place."""
+    half = inv_freq.shape[0]
+    hd = 2 * half
+    heads = x.shape[1] // hd
+    for idx in range(cuda.grid(1), x.shape[0] * heads * half, cuda.gridsize(1)):
+        t = idx // (heads * half)
+        r = idx - t * heads * half
+        i = r % half
+        col = (r // half) * hd + i
+        a = numba.float32(pos[0] + t) * inv_freq[i]
+        c = numba.float32(math.cos(numba.float64(a)))
+        s = numba.float32(math.sin(numba.float64(a)))
+        x0 = x[t, col]
+        x1 = x[t, col + half]
+        x[t, col] = x0 * c - x1 * s
+        x[t, col + half] = x1 * c + x0 * s
+
+
+def old_formula_table(hd, theta, P):
+    """The old per-thread formula evaluated on the device for positions 0 .. P-1."""
+    out = D(np.zeros((P, hd // 2, 2), np.float32))
+    _old_formula_kernel[8, 64](out, D(rope.inv_freq(hd, theta)))
+    return host(out)
+
+
+@pytest.mark.parametrize("hd,theta,P", [(8, 10000.0, 300), (128, 500000.0, 40), (6, 1e6, 77)])
+def test_rope_table_equals_old_formula(hd, theta, P):
+    """rope_table holds, bit for bit, float32(cos/sin(float64(float32(p) * inv_freq[i]))): the
+    numpy formula, the same formula on Python scalars, and the old kernels' device formula."""
+    cs = rope.rope_table(hd, theta, P)
+    assert cs.dtype == np.float32 and cs.shape == (P, hd // 2, 2)
+    inv = rope.inv_freq(hd, theta)
+    a = (np.arange(P, dtype=np.float32)[:, None] * inv[None, :]).astype(np.float32)
+    assert np.array_equal(cs[:, :, 0], np.cos(a.astype(np.float64)).astype(np.float32))
+    assert np.array_equal(cs[:, :, 1], np.sin(a.astype(np.float64)).astype(np.float32))
+    for p in (0, 1, P // 2, P - 1):
+        for i in range(hd // 2):
+            ang = float(np.float32(p) * inv[i])
+            assert cs[p, i, 0] == np.float32(math.cos(ang)) and cs[p, i, 1] == np.float32(math.sin(ang))
+    assert np.array_equal(cs, old_formula_table(hd, theta, P))
+
+
+def test_rope_table_gives_the_old_kernels_bits():
+    """rope / rope_kv_append with the table write exactly the bits of the pre-table kernel."""
+    rng = np.random.default_rng(21)
+    T, H, Hk, hd, p0, theta = 5, 3, 1, 8, 37, 10000.0
+    q = rng.standard_normal((T, H * hd)).astype(np.float32)
+    k = rng.standard_normal((T, Hk * hd)).astype(np.float32)
+    pos = D(np.array([p0], np.int32))
+    inv = D(rope.inv_freq(hd, theta))
+    want_q, want_k = D(q), D(k)
+    _old_rope_kernel[4, 64](want_q, pos, inv)
+    _old_rope_kernel[4, 64](want_k, pos, inv)
+    want_q, want_k = host(want_q), host(want_k)
+    S = p0 + T
+    cs = D(rope.rope_table(hd, theta, S + rope.POSITION_MARGIN))
+    qd, kd = D(q), D(k)
+    rope.rope(qd, kd, pos, cs)
+    assert np.array_equal(host(qd), want_q) and np.array_equal(host(kd), want_k)
+    kc, vc = D(np.zeros((1, S, Hk, hd), np.float32)), D(np.zeros((1, S, Hk, hd), np.float32))
+    qd, kd = D(q), D(k)
+    rope.rope_kv_append(qd, kd, D(k), kc, vc, 0, pos, cs)
+    assert np.array_equal(host(qd), want_q) and np.array_equal(host(kd), want_k)
+    assert np.array_equal(host(kc)[0, p0:], want_k.reshape(T, Hk, hd))
+    if numba.config.ENABLE_CUDASIM:
+        # the simulator evaluates float32 expressions as written (no fma contraction), so the
+        # rotation is the numpy float32 arithmetic of the old formula
+        tab = rope.rope_table(hd, theta, S)[p0:, None, :, :]      # (T, 1, half, 2)
+        c, sn = tab[..., 0], tab[..., 1]
+        x = q.reshape(T, H, hd)
+        x0, x1 = x[:, :, :hd // 2], x[:, :, hd // 2:]
+        ref = np.concatenate([x0 * c - x1 * sn, x1 * c + x0 * sn], axis=2).reshape(T, H * hd)
+        assert ref.dtype == np.float32 and np.array_equal(want_q, ref)
+
+
+def test_rope_table_argument_errors():
+    rng = np.random.default_rng(22)
+    T, H, Hk, hd, S = 2, 2, 1, 4, 6
+    q = D(rng.standard_normal((T, H * hd)).astype(np.float32))
+    k = D(rng.standard_normal((T, Hk * hd)).astype(np.float32))
+    v = D(rng.standard_normal((T, Hk * hd)).astype(np.float32))
+    qkv = D(rng.standard_normal((T, (H + 2 * Hk) * hd)).astype(np.float32))
+    q_out = D(np.zeros((T, H * hd), np.float32))
+    kc, vc = D(np.zeros((1, S, Hk, hd), np.float32)), D(np.zeros((1, S, Hk, hd), np.float32))
+    pos = D(np.array([0], np.int32))
+    table = rope.rope_table(hd, 10000.0, S + rope.POSITION_MARGIN)
+    rope.rope_kv_append(q, k, v, kc, vc, 0, pos, D(table))         # exactly large enough
+    rope.rope_kv_append_qkv(qkv, q_out, kc, vc, 0, pos, D(table))
+    short = D(table[:S + rope.POSITION_MARGIN - 1])
+    with pytest.raises(BackendError, match=f"covers {S + rope.POSITION_MARGIN - 1} positions.*cache of {S} slots"):
+        rope.rope_kv_append(q, k, v, kc, vc, 0, pos, short)
+    with pytest.raises(BackendError, match="covers"):
+        rope.rope_kv_append_qkv(qkv, q_out, kc, vc, 0, pos, short)
+    with pytest.raises(BackendError, match=f"covers 1 positions.*{T} rows"):
+        rope.rope(q, k, pos, D(table[:1]))
+    bad = [(D(table.astype(np.float64)), "dtype float64"),                   # wrong dtype
+           (D(np.ascontiguousarray(table[:, :, 0])), "3-D"),                  # cos only, 2-D
+           (D(np.zeros((S + 65, hd // 2, 3), np.float32)), "shape"),          # not (cos, sin) pairs
+           (D(rope.rope_table(2 * hd, 10000.0, S + 65)), "head_dim=8|k_cache has shape"),  # other hd
+           (D(np.zeros((S + 65, 0, 2), np.float32)), "one pair"),
+           (table, "device array")]                                          # host array
+    for cs, msg in bad:
+        for launch in (lambda: rope.rope(q, k, pos, cs),
+                       lambda: rope.rope_kv_append(q, k, v, kc, vc, 0, pos, cs),
+                       lambda: rope.rope_kv_append_qkv(qkv, q_out, kc, vc, 0, pos, cs)):
+            with pytest.raises(BackendError, match=msg):
+                launch()
+    for n in (0, -1, 2.0, True):
+        with pytest.raises(BackendError, match="n_positions"):
+            rope.rope_table(hd, 10000.0, n)
 
 
 # =============================================================================== attention
@@ -475,11 +603,12 @@ def test_tree_rope_kv_append_and_attention(cdt):
     H, Hk, hd, p0, layer = 4, 2, 8, 5, 1
     tree, dd, dp = _tree_tables(2, 2)             # 7 nodes: root, 2 children, 4 grandchildren
     N = tree.n_nodes
-    inv = D(rope.inv_freq(hd, 10000.0))
+    inv = rope.inv_freq(hd, 10000.0)
     q = rng.standard_normal((N, H * hd)).astype(np.float32)
     k = rng.standard_normal((N, Hk * hd)).astype(np.float32)
     v = rng.standard_normal((N, Hk * hd)).astype(np.float32)
     L, S = 2, p0 + N + 1
+    cs = D(rope.rope_table(hd, 10000.0, S + rope.POSITION_MARGIN))
     ctx_k = rng.standard_normal((L, S, Hk, hd)).astype(cdt)
     ctx_v = rng.standard_normal((L, S, Hk, hd)).astype(cdt)
     ctx_k[:, p0:] = 0
@@ -487,7 +616,7 @@ def test_tree_rope_kv_append_and_attention(cdt):
     kc, vc = D(ctx_k), D(ctx_v)
     qd, kd = D(q), D(k)
     pos = D(np.array([p0], np.int32))
-    rope.rope_kv_append(qd, kd, D(v), kc, vc, layer, pos, inv, depth=dd, path=dp)
+    rope.rope_kv_append(qd, kd, D(v), kc, vc, layer, pos, cs, depth=dd, path=dp)
     out = D(np.full((N, H * hd), np.nan, np.float32))
     attention.attention(out, qd, kc, vc, layer, pos, depth=dd, path=dp)
     got, hk, hv = host(out), host(kc), host(vc)
@@ -496,7 +625,7 @@ def test_tree_rope_kv_append_and_attention(cdt):
         d = int(tree.depth[node])
         path = [int(x) for x in tree.path[node, :d + 1]]
         # RoPE at position p0 + depth; K/V in slot p0 + node
-        close(gq[node:node + 1], ref_rope(q[node:node + 1], p0 + d, host(inv)), 1e-6)
+        close(gq[node:node + 1], ref_rope(q[node:node + 1], p0 + d, inv), 1e-6)
         assert np.array_equal(hv[layer, p0 + node], v[node].reshape(Hk, hd).astype(cdt))
         # the causal twin: context, then the path's K/V in consecutive slots
         ck, cv = ctx_k.copy(), ctx_v.copy()

@@ -9,7 +9,10 @@ Memory (all taken at load, released by free()):
               position, the argmax token, and pinned host staging buffers;
   KV caches   fp16 or fp32 (n_layers, slots, n_kv_heads, head_dim), slots rounded up to a power of
               two; up to MAX_SPARE_CACHES released caches are kept and handed to later requests that
-              fit, so captured graphs stay valid across requests (counted in memory_bytes).
+              fit, so captured graphs stay valid across requests (counted in memory_bytes);
+  RoPE table  float32 cos/sin (P, head_dim / 2, 2) (kernels/rope.py ``rope_table``), uploaded at
+              init for P = max_cache_slots(max_seq_len) + rope.POSITION_MARGIN positions: every
+              position a cache this backend hands out can reach (counted in memory_bytes).
 
 Decode steps run as captured CUDA graphs (``replay``): the first step of a (loops, cache) pair runs
 eagerly (compiling kernels), the second is captured on this backend's stream through the driver API
@@ -68,6 +71,19 @@ def _env_on(name: str) -> bool:
     return os.environ.get(name, "1") not in ("0", "false", "no")
 
 
+def round_slots(n_slots: int) -> int:
+    """Cache slots alloc_cache allocates for a request of n_slots: a power of two >= 128 (requests
+    of similar length then share caches, and with them the captured graphs)."""
+    return max(128, 1 << max(0, n_slots - 1).bit_length())
+
+
+def max_cache_slots(max_seq_len: int) -> int:
+    """The most slots a session of a backend loaded with max_seq_len asks alloc_cache for, rounded:
+    prompt + max_tokens <= max_seq_len, plus the speculative extra slots, draft_ahead + 1 <= 65
+    for a chain or the tree's nodes (at most the workspace rows <= max_seq_len) for a tree."""
+    return round_slots(max_seq_len + max(65, max_seq_len))
+
+
 class CUDAWeight:
     """A weight on the device: `w` plus `scales` / `zeros` when quantized. `owner` is the
     concatenated weight this one is a row view of (its memory is counted there), else None."""
@@ -105,7 +121,12 @@ class CUDABackend(Backend):
         super().__init__(cfg)
         self.max_seq_len = max_seq_len
         self.stream = cuda.stream()
-        self.inv_freq = cuda.to_device(k_rope.inv_freq(cfg.head_dim, cfg.rope_theta), stream=self.stream)
+        self._held = 0
+        # cos/sin for every position a launch into any of this backend's caches can reach (the
+        # launchers check cache slots + POSITION_MARGIN); read-only, shared by every graph
+        n_pos = max_cache_slots(max_seq_len) + k_rope.POSITION_MARGIN
+        self.rope_table = self._to_device(k_rope.rope_table(cfg.head_dim, cfg.rope_theta, n_pos))
+        self.stream.synchronize()
         self.pos = cuda.device_array(1, np.int32)
         self._pos_host = cuda.pinned_array(1, np.int32)
         self._tok_host = cuda.pinned_array(1, np.int32)
@@ -114,7 +135,6 @@ class CUDABackend(Backend):
         # when the device already holds the value, which is the case for every greedy decode step
         self._pos_value = None
         self._tok_value = None
-        self._held = 0
         self._spares = []                 # released caches kept for later requests (oldest first)
         self._graphs: "OrderedDict[Any, tuple]" = OrderedDict()
         self.use_graphs = _env_on("TINYLOOP_CUDA_GRAPHS") and not numba.config.ENABLE_CUDASIM
@@ -237,9 +257,7 @@ class CUDABackend(Backend):
             self._spares.remove(best)
             self._zero(best)
             return best
-        # slots rounded up to a power of two (>= 128): requests of similar length then share caches,
-        # and with them the captured graphs
-        n_slots = max(128, 1 << max(0, n_slots - 1).bit_length())
+        n_slots = round_slots(n_slots)
         shape = (n_layers, n_slots, self.cfg.n_kv_heads, self.cfg.head_dim)
         try:
             k = self._empty(shape, _DT[kv_dtype])
@@ -489,7 +507,7 @@ class CUDABackend(Backend):
 
     def rope_kv_append(self, q, k, v, cache: CUDACache, layer: int, pos, T: int) -> None:
         p, depth, path = self._tables(pos)
-        k_rope.rope_kv_append(q[:T], k[:T], v[:T], cache.k, cache.v, layer, p, self.inv_freq,
+        k_rope.rope_kv_append(q[:T], k[:T], v[:T], cache.k, cache.v, layer, p, self.rope_table,
                               stream=self.stream, depth=depth, path=path)
 
     def attention(self, q, cache: CUDACache, layer: int, pos, T: int, out) -> None:
@@ -521,7 +539,7 @@ class CUDABackend(Backend):
         if wqkv is not None:
             self._norm_matmul(ws.x, b.attn_norm, wqkv, ws.qkv, T)
             p, depth, path = self._tables(pos)
-            k_rope.rope_kv_append_qkv(ws.qkv[:T], ws.q[:T], cache.k, cache.v, layer, p, self.inv_freq,
+            k_rope.rope_kv_append_qkv(ws.qkv[:T], ws.q[:T], cache.k, cache.v, layer, p, self.rope_table,
                                       stream=self.stream, depth=depth, path=path)
         else:
             for W, out in ((b.wq, ws.q), (b.wk, ws.k), (b.wv, ws.v)):

@@ -2,15 +2,27 @@
 KV-cache append.
 
 For head width hd, half = hd / 2 and i < half, the pair (x[i], x[i + half]) of every head of
-query row t is rotated by the angle ``a = float32(p) * inv_freq[i]`` (a float32 product) with
-``p = pos[0] + t``::
+query row t is rotated at position ``p = pos[0] + t`` by the angle ``a = float32(p) * inv_freq[i]``
+(a float32 product)::
 
     x[i]        <- x[i] * cos(a) - x[i + half] * sin(a)
     x[i + half] <- x[i + half] * cos(a) + x[i] * sin(a)
 
-cos and sin are evaluated in float64 on the float32 angle and rounded to float32, so they are
-accurate to rounding whatever p is. ``inv_freq[i] = theta ** (-2 i / hd)`` is computed on the host
-in float64 and rounded to float32 (`inv_freq` helper below); pass that array.
+The kernels do not evaluate cos and sin: they read them from a float32 table ``cs`` made once on
+the host by `rope_table`, ``cs[p, i, 0] = cos(a)`` and ``cs[p, i, 1] = sin(a)`` for positions
+p = 0 .. P-1, where cos and sin are evaluated in float64 (numpy) on the float32 angle and rounded
+to float32, so they are accurate to rounding whatever p is. ``inv_freq[i] = theta ** (-2 i / hd)``
+is computed in float64 and rounded to float32 (`inv_freq` helper). Earlier versions evaluated the
+same formula per thread on the device (libdevice float64 cos/sin, about 3.5 us per decode-step
+launch on an H200); the lookup has no float64 arithmetic. numpy's and libdevice's float64 cos/sin
+may differ in the last float64 bit, which changes the float32 result only for a value within that
+distance of a float32 rounding boundary; tests/cuda/test_kernels_gpu.py compares the table with
+the device formula bit for bit.
+
+The table must cover every position a launch reaches; the kernels do not check it. Launchers check
+what the host can know (pos is a device array): the cache-writing kernels need
+``P >= max_seq + POSITION_MARGIN`` (the cache's slots plus a draft tree of depth <= 64 rooted at
+its end), plain `rope` needs ``P >= T`` and leaves ``pos[0] + T <= P`` to the caller.
 
 Shapes (T rows, H query heads, Hkv kv heads, hd head width, L cache layers, S max_seq)::
 
@@ -22,7 +34,8 @@ Shapes (T rows, H query heads, Hkv kv heads, hd head width, L cache layers, S ma
                                            v after; read (k is rotated in place there as well)
     q_out     float32 (T, H * hd)          (rope_kv_append_qkv only) receives the rotated q
     pos       int32 (1,)                   position of row 0, read on the device
-    inv_freq  float32 (hd / 2,)
+    cs        float32 (P, hd / 2, 2)       cos/sin table (`rope_table`): cs[p, i] = (cos, sin); one
+                                           thread reads its 8-byte pair, a warp a contiguous run
     k_cache, v_cache  float16 or float32 (L, S, Hkv, hd)   (rope_kv_append only) slot p of
                       `layer` receives the rotated k row and the v row; rows with p >= S are not
                       written (the host keeps pos[0] + T <= S)
@@ -38,22 +51,24 @@ offsets 0, H hd, (H + Hkv) hd).
 
 Thread mapping: one thread per (row t, head, pair i), flat grid-stride. Every element depends only
 on its own inputs and p, so the result is independent of T and of the grid: batch-invariant.
+The table is read-only and shared by every launch, so a captured graph only holds its address.
 The position is read from the device array `pos`, so a captured graph replays unchanged while
 the host advances pos[0] between steps.
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
-from numba import cuda, float32, float64
+from numba import cuda
 
 from ...core.errors import BackendError
 from ._common import cdiv, check_array, check_tree
 
 NT = 256
 MAX_BLOCKS = 4096
+#: Positions past the cache's last slot the table must cover for the cache-writing kernels: a
+#: draft tree rotates row t at pos[0] + depth[t], depth <= 64 (draft_ahead <= 64).
+POSITION_MARGIN = 65
 
 
 def inv_freq(head_dim: int, theta: float) -> np.ndarray:
@@ -64,13 +79,29 @@ def inv_freq(head_dim: int, theta: float) -> np.ndarray:
     return (float(theta) ** (-2.0 * i / head_dim)).astype(np.float32)
 
 
+def rope_table(head_dim: int, theta: float, n_positions: int) -> np.ndarray:
+    """float32 (n_positions, head_dim / 2, 2) table: ``[p, i] = (cos(a), sin(a))`` with the float32
+    angle ``a = float32(p) * inv_freq[i]`` (float32 product), cos and sin evaluated in float64 on
+    that angle and rounded to float32. Upload it once (cuda.to_device) and pass it to every launch."""
+    n = n_positions
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= 2 ** 31:
+        raise BackendError(f"rope_table: n_positions={n!r} must be an integer in [1, 2**31]")
+    f = inv_freq(head_dim, theta)
+    p = np.arange(int(n), dtype=np.int64).astype(np.float32)      # float32(p), rounded to nearest
+    a = (p[:, None] * f[None, :]).astype(np.float64)                 # the float32 product, widened
+    cs = np.empty((int(n), f.shape[0], 2), np.float32)
+    cs[:, :, 0] = np.cos(a)
+    cs[:, :, 1] = np.sin(a)
+    return cs
+
+
 @cuda.jit(device=True)
-def _rotate(src, dst, t, scol, dcol, half, p, inv_freq, i):
+def _rotate(src, dst, t, scol, dcol, half, p, cs, i):
     """Rotate the pair (src[t, scol], src[t, scol + half]) into dst[t, dcol], dst[t, dcol + half]
-    (dst may be src: each element is read before it is written, by the same thread)."""
-    a = float32(p) * inv_freq[i]
-    c = float32(math.cos(float64(a)))
-    s = float32(math.sin(float64(a)))
+    by the table's angle for (position p, pair i) (dst may be src: each element is read before it
+    is written, by the same thread)."""
+    c = cs[p, i, 0]
+    s = cs[p, i, 1]
     x0 = src[t, scol]
     x1 = src[t, scol + half]
     r0 = x0 * c - x1 * s
@@ -81,8 +112,8 @@ def _rotate(src, dst, t, scol, dcol, half, p, inv_freq, i):
 
 
 @cuda.jit
-def _rope_kernel(q, k, pos, inv_freq):
-    half = inv_freq.shape[0]
+def _rope_kernel(q, k, pos, cs):
+    half = cs.shape[1]
     hd = 2 * half
     T = q.shape[0]
     H = q.shape[1] // hd
@@ -97,18 +128,18 @@ def _rope_kernel(q, k, pos, inv_freq):
         i = r - head * half
         if head < H:
             col = head * hd + i
-            _rotate(q, q, t, col, col, half, p0 + t, inv_freq, i)
+            _rotate(q, q, t, col, col, half, p0 + t, cs, i)
         else:
             col = (head - H) * hd + i
-            _rotate(k, k, t, col, col, half, p0 + t, inv_freq, i)
+            _rotate(k, k, t, col, col, half, p0 + t, cs, i)
 
 
 @cuda.jit
-def _rope_kv_append_kernel(q, q_out, k, v, qoff, koff, voff, k_cache, v_cache, layer, pos, inv_freq,
+def _rope_kv_append_kernel(q, q_out, k, v, qoff, koff, voff, k_cache, v_cache, layer, pos, cs,
                            depth, path):
     # q, k, v: source arrays, read at column offsets qoff, koff, voff; rotated q goes to q_out
     # (columns from 0), rotated k back into k and into the cache, v into the cache.
-    half = inv_freq.shape[0]
+    half = cs.shape[1]
     hd = 2 * half
     T = q_out.shape[0]
     H = q_out.shape[1] // hd
@@ -130,11 +161,11 @@ def _rope_kv_append_kernel(q, q_out, k, v, qoff, koff, voff, k_cache, v_cache, l
             slot = p0 + path[t, depth[t]]
         if head < H:
             col = head * hd + i
-            _rotate(q, q_out, t, qoff + col, col, half, p, inv_freq, i)
+            _rotate(q, q_out, t, qoff + col, col, half, p, cs, i)
         else:
             kh = head - H
             col = kh * hd + i
-            r0, r1 = _rotate(k, k, t, koff + col, koff + col, half, p, inv_freq, i)
+            r0, r1 = _rotate(k, k, t, koff + col, koff + col, half, p, cs, i)
             if 0 <= slot < S:
                 k_cache[layer, slot, kh, i] = r0
                 k_cache[layer, slot, kh, i + half] = r1
@@ -142,18 +173,19 @@ def _rope_kv_append_kernel(q, q_out, k, v, qoff, koff, voff, k_cache, v_cache, l
                 v_cache[layer, slot, kh, i + half] = v[t, voff + col + half]
 
 
-def _check_common(op, q, k, pos, inv_freq):
-    check_array(op, "inv_freq", inv_freq, np.float32, 1)
-    half = inv_freq.shape[0]
-    if half == 0:
-        raise BackendError(f"{op}: inv_freq is empty")
+def _check_common(op, q, k, pos, cs):
+    check_array(op, "cs", cs, np.float32, 3, (None, None, 2))
+    half = cs.shape[1]
+    if half == 0 or cs.shape[0] == 0:
+        raise BackendError(f"{op}: the cos/sin table cs has shape {tuple(cs.shape)}; it needs at least "
+                           f"one position and one pair (rope_table)")
     hd = 2 * half
     check_array(op, "q", q, np.float32, 2)
     T = q.shape[0]
     check_array(op, "k", k, np.float32, 2, (T, None))
     if q.shape[1] % hd or k.shape[1] % hd or q.shape[1] == 0 or k.shape[1] == 0:
         raise BackendError(f"{op}: q width {q.shape[1]} and k width {k.shape[1]} must be "
-                           f"positive multiples of head_dim={hd} (= 2 * len(inv_freq))")
+                           f"positive multiples of head_dim={hd} (= 2 * cs.shape[1])")
     check_array(op, "pos", pos, np.int32, 1, (1,))
     n = T * (q.shape[1] + k.shape[1]) // 2
     if n >= 2 ** 31:
@@ -161,17 +193,28 @@ def _check_common(op, q, k, pos, inv_freq):
     return T, hd, n
 
 
-def rope(q, k, pos, inv_freq, stream=0):
-    """Rotate q and k in place at positions pos[0] + t (see module doc)."""
-    T, hd, n = _check_common("rope", q, k, pos, inv_freq)
+def _check_positions(op, cs, need, what):
+    if cs.shape[0] < need:
+        raise BackendError(f"{op}: the cos/sin table cs covers {cs.shape[0]} positions, but {what} needs "
+                           f"at least {need}; make it with rope_table(head_dim, theta, n_positions >= {need})")
+
+
+def rope(q, k, pos, cs, stream=0):
+    """Rotate q and k in place at positions pos[0] + t (see module doc). The caller keeps
+    pos[0] + T <= cs.shape[0]; the launcher can only check cs.shape[0] >= T."""
+    T, hd, n = _check_common("rope", q, k, pos, cs)
+    _check_positions("rope", cs, T, f"a launch of {T} rows (positions pos[0] .. pos[0] + {T - 1})")
     if T == 0:
         return
-    _rope_kernel[min(cdiv(n, NT), MAX_BLOCKS), NT, stream](q, k, pos, inv_freq)
+    _rope_kernel[min(cdiv(n, NT), MAX_BLOCKS), NT, stream](q, k, pos, cs)
 
 
-def _check_cache(op, T, Hk, hd, k_cache, v_cache, layer):
+def _check_cache(op, T, Hk, hd, k_cache, v_cache, layer, cs):
     check_array(op, "k_cache", k_cache, (np.float16, np.float32), 4, (None, None, Hk, hd))
     check_array(op, "v_cache", v_cache, k_cache.dtype, 4, tuple(k_cache.shape))
+    S = int(k_cache.shape[1])
+    _check_positions(op, cs, S + POSITION_MARGIN, f"a cache of {S} slots (its slots plus "
+                     f"POSITION_MARGIN={POSITION_MARGIN} for a draft tree's depth)")
     layer = int(layer)
     if not 0 <= layer < k_cache.shape[0]:
         raise BackendError(f"{op}: layer={layer} is outside [0, {k_cache.shape[0]})")
@@ -180,29 +223,29 @@ def _check_cache(op, T, Hk, hd, k_cache, v_cache, layer):
     return layer
 
 
-def rope_kv_append(q, k, v, k_cache, v_cache, layer, pos, inv_freq, stream=0, depth=None, path=None):
+def rope_kv_append(q, k, v, k_cache, v_cache, layer, pos, cs, stream=0, depth=None, path=None):
     """`rope` on q and k, then store the rotated k rows and the v rows in cache layer `layer` at
     slots pos[0] + t (cast to the cache dtype); with tree tables, at the tree layout's positions
     and slots (module doc)."""
     op = "rope_kv_append"
-    T, hd, n = _check_common(op, q, k, pos, inv_freq)
+    T, hd, n = _check_common(op, q, k, pos, cs)
     check_array(op, "v", v, np.float32, 2, tuple(k.shape))
-    layer = _check_cache(op, T, k.shape[1] // hd, hd, k_cache, v_cache, layer)
+    layer = _check_cache(op, T, k.shape[1] // hd, hd, k_cache, v_cache, layer, cs)
     depth, path = check_tree(op, depth, path, T)
     if T == 0:
         return
     _rope_kv_append_kernel[min(cdiv(n, NT), MAX_BLOCKS), NT, stream](
-        q, q, k, v, 0, 0, 0, k_cache, v_cache, layer, pos, inv_freq, depth, path)
+        q, q, k, v, 0, 0, 0, k_cache, v_cache, layer, pos, cs, depth, path)
 
 
-def rope_kv_append_qkv(qkv, q_out, k_cache, v_cache, layer, pos, inv_freq, stream=0, depth=None, path=None):
+def rope_kv_append_qkv(qkv, q_out, k_cache, v_cache, layer, pos, cs, stream=0, depth=None, path=None):
     """`rope_kv_append` reading q, k and v from the fused projection `qkv` (T, q_dim + 2 kv_dim):
     the rotated q rows go to `q_out` (T, q_dim), the rotated k rows (also left in qkv's k
     columns) and the v rows to cache layer `layer` at slots pos[0] + t (or the tree layout's).
     kv_dim is the cache's n_kv_heads * head_dim."""
     op = "rope_kv_append_qkv"
-    # q_out stands in for both q and k in the shared checks (inv_freq, pos, widths vs head_dim).
-    T, hd, _ = _check_common(op, q_out, q_out, pos, inv_freq)
+    # q_out stands in for both q and k in the shared checks (cs, pos, widths vs head_dim).
+    T, hd, _ = _check_common(op, q_out, q_out, pos, cs)
     q_dim = q_out.shape[1]
     check_array(op, "k_cache", k_cache, (np.float16, np.float32), 4, (None, None, None, hd))
     kv_dim = int(k_cache.shape[2]) * hd
@@ -212,20 +255,21 @@ def rope_kv_append_qkv(qkv, q_out, k_cache, v_cache, layer, pos, inv_freq, strea
     n = T * (q_dim + kv_dim) // 2
     if n >= 2 ** 31:
         raise BackendError(f"{op}: too many elements for one launch")
-    layer = _check_cache(op, T, kv_dim // hd, hd, k_cache, v_cache, layer)
+    layer = _check_cache(op, T, kv_dim // hd, hd, k_cache, v_cache, layer, cs)
     depth, path = check_tree(op, depth, path, T)
     if T == 0:
         return
     _rope_kv_append_kernel[min(cdiv(n, NT), MAX_BLOCKS), NT, stream](
-        qkv, q_out, qkv, qkv, 0, q_dim, q_dim + kv_dim, k_cache, v_cache, layer, pos, inv_freq, depth, path)
+        qkv, q_out, qkv, qkv, 0, q_dim, q_dim + kv_dim, k_cache, v_cache, layer, pos, cs, depth, path)
 
 
 def ptx_signatures():
     m = "float32[:, ::1]"
-    sigs = [("rope", _rope_kernel.py_func, f"void({m}, {m}, int32[::1], float32[::1])")]
+    t = "float32[:, :, ::1]"
+    sigs = [("rope", _rope_kernel.py_func, f"void({m}, {m}, int32[::1], {t})")]
     for ct in ("float16", "float32"):
         c = f"{ct}[:, :, :, ::1]"
         sigs.append((f"rope_kv_append_{ct}", _rope_kv_append_kernel.py_func,
                      f"void({m}, {m}, {m}, {m}, int64, int64, int64, {c}, {c}, int64, int32[::1], "
-                     "float32[::1], int32[::1], int32[:, ::1])"))
+                     f"{t}, int32[::1], int32[:, ::1])"))
     return sigs
