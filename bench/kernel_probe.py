@@ -30,6 +30,9 @@ def main(argv=None) -> int:
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--norm", action="store_true")
     args = ap.parse_args(argv)
+    for name in ("ctx", "heads", "head_dim", "rows", "launches", "group"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
 
     from numba import cuda
 

@@ -46,6 +46,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
+    for name in ("loops", "prompt_len", "tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
 
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -66,6 +69,7 @@ def main(argv=None) -> int:
     st = tl.GenerateStats()
     tl.generate_stream(m, prompt, gc, stats=st)
     wall = st.decode_ms / max(1, st.tokens_emitted - 1)
+
     def kernels(n_new):
         """Device time (us) and launches per kernel name of one generate_stream call."""
         per = defaultdict(lambda: [0.0, 0])
@@ -75,8 +79,9 @@ def main(argv=None) -> int:
         for ev in prof.events():
             if ev.device_type.name != "CUDA":
                 continue
-            per[short_name(ev.name)][0] += ev.device_time_total
-            per[short_name(ev.name)][1] += 1
+            rec = per[short_name(ev.name)]
+            rec[0] += ev.device_time_total
+            rec[1] += 1
         return per
 
     # The decode part is the difference between a run of 1 + n tokens and a run of 1 token (the

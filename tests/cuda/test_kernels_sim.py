@@ -146,20 +146,26 @@ MATMUL_CASES = [
 
 @pytest.mark.parametrize("kind,N,K,group,fast", MATMUL_CASES)
 def test_matmul_reference_and_batch_invariance(kind, N, K, group, fast):
-    rng = np.random.default_rng(N * 1000 + K)
-    arrays, W = make_weight(rng, kind, N, K, group)
     assert matmul.uses_fast_path(kind, K, group) == fast
-    T = 5  # one full tile of 4 rows and a partial one
+    # T = 5: one full tile of 4 rows and a partial one; the last row alone (T == 1 uses the GEMV
+    # configuration)
+    _check_rows_alone(np.random.default_rng(N * 1000 + K), kind, N, K, group, 5, [4])
+
+
+def _check_rows_alone(rng, kind, N, K, group, T, rows):
+    """A T-row product against the float64 reference, and each of `rows` launched alone giving the
+    same bits as in the T-row launch (batch invariance)."""
+    arrays, W = make_weight(rng, kind, N, K, group)
     x = rng.standard_normal((T, K)).astype(np.float32)
     dev = {k: D(v) for k, v in arrays.items()}
     out = D(np.full((T, N), np.nan, np.float32))
     matmul.matmul(out, D(x), dev["w"], dev.get("scales"), dev.get("zeros"))
     got = host(out)
     close(got, x.astype(np.float64) @ W.T, 1e-5 * math.sqrt(K))
-    # Batch invariance: the last row alone (T == 1 uses the GEMV configuration).
-    o1 = D(np.full((1, N), np.nan, np.float32))
-    matmul.matmul(o1, D(x[T - 1:T]), dev["w"], dev.get("scales"), dev.get("zeros"))
-    assert np.array_equal(host(o1)[0], got[T - 1])
+    for t in rows:
+        o1 = D(np.full((1, N), np.nan, np.float32))
+        matmul.matmul(o1, D(x[t:t + 1]), dev["w"], dev.get("scales"), dev.get("zeros"))
+        assert np.array_equal(host(o1)[0], got[t])
 
 
 @pytest.mark.parametrize("kind,N,K,group", [("q4", 21, 128, 32), ("q2", 10, 64, 32), ("f16", 11, 36, 0)])
@@ -168,19 +174,7 @@ def test_matmul_wide_gemv_config_is_batch_invariant(monkeypatch, kind, N, K, gro
     GEMV_WIDE_CONFIG: still the same bits as the row inside a multi-row launch."""
     monkeypatch.setattr(matmul, "WIDE_N", 8)
     assert matmul.config_for(kind, 1, N)[1:] != matmul.config_for(kind, 1, 4)[1:]
-    rng = np.random.default_rng(N + K)
-    arrays, W = make_weight(rng, kind, N, K, group)
-    T = 3
-    x = rng.standard_normal((T, K)).astype(np.float32)
-    dev = {k: D(v) for k, v in arrays.items()}
-    out = D(np.full((T, N), np.nan, np.float32))
-    matmul.matmul(out, D(x), dev["w"], dev.get("scales"), dev.get("zeros"))
-    got = host(out)
-    close(got, x.astype(np.float64) @ W.T, 1e-5 * math.sqrt(K))
-    for t in range(T):
-        o1 = D(np.full((1, N), np.nan, np.float32))
-        matmul.matmul(o1, D(x[t:t + 1]), dev["w"], dev.get("scales"), dev.get("zeros"))
-        assert np.array_equal(host(o1)[0], got[t])
+    _check_rows_alone(np.random.default_rng(N + K), kind, N, K, group, 3, range(3))
 
 
 def test_matmul_accumulate_and_chunks():

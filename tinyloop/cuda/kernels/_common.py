@@ -72,7 +72,8 @@ else:  # CUDA simulator twins: same butterfly, through shared memory.
     # what makes it slow).
 
     @cuda.jit(device=True)
-    def warp_sum(v, scratch, warp, lane):
+    def _replay(v, scratch, warp, lane, combine):
+        """Publish v, read the warp's 32 values, replay the butterfly with `combine`."""
         scratch[warp, lane] = v
         # Every lane's value must be stored before any lane reads the warp's values.
         cuda.syncthreads()
@@ -80,20 +81,16 @@ else:  # CUDA simulator twins: same butterfly, through shared memory.
         # Every lane must have read the values before a later call overwrites them.
         cuda.syncthreads()
         for o in (16, 8, 4, 2, 1):
-            vals = [vals[i] + vals[i ^ o] for i in range(32)]
+            vals = [combine(vals[i], vals[i ^ o]) for i in range(32)]
         return vals[lane]
 
     @cuda.jit(device=True)
+    def warp_sum(v, scratch, warp, lane):
+        return _replay(v, scratch, warp, lane, lambda a, b: a + b)
+
+    @cuda.jit(device=True)
     def warp_max(v, scratch, warp, lane):
-        scratch[warp, lane] = v
-        # Every lane's value must be stored before any lane reads the warp's values.
-        cuda.syncthreads()
-        vals = [scratch[warp, i] for i in range(32)]
-        # Every lane must have read the values before a later call overwrites them.
-        cuda.syncthreads()
-        for o in (16, 8, 4, 2, 1):
-            vals = [max(vals[i], vals[i ^ o]) for i in range(32)]
-        return vals[lane]
+        return _replay(v, scratch, warp, lane, max)
 
     @cuda.jit(device=True)
     def as_float(bits):

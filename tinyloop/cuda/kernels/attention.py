@@ -84,6 +84,14 @@ def _make_kernel(nd):
             return p0 + path[t, j - p0]
         return j
 
+    @cuda.jit(device=True)
+    def load_row(cf, off, rows, u, lane, hd):
+        """rows[u, k] <- the lane's dims lane + 32 k of the cache row at flat offset `off` (0 past
+        hd); the 32 lanes read consecutive dims."""
+        o = off + uint64(lane)
+        for k in range(nd):
+            rows[u, k] = float32(cf[o + uint64(32 * k)]) if lane + 32 * k < hd else float32(0.0)
+
     @cuda.jit(**_JIT_OPTS)
     def kernel(out, q, kf, vf, S, Hk, hd, layer, pos, scale, depth, path):
         H = q.shape[1] // hd
@@ -134,9 +142,7 @@ def _make_kernel(nd):
                     if i < n_mine:
                         slot = slot_of(c0 + warp + NW * i, p0, t, tree, path)
                     ks[u] = slot
-                    off = base + uint64(slot) * row + uint64(lane)
-                    for k in range(nd):
-                        kv[u, k] = float32(kf[off + uint64(32 * k)]) if lane + 32 * k < hd else float32(0.0)
+                    load_row(kf, base + uint64(slot) * row, kv, u, lane, hd)
                 for u in range(U):
                     pp = float32(0.0)
                     for k in range(nd):
@@ -170,9 +176,7 @@ def _make_kernel(nd):
                         slot = sl[warp + NW * i]
                         ew = sc[warp + NW * i]
                     ke[u] = ew
-                    off = base + uint64(slot) * row + uint64(lane)
-                    for k in range(nd):
-                        kv[u, k] = float32(vf[off + uint64(32 * k)]) if lane + 32 * k < hd else float32(0.0)
+                    load_row(vf, base + uint64(slot) * row, kv, u, lane, hd)
                 for u in range(U):
                     if i0 + u < n_mine:
                         for k in range(nd):
