@@ -50,8 +50,10 @@ def main(argv=None) -> int:
         q = cuda.to_device(rng.standard_normal((T, H * hd)).astype(np.float32))
         out = cuda.device_array((T, H * hd), np.float32)
         pos = cuda.to_device(np.array([args.ctx], np.int32))
+        work = cuda.device_array(attention.workspace_shape(T, H, hd), np.float32)
+        cnt = cuda.to_device(np.zeros(attention.counter_shape(T, H), np.int32))
         for _ in range(args.launches):
-            attention.attention(out, q, kc, vc, 0, pos)
+            attention.attention(out, q, kc, vc, 0, pos, work, cnt)
         cuda.synchronize()
         print(f"attention ctx {args.ctx}: {args.launches} launches of {T} row(s)")
         return 0

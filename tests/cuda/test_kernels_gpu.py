@@ -29,8 +29,8 @@ from tinyloop.cuda.kernels import (add, argmax, attention, embed, matmul, rmsnor
 import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for the shared references
-from test_kernels_sim import (close, make_weight, old_formula_table, ref_attention,  # noqa: E402
-                              ref_rmsnorm, ref_rope)
+from test_kernels_sim import (att_ws, close, make_weight, old_formula_table,  # noqa: E402
+                              ref_attention, ref_rmsnorm, ref_rope)
 
 D = cuda.to_device
 
@@ -188,13 +188,15 @@ def test_rope_attention_long_context_gpu():
     kc_h[layer, p0:] = host(kc)[layer, p0:]
     vc_h[layer, p0:] = host(vc)[layer, p0:]
     out = D(np.zeros((T, H * hd), np.float32))
-    attention.attention(out, qd, kc, vc, layer, pos)
+    work, cnt = att_ws(T, H, hd)
+    attention.attention(out, qd, kc, vc, layer, pos, work, cnt)
     got = host(out)
     assert rel_err(got, ref_attention(gq, kc_h, vc_h, layer, p0, H, Hk, hd)) < 1e-5
+    assert not host(cnt).any()
 
-    def one(t):
+    def one(t):   # the same workspace, launch after launch (the counters reset themselves)
         o = D(np.zeros((1, H * hd), np.float32))
-        attention.attention(o, D(gq[t:t + 1]), kc, vc, layer, D(np.array([p0 + t], np.int32)))
+        attention.attention(o, D(gq[t:t + 1]), kc, vc, layer, D(np.array([p0 + t], np.int32)), work, cnt)
         return host(o)[0]
     assert np.array_equal(rows_alone(one, T), got)
 
@@ -255,11 +257,12 @@ def test_graph_capture_replay():
     params = D(np.array([1.0, 0, 1.0], np.float32))
     state = D(np.array([5, 0], np.int64))
     tok = D(np.zeros(1, np.int32))
+    work, cnt = att_ws(1, H, hd)
 
     def step(stream):
         matmul.matmul(q, x, wq["w"], wq["scales"], wq["zeros"], stream=stream)
         rope.rope_kv_append(q, kb, vb, kc, vc, 0, pos, cs, stream=stream)
-        attention.attention(out, q, kc, vc, 0, pos, stream=stream)
+        attention.attention(out, q, kc, vc, 0, pos, work, cnt, stream=stream)
         sample.sample(tok, logits, params, state, advance=True, stream=stream)
 
     step(0)  # compile and load every kernel before capture
@@ -281,6 +284,10 @@ def test_graph_capture_replay():
         assert host(state)[1] == p + 1
         assert not np.isnan(host(out)).any()
         assert np.abs(host(kc)[0, p]).sum() > 0
+        # the replayed attention (split counters reset by the previous replay) == an eager launch
+        o2, (w2, c2) = D(np.zeros((1, H * hd), np.float32)), att_ws(1, H, hd)
+        attention.attention(o2, q, kc, vc, 0, pos, w2, c2)
+        assert np.array_equal(host(o2), host(out))
     assert tokens == [sample.reference_sample(host(logits), 1.0, 0, 1.0, sample.uniform(5, p))
                       for p in range(3)]
 
@@ -337,12 +344,13 @@ def test_bench_other_kernels():
     kc = D(rng.standard_normal((1, S, Hk, hd)).astype(np.float16))
     vc = D(rng.standard_normal((1, S, Hk, hd)).astype(np.float16))
     res = []
+    work, cnt = att_ws(1, H, hd)
     for ctx in (128, 1024, 8191):
         q = D(rng.standard_normal((1, H * hd)).astype(np.float32))
         o = D(np.zeros((1, H * hd), np.float32))
         pos = D(np.array([ctx - 1], np.int32))
         res.append((f"attention T=1 ctx={ctx}",
-                    _time_us(lambda st: attention.attention(o, q, kc, vc, 0, pos, stream=st),
+                    _time_us(lambda st: attention.attention(o, q, kc, vc, 0, pos, work, cnt, stream=st),
                              reps=20)))
         print(res[-1], flush=True)
     x = D(rng.standard_normal((1, 2048)).astype(np.float32))

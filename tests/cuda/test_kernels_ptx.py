@@ -57,6 +57,11 @@ def test_compiles_for_sm90(cc90_device, name, fn, sig):
         assert "ld.global.u64" in ptx or "ld.global.nc.u64" in ptx
         assert "shfl.sync.bfly" in ptx
         assert "ld.local" not in ptx and "st.local" not in ptx
+    if name.startswith("attention"):
+        # Per-lane arrays in registers, and the split combine's device-wide fence and atomic
+        # arrival count (the "last block" pattern).
+        assert "ld.local" not in ptx and "st.local" not in ptx
+        assert "membar.gl" in ptx and "atom.global.add" in ptx
     if name.startswith(("matmul", "rmsnorm", "attention", "swiglu", "add", "embed", "argmax", "rope")):
         # No accidental float64 arithmetic (an untyped 0.0 literal promotes a float32 chain);
         # rope reads cos/sin from a float32 table (only sample uses float64, on purpose).

@@ -562,10 +562,20 @@ def test_rope_table_argument_errors():
 
 
 # =============================================================================== attention
+def att_ws(T, H, hd):
+    """A split workspace for T rows of H heads: partials NaN-filled (every record read must have
+    been written by the launch), counters zeroed once, as a caller allocates them."""
+    return (D(np.full(attention.workspace_shape(T, H, hd), np.nan, np.float32)),
+            D(np.zeros(attention.counter_shape(T, H), np.int32)))
+
+
+CK, Z = attention.CK, attention.Z
+
+
 @pytest.mark.parametrize("T,H,Hk,hd,p0,cdt", [
-    (3, 4, 2, 8, 4, np.float32),       # GQA 2:1
-    (2, 2, 1, 6, attention.C - 1, np.float16),  # MQA; row 1 reaches a second chunk
-    (1, 2, 2, 4, 0, np.float32),       # MHA, a single slot
+    (3, 4, 2, 8, 4, np.float32),           # GQA 2:1; rows shorter than a chunk (empty splits)
+    (2, 2, 1, 6, CK * Z + 1, np.float16),  # MQA; Z + 1 chunks, the last partial: split 0 takes two
+    (1, 2, 2, 4, 0, np.float32),           # MHA, a single slot
 ])
 def test_attention(T, H, Hk, hd, p0, cdt):
     rng = np.random.default_rng(5)
@@ -574,14 +584,56 @@ def test_attention(T, H, Hk, hd, p0, cdt):
     vc = rng.standard_normal((L, S, Hk, hd)).astype(cdt)
     q = rng.standard_normal((T, H * hd)).astype(np.float32)
     kd, vd = D(kc), D(vc)
+    work, cnt = att_ws(T, H, hd)
     out = D(np.full((T, H * hd), np.nan, np.float32))
-    attention.attention(out, D(q), kd, vd, layer, D(np.array([p0], np.int32)))
+    attention.attention(out, D(q), kd, vd, layer, D(np.array([p0], np.int32)), work, cnt)
     got = host(out)
     close(got, ref_attention(q, kc, vc, layer, p0, H, Hk, hd), 1e-5)
+    assert not host(cnt).any()                    # the last block of each (row, head) reset it
+    # batch invariance: the last row alone, through a workspace of a different size
     t = T - 1
+    w1, c1 = att_ws(1, H, hd)
     o1 = D(np.zeros((1, H * hd), np.float32))
-    attention.attention(o1, D(q[t:t + 1]), kd, vd, layer, D(np.array([p0 + t], np.int32)))
+    attention.attention(o1, D(q[t:t + 1]), kd, vd, layer, D(np.array([p0 + t], np.int32)), w1, c1)
     assert np.array_equal(host(o1)[0], got[t])
+
+
+def test_attention_repeat_launch_reuses_workspace():
+    """Two launches through the same workspace (as graph replays do) give the same bits: the
+    counters the first launch counted up are back at zero for the second."""
+    rng = np.random.default_rng(6)
+    T, H, Hk, hd, p0 = 1, 1, 1, 4, CK * Z      # Z chunks + 1 key: split 0 takes two chunks
+    kc = D(rng.standard_normal((1, p0 + T, Hk, hd)).astype(np.float32))
+    vc = D(rng.standard_normal((1, p0 + T, Hk, hd)).astype(np.float32))
+    q, pos = D(rng.standard_normal((T, H * hd)).astype(np.float32)), D(np.array([p0], np.int32))
+    work, cnt = att_ws(T, H, hd)
+    o1, o2 = (D(np.full((T, H * hd), np.nan, np.float32)) for _ in range(2))
+    attention.attention(o1, q, kc, vc, 0, pos, work, cnt)
+    attention.attention(o2, q, kc, vc, 0, pos, work, cnt)
+    assert not np.isnan(host(o1)).any()
+    assert np.array_equal(host(o1), host(o2))
+    assert not host(cnt).any()
+
+
+def test_attention_argument_errors():
+    T, H, Hk, hd = 2, 2, 1, 4
+    kc = D(np.zeros((1, 4, Hk, hd), np.float32))
+    q, out, pos = D(np.zeros((T, H * hd), np.float32)), D(np.zeros((T, H * hd), np.float32)), D(np.zeros(1, np.int32))
+    work, cnt = att_ws(T, H, hd)
+    need_w, need_c = attention.workspace_shape(T, H, hd)[0], attention.counter_shape(T, H)[0]
+    assert (need_w, need_c) == (T * H * Z * (hd + 2), T * H)
+    with pytest.raises(BackendError, match=f"work has {need_w - 1} elements.*at least {need_w}"):
+        attention.attention(out, q, kc, kc, 0, pos, work[:need_w - 1], cnt)
+    with pytest.raises(BackendError, match=f"counter has {need_c - 1} elements.*at least {need_c}"):
+        attention.attention(out, q, kc, kc, 0, pos, work, cnt[:need_c - 1])
+    with pytest.raises(BackendError, match="work has dtype int32"):
+        attention.attention(out, q, kc, kc, 0, pos, cnt, cnt)
+    with pytest.raises(BackendError, match="counter has dtype float32"):
+        attention.attention(out, q, kc, kc, 0, pos, work, work)
+    with pytest.raises(BackendError, match="work must be a device array"):
+        attention.attention(out, q, kc, kc, 0, pos, np.zeros(need_w, np.float32), cnt)
+    with pytest.raises(BackendError, match="counter must be 1-D"):
+        attention.attention(out, q, kc, kc, 0, pos, work, D(np.zeros((T, H), np.int32)))
 
 
 def _tree_tables(K, depth):
@@ -589,12 +641,14 @@ def _tree_tables(K, depth):
     return t, D(t.depth), D(t.path)
 
 
-@pytest.mark.parametrize("cdt", [np.float32, np.float16])
-def test_tree_rope_kv_append_and_attention(cdt):
+@pytest.mark.parametrize("cdt,p0,H,Hk", [(np.float32, 5, 4, 2), (np.float16, CK * Z + 1, 2, 1)])
+def test_tree_rope_kv_append_and_attention(cdt, p0, H, Hk):
     """A tree launch equals, row by row and bit for bit, the causal launch of the row's own path
-    (its ancestors' K/V laid out in consecutive slots after the context)."""
+    (its ancestors' K/V laid out in consecutive slots after the context). The float16 case has a
+    context of more than Z chunks, so the rows' keys span several splits (fewer heads: the
+    simulator's cost grows with the chunks)."""
     rng = np.random.default_rng(11)
-    H, Hk, hd, p0, layer = 4, 2, 8, 5, 1
+    hd, layer = 8, 1
     tree, dd, dp = _tree_tables(2, 2)             # 7 nodes: root, 2 children, 4 grandchildren
     N = tree.n_nodes
     inv = rope.inv_freq(hd, 10000.0)
@@ -612,7 +666,8 @@ def test_tree_rope_kv_append_and_attention(cdt):
     pos = D(np.array([p0], np.int32))
     rope.rope_kv_append(qd, kd, D(v), kc, vc, layer, pos, cs, depth=dd, path=dp)
     out = D(np.full((N, H * hd), np.nan, np.float32))
-    attention.attention(out, qd, kc, vc, layer, pos, depth=dd, path=dp)
+    work, cnt = att_ws(N, H, hd)
+    attention.attention(out, qd, kc, vc, layer, pos, work, cnt, depth=dd, path=dp)
     got, hk, hv = host(out), host(kc), host(vc)
     gq = host(qd)
     for node in range(N):
@@ -627,12 +682,13 @@ def test_tree_rope_kv_append_and_attention(cdt):
             ck[layer, p0 + i] = hk[layer, p0 + n]
             cv[layer, p0 + i] = hv[layer, p0 + n]
         o1 = D(np.zeros((1, H * hd), np.float32))
-        attention.attention(o1, D(gq[node:node + 1]), D(ck), D(cv), layer, D(np.array([p0 + d], np.int32)))
+        attention.attention(o1, D(gq[node:node + 1]), D(ck), D(cv), layer, D(np.array([p0 + d], np.int32)),
+                            work, cnt)
         assert np.array_equal(host(o1)[0], got[node]), node
         close(got[node:node + 1], ref_attention(gq[node:node + 1], ck, cv, layer, p0 + d, H, Hk, hd), 1e-5)
     # a launch over one level (tables offset to its first node) gives the same rows
     o2 = D(np.zeros((4, H * hd), np.float32))
-    attention.attention(o2, D(gq[3:7]), kc, vc, layer, pos, depth=dd[3:], path=dp[3:])
+    attention.attention(o2, D(gq[3:7]), kc, vc, layer, pos, work, cnt, depth=dd[3:], path=dp[3:])
     assert np.array_equal(host(o2), got[3:7])
 
 

@@ -6,7 +6,8 @@ Memory (all taken at load, released by free()):
               ``wgu`` on the BlockWeights) and wq, wk, wv, w_gate, w_up are row views into them
               (one copy resident); a group whose tensors differ in storage stays separate;
   workspace   the BufferPool: float32 activations for `rows` rows, the logits rows, ids, the
-              position, the argmax token, and pinned host staging buffers;
+              position, the argmax token, the split-KV attention partials and counters
+              (``ws.att_work``, ``ws.att_count``), and pinned host staging buffers;
   KV caches   fp16 or fp32 (n_layers, slots, n_kv_heads, head_dim), slots rounded up to a power of
               two; up to MAX_SPARE_CACHES released caches are kept and handed to later requests that
               fit, so captured graphs stay valid across requests (counted in memory_bytes);
@@ -243,8 +244,17 @@ class CUDABackend(Backend):
         ws.moves_host = cuda.pinned_array((2, rows), np.int32)
         ws.ids_host = cuda.pinned_array(rows, np.int32)
         ws.logits_host = cuda.pinned_array(c.vocab_size, np.float32)
+        # split-KV attention: per-split partials and per-(row, head) arrival counters, zeroed here
+        # once (every launch leaves them zero, graph replays included)
+        ws.att_work = self._empty(k_attention.workspace_shape(rows, c.n_heads, c.head_dim), f)
+        ws.att_count = self._empty(k_attention.counter_shape(rows, c.n_heads), np.int32)
+        if numba.config.ENABLE_CUDASIM:
+            ws.att_count.copy_to_device(np.zeros(ws.att_count.shape, np.int32))
+        else:
+            device_memset(ws.att_count, 0, int(ws.att_count.nbytes), stream=self.stream)
         self._held += (sum(int(a.nbytes) for a in arrays.values()) + int(ws.ids.nbytes) + 4
-                       + int(ws.toks.nbytes) + int(ws.topk.nbytes) + int(ws.moves.nbytes))
+                       + int(ws.toks.nbytes) + int(ws.topk.nbytes) + int(ws.moves.nbytes)
+                       + int(ws.att_work.nbytes) + int(ws.att_count.nbytes))
         self._ws = ws
         return ws
 
@@ -512,8 +522,9 @@ class CUDABackend(Backend):
 
     def attention(self, q, cache: CUDACache, layer: int, pos, T: int, out) -> None:
         p, depth, path = self._tables(pos)
-        k_attention.attention(out[:T], q[:T], cache.k, cache.v, layer, p, stream=self.stream,
-                              depth=depth, path=path)
+        ws = self._ws
+        k_attention.attention(out[:T], q[:T], cache.k, cache.v, layer, p, ws.att_work, ws.att_count,
+                              stream=self.stream, depth=depth, path=path)
 
     def swiglu(self, g, u, out, T: int) -> None:
         k_swiglu.swiglu(out[:T], g[:T], u[:T], stream=self.stream)

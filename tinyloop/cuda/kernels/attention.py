@@ -1,4 +1,5 @@
-"""Grouped-query attention of T query rows over one KV-cache layer, causal or tree-masked.
+"""Grouped-query attention of T query rows over one KV-cache layer, causal or tree-masked, with the
+keys of each row split over Z blocks ("flash decoding").
 
 Causal: query row t sits at position ``p = pos[0] + t`` and attends to keys j = 0 .. p, key j in
 cache slot j. Tree (speculative verify over a draft tree; `depth` non-empty): row t attends to keys
@@ -8,43 +9,85 @@ j = 0 .. pos[0] + depth[t]; key j is slot j for j < pos[0] (the committed contex
     out[t, h*hd:(h+1)*hd] = sum_j softmax_j(q_h . K[slot_j, kvh] * scale) V[slot_j, kvh]
     kvh = h // (H / Hkv),  scale = 1 / sqrt(hd)
 
-Keys are reduced in j order either way, so a tree row computes exactly what the causal row of the
-same token sequence computes.
+Keys are reduced by key index j either way (only the slot a key is read from differs), so a tree
+row computes exactly what the causal row of the same token sequence computes.
 
-Shapes (T rows, H query heads, Hkv kv heads, hd head width <= 256, L layers, S max_seq)::
+Shapes (T rows, H query heads, Hkv kv heads, hd head width <= MAX_HD, L layers, S max_seq)::
 
     q                 float32 (T, H * hd)
     k_cache, v_cache  float16 or float32 (L, S, Hkv, hd)
     pos               int32 (1,)        read on the device (graph-replay safe)
     depth, path       int32 (T,), (T, D+1)   tree tables; empty (0,) and (0, 1) for causal
+    work              float32 (>= T * H * Z * (hd + 2),)   per-split partials (`workspace_shape`)
+    counter           int32 (>= T * H,)   arrival counts, zero before the first launch
+                                          (`counter_shape`); every launch leaves them zero
     out               float32 (T, H * hd)
 
-Thread mapping: one block of NT = 512 threads (16 warps; 128 threads / 4 warps under the
-simulator) per (row t, head h). Keys are processed in chunks of C = 32 * NW (chunk c covers keys
-c*C .. c*C + C - 1, boundaries at multiples of C from key 0, independent of T). Within a chunk, key
-jj belongs to warp ``jj % NW`` (its ``jj // NW``-th key), so a short context still spreads over
-every warp. Per chunk:
+Build constants (fixed per build, never derived from T or the grid)::
+
+              GPU  simulator
+    NW         16     4       warps per block (NT = 32 * NW threads)
+    CK         64     8       keys per chunk (CK / NW = 4 resp. 2 keys per warp and chunk)
+    Z           8     2       blocks (splits) per (row, head)
+    U           4     1       keys per score / value step (their cache loads in flight together)
+
+Splits. Row t's n keys (n = pos[0] + t + 1 causal, pos[0] + depth[t] + 1 tree, at most S) are cut
+into chunks of CK keys from key 0: chunk c holds keys c*CK .. min(c*CK + CK, n) - 1. The grid is
+(T, H, Z); block (t, h, z) takes chunks z, z + Z, z + 2Z, ... in ascending order and runs the
+online softmax below over them, ending with a running max m_z, denominator l_z and unnormalised
+output acc_z[0:hd] (m_z = -inf, l_z = 0, acc_z = 0 for a block without chunks).
+
+Thread mapping within a block. Key jj of a chunk belongs to warp ``jj % NW`` as its
+``(jj // NW)``-th key, so even a short chunk spreads over every warp. Per chunk:
 
 1. scores: a warp scores its keys U at a time (the U keys' loads are issued together); for one key
    lane l forms ``fma`` chains over dims l, l+32, ... ascending (coalesced cache reads: the 32 lanes
    read consecutive dims), the 32 lane partials are added by the xor butterfly
    (`_common.warp_sum`) and the total times scale is the score, kept by the lane whose index is the
    key's rank in the warp (with its cache slot);
-2. the chunk max (exact) updates the running max m;
-3. each lane stores ``e = exp(s - m_new)`` and its slot in shared memory; the chunk sum of the e is
-   a fixed-tree block sum (`_common.block_sum`: butterflies, warps in order), and the running
-   denominator becomes ``l = fma(l, alpha, sum)`` with ``alpha = exp(m_old - m_new)``;
-4. values: warp w forms ``sum e_j V[slot_j, d]`` over its keys (ascending, one fma chain per dim,
-   lane l owning dims l, l+32, ...; U keys' loads in flight together), stores the partials, and
-   thread d adds the NW warp partials in warp order and updates ``acc_d = fma(acc_d, alpha, that)``.
+2. the chunk max (exact: warp butterflies of max, then the NW warp maxima) updates the running max:
+   ``m_new = max(m, chunk max)``;
+3. each key's ``e = exp(s - m_new)`` and slot go to shared memory; the chunk sum of the e is the
+   warp butterfly sums added in warp order 0, 1, ..., NW-1 (as `_common.block_sum`), and the
+   running denominator becomes ``l = fma(l, alpha, sum)`` with ``alpha = exp(m - m_new)`` (0 on
+   the block's first chunk);
+4. values: warp w forms ``sum e_j V[slot_j, d]`` over its keys of the chunk (ascending, one fma
+   chain per dim from 0, lane l owning dims l, l+32, ...; U keys' loads in flight together),
+   stores the partials, and thread d adds the NW warp partials in warp order and updates
+   ``acc_d = fma(acc_d, alpha, that)``.
 
-Finally ``out = acc_d / l``. Shared memory is fixed (C scores and slots, NW x 256 partials,
-reduction scratch: about 22 KB) whatever the context length; the only cap is hd <= 256. Every step's
-order depends only on the row's position, the cache contents, q and the build constants (NW, U),
-never on T or on the grid: batch-invariant. Every warp runs the same number of score steps (the
-butterflies stay in uniform control flow; a warp with fewer keys scores slot 0 and drops it). Warp
-reductions: shuffles on the GPU, shared-memory twin under the simulator. The kernel is compiled
-per ND = ceil(hd / 32) (dims per lane), so the per-lane arrays stay in registers.
+Three barriers per chunk (after the warp maxima, after the warp sums and e/slot stores, after the
+value partials); each shared array is rewritten only past a barrier that every reader of its
+previous contents has reached. Every warp runs the same number of score steps (the butterflies stay
+in uniform control flow; a warp with fewer keys scores slot 0 and drops it).
+
+Combine ("last block"). Every block, empty or not, writes its record (m_z, l_z, acc_z[0:hd]) to
+`work` at ``((t*H + h)*Z + z) * (hd + 2)`` (m, l, then acc); every thread executes a device-wide
+memory fence (`cuda.threadfence`), and after a barrier thread 0 adds 1 to ``counter[t*H + h]``
+atomically. The block whose thread 0 reads back Z - 1 arrived last (which z that is varies between
+launches); that thread fences, a barrier shares the verdict, and every thread of that block
+fences and reads the Z records from `work` (its own included), combining them in z order::
+
+    M     = max(m_0, ..., m_(Z-1))                  exact
+    w_z   = exp(m_z - M)                            0 for a block without keys
+    l     = 0;  for z = 0 .. Z-1:  l     = fma(l_z, w_z, l)
+    acc_d = 0;  for z = 0 .. Z-1:  acc_d = fma(acc_z[d], w_z, acc_d)
+    out[t, h*hd + d] = acc_d / l
+
+Its thread 0 then resets ``counter[t*H + h]`` to 0, so the next launch (a CUDA-graph replay
+included) counts from zero again. The counters must therefore be zero before the first launch (allocate them
+zeroed, once) and a workspace serves one launch at a time (launches on one stream are ordered). A
+launch that dies part-way leaves its counters non-zero: zero them again before reusing them.
+
+Determinism and batch invariance: chunk boundaries, which block takes a chunk, every step of a
+block's reduction and the combine order depend only on the row's key count (from pos[0] and the
+tree tables), the cache contents, q and the build constants (CK, NW, Z, U), never on T, on the
+grid's other dimensions or on which block arrives last; a row of a T-row launch is bit-identical
+to the same row launched alone. Warp reductions: shuffles on the GPU, shared-memory twin under the
+simulator (same butterfly). Shared memory is fixed (CK scores and slots, NW x MAX_HD partials,
+reduction scratch: about 17 KB on the GPU) whatever the context length. The kernel is compiled per
+ND = ceil(hd / 32) (dims per lane), so the per-lane arrays stay in registers. Cache elements are
+addressed through flat views with unsigned offsets (base + slot * row + d).
 """
 
 from __future__ import annotations
@@ -55,19 +98,28 @@ import numpy as np
 from numba import cuda, float32, int32, uint64
 
 from ...core.errors import BackendError
-from ._common import NEG_INF, SIM, block_max, block_sum, check_array, check_tree, warp_sum
+from ._common import NEG_INF, SIM, check_array, check_tree, warp_max, warp_sum
 
 #: Warps per block: 16 on the GPU; 4 under the simulator, where every thread is a Python thread.
-#: A fixed constant of the build, never derived from T.
 NW = 4 if SIM else 16
 NT = NW * 32
-C = NT            # keys per chunk: one per lane
+#: Keys per chunk. Each warp takes CK / NW keys of a chunk, and lane i holds the score of the
+#: warp's i-th key, so CK / NW <= 32. On the GPU one chunk is one U-step per warp; the simulator
+#: keeps chunks small so that tests reach several chunks per split with few keys.
+CK = 8 if SIM else 64
+KPW = CK // NW
+#: Blocks (splits) per (row, head): the grid is (T, H, Z). 8 puts 128 blocks on the GPU for a
+#: 16-head one-token decode step (the H200 has 132 SMs).
+Z = 2 if SIM else 8
 #: Keys a warp handles per step (their cache loads in flight together). It only decides when loads
 #: are issued, not the arithmetic (each key's score is its own reduction; values are added in key
 #: order either way), so the simulator takes one key per step.
 U = 1 if SIM else 4
 MAX_HD = min(256, NT)   # thread d < hd of the block owns output dim d (128 under the simulator)
+REC = 2                 # floats ahead of acc in a split's record: m, l
 _JIT_OPTS = {} if SIM else {"max_registers": 128}   # 512 threads x 128 registers fit one SM
+
+assert CK % NW == 0 and 0 < KPW <= 32, (CK, NW)
 
 _kernels = {}
 
@@ -93,10 +145,11 @@ def _make_kernel(nd):
             rows[u, k] = float32(cf[o + uint64(32 * k)]) if lane + 32 * k < hd else float32(0.0)
 
     @cuda.jit(**_JIT_OPTS)
-    def kernel(out, q, kf, vf, S, Hk, hd, layer, pos, scale, depth, path):
+    def kernel(out, q, kf, vf, S, Hk, hd, layer, pos, scale, depth, path, work, counter):
         H = q.shape[1] // hd
         t = cuda.blockIdx.x
         h = cuda.blockIdx.y
+        z = cuda.blockIdx.z
         kvh = h // (H // Hk)
         # Flat cache offsets in unsigned arithmetic (no negative-index wrap-around per load):
         # element (layer, slot, kvh, d) is at base + slot * row + d.
@@ -105,11 +158,13 @@ def _make_kernel(nd):
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
-        sc = cuda.shared.array(C, float32)
-        sl = cuda.shared.array(C, int32)
+        sc = cuda.shared.array(CK, float32)
+        sl = cuda.shared.array(CK, int32)
         pv = cuda.shared.array((NW, MAX_HD), float32)
         scratch = cuda.shared.array((NW, 32), float32)
-        part = cuda.shared.array(NW, float32)
+        pmax = cuda.shared.array(NW, float32)
+        psum = cuda.shared.array(NW, float32)
+        is_last = cuda.shared.array(1, int32)
         qv = cuda.local.array(nd, float32)
         kv = cuda.local.array((U, nd), float32)
         ks = cuda.local.array(U, int32)
@@ -128,8 +183,9 @@ def _make_kernel(nd):
         m = NEG_INF
         l = float32(0.0)
         acc = float32(0.0)
-        for c0 in range(0, n_slots, C):
-            cn = min(C, n_slots - c0)
+        for c in range(z, (n_slots + CK - 1) // CK, Z):
+            c0 = c * CK
+            cn = min(CK, n_slots - c0)
             n_step = (cn + NW - 1) // NW        # keys of warp 0: the same loop count in every warp
             n_mine = (cn - warp + NW - 1) // NW  # keys of this warp
             s_mine = NEG_INF
@@ -152,17 +208,32 @@ def _make_kernel(nd):
                         s_mine = tot * scale
                         slot_mine = ks[u]
             # 2. running max
-            cmax = block_max(s_mine, scratch, part, warp, lane, NW)
+            wmax = warp_max(s_mine, scratch, warp, lane)
+            if lane == 0:
+                pmax[warp] = wmax
+            # The warp maxima must be stored before any thread combines them.
+            cuda.syncthreads()
+            cmax = pmax[0]
+            for w in range(1, NW):
+                cmax = max(cmax, pmax[w])
             m_new = max(m, cmax)
             # 3. weights and their sum
             e = float32(0.0)
             if lane < n_mine:
                 e = math.exp(s_mine - m_new)
-            sc[warp + NW * lane] = e
-            sl[warp + NW * lane] = slot_mine
-            # block_sum's barriers also publish every lane's sc[] and sl[] entries.
-            csum = block_sum(e, scratch, part, warp, lane, NW)
-            alpha = math.exp(m - m_new)  # exp(-inf) = 0 on the first chunk
+            if lane < KPW:
+                sc[warp + NW * lane] = e
+                sl[warp + NW * lane] = slot_mine
+            wsum = warp_sum(e, scratch, warp, lane)
+            if lane == 0:
+                psum[warp] = wsum
+            # The warp sums, and every lane's sc[] and sl[] entries, must be stored before they
+            # are read.
+            cuda.syncthreads()
+            csum = psum[0]
+            for w in range(1, NW):
+                csum += psum[w]
+            alpha = math.exp(m - m_new)  # exp(-inf) = 0 on the block's first chunk
             l = cuda.fma(l, alpha, csum)
             # 4. values, U keys at a time
             for k in range(nd):
@@ -185,7 +256,9 @@ def _make_kernel(nd):
                 d = lane + 32 * k
                 if d < hd:
                     pv[warp, d] = tv[k]
-            # Every warp's partials must be stored before thread d adds them up.
+            # Every warp's partials must be stored before thread d adds them up. (No barrier at the
+            # chunk's end: the next chunk writes pmax after this barrier, sc/sl/psum after its
+            # first and pv after its second, when every thread is done reading the old values.)
             cuda.syncthreads()
             if tid < hd:
                 tvs = pv[0, tid]
@@ -193,21 +266,69 @@ def _make_kernel(nd):
                     tvs += pv[w, tid]
                 acc = cuda.fma(acc, alpha, tvs)
             m = m_new
-            # sc[], sl[] and pv[] must be fully read before the next chunk overwrites them.
-            cuda.syncthreads()
 
+        # Combine: publish this split's record, count the arrival; the last block adds them up.
+        th = t * H + h
+        rl = hd + REC
+        rec = (th * Z + z) * rl
+        if tid == 0:
+            work[rec] = m
+            work[rec + 1] = l
         if tid < hd:
-            out[t, h * hd + tid] = acc / l
+            work[rec + REC + tid] = acc
+        # Release: every thread's part of the record is visible device-wide before the barrier,
+        # and so before the arrival is counted.
+        cuda.threadfence()
+        cuda.syncthreads()
+        if tid == 0:
+            last = cuda.atomic.add(counter, th, 1) == Z - 1
+            if last:
+                cuda.threadfence()   # acquire: the Z - 1 counts seen, their records after them
+            is_last[0] = 1 if last else 0
+        # is_last must be stored before the block reads it.
+        cuda.syncthreads()
+        if is_last[0] != 0:
+            # Every reading thread fences too (the records are read through its own loads).
+            cuda.threadfence()
+            r0 = th * Z * rl
+            mx = work[r0]
+            for zz in range(1, Z):
+                mx = max(mx, work[r0 + zz * rl])
+            if tid < hd:
+                ls = float32(0.0)
+                a = float32(0.0)
+                for zz in range(Z):
+                    r = r0 + zz * rl
+                    wz = math.exp(work[r] - mx)
+                    ls = cuda.fma(work[r + 1], wz, ls)
+                    a = cuda.fma(work[r + REC + tid], wz, a)
+                out[t, h * hd + tid] = a / ls
+            if tid == 0:
+                counter[th] = 0
 
     _kernels[nd] = kernel
     return kernel
 
 
-def attention(out, q, k_cache, v_cache, layer, pos, stream=0, depth=None, path=None):
+def workspace_shape(T: int, H: int, hd: int) -> tuple:
+    """Shape of the float32 `work` array a launch of T rows, H heads of width hd needs (a larger
+    one is fine: a launch uses its first entries)."""
+    return (T * H * Z * (hd + REC),)
+
+
+def counter_shape(T: int, H: int) -> tuple:
+    """Shape of the int32 `counter` array a launch of T rows and H heads needs (allocate it zeroed,
+    once; launches leave it zero)."""
+    return (T * H,)
+
+
+def attention(out, q, k_cache, v_cache, layer, pos, work, counter, stream=0, depth=None, path=None):
     """GQA attention of q (T, H*hd) over cache layer `layer`; writes out (T, H*hd). Causal (rows at
     positions pos[0] + t over slots 0 .. pos[0] + t) unless the tree tables `depth` (T,) and `path`
-    (T, D+1) are given (see the module doc). hd and Hkv come from the cache shape; H from q. The
-    host keeps every slot read below S (slots past S are not read)."""
+    (T, D+1) are given (see the module doc). hd and Hkv come from the cache shape; H from q.
+    `work` (float32, at least `workspace_shape(T, H, hd)`) and `counter` (int32, at least
+    `counter_shape(T, H)`, zero before the first launch) are the split workspace; one launch at a
+    time may use them. The host keeps every slot read below S (slots past S are not read)."""
     op = "attention"
     check_array(op, "k_cache", k_cache, (np.float16, np.float32), 4)
     L, S, Hk, hd = k_cache.shape
@@ -232,12 +353,23 @@ def attention(out, q, k_cache, v_cache, layer, pos, stream=0, depth=None, path=N
     if T > S:
         raise BackendError(f"{op}: {T} rows do not fit a cache of {S} slots")
     depth, path = check_tree(op, depth, path, T)
+    check_array(op, "work", work, np.float32, 1)
+    need = workspace_shape(T, H, hd)[0]
+    if work.shape[0] < need:
+        raise BackendError(f"{op}: work has {work.shape[0]} elements; {T} rows x {H} heads of "
+                           f"head_dim={hd} need at least {need} (workspace_shape)")
+    check_array(op, "counter", counter, np.int32, 1)
+    need = counter_shape(T, H)[0]
+    if counter.shape[0] < need:
+        raise BackendError(f"{op}: counter has {counter.shape[0]} elements; {T} rows x {H} heads "
+                           f"need at least {need} (counter_shape)")
     if T == 0:
         return
     scale = np.float32(1.0 / math.sqrt(hd))
     n = L * S * Hk * hd
-    _make_kernel((hd + 31) // 32)[(T, H), NT, stream](out, q, k_cache.reshape(n), v_cache.reshape(n), S, Hk,
-                                                      hd, layer, pos, scale, depth, path)
+    _make_kernel((hd + 31) // 32)[(T, H, Z), NT, stream](out, q, k_cache.reshape(n), v_cache.reshape(n), S,
+                                                         Hk, hd, layer, pos, scale, depth, path, work,
+                                                         counter)
 
 
 def ptx_signatures():
@@ -248,5 +380,5 @@ def ptx_signatures():
         for nd in nds:
             sigs.append((f"attention_{ct}_nd{nd}", _make_kernel(nd).py_func,
                          f"void({m}, {m}, {c}, {c}, int64, int64, int64, int64, int32[::1], float32, int32[::1], "
-                         "int32[:, ::1])"))
+                         "int32[:, ::1], float32[::1], int32[::1])"))
     return sigs
