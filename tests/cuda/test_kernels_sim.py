@@ -368,6 +368,114 @@ def test_embed(kind, group):
     assert np.array_equal(got[0], got[3])
 
 
+# =============================================================================== matmul epilogues
+EPI_CASES = [("q4", 64, 16, "fast"), ("q4", 48, 8, "simple"), ("f32", 34, 0, "fast")]
+
+
+def _epi_weight(rng, kind, N, K, group):
+    arrays, W = make_weight(rng, kind, N, K, group)
+    return {k: D(v) for k, v in arrays.items()}, W
+
+
+@pytest.mark.parametrize("kind,K,group,path", EPI_CASES)
+def test_matmul_glu_epilogue_equals_matmul_then_swiglu(kind, K, group, path):
+    """gate|up matmul with the SwiGLU epilogue (norm fused) == the matmul into (T, 2F) followed by
+    swiglu_fused, bit for bit; rows alone == rows in the launch; close to float64."""
+    rng = np.random.default_rng(K + 3)
+    F, T, eps = 5, 3, 1e-5        # F odd: the last warp's second pair is past the end
+    dev, W = _epi_weight(rng, kind, 2 * F, K, group)
+    assert matmul.uses_fast_path(kind, K, group) == (path == "fast")
+    x, nw = norm_inputs(rng, T, K)
+    gu = D(np.zeros((T, 2 * F), np.float32))
+    matmul.matmul(gu, D(x), dev["w"], dev.get("scales"), dev.get("zeros"), norm_w=D(nw), eps=eps)
+    ref = D(np.zeros((T, F), np.float32))
+    swiglu.swiglu_fused(ref, gu)
+    out = D(np.full((T, F), np.nan, np.float32))
+    matmul.matmul(out, D(x), dev["w"], dev.get("scales"), dev.get("zeros"), norm_w=D(nw), eps=eps,
+                  epilogue=swiglu.glu_epilogue(F))
+    got = host(out)
+    assert np.array_equal(got, host(ref))
+    h = ref_rmsnorm(x, nw, eps) @ W.T
+    close(got, ref_swiglu(h[:, :F], h[:, F:]), 1e-4)
+    o1 = D(np.full((1, F), np.nan, np.float32))
+    matmul.matmul(o1, D(x[2:]), dev["w"], dev.get("scales"), dev.get("zeros"), norm_w=D(nw), eps=eps,
+                  epilogue=swiglu.glu_epilogue(F))
+    assert np.array_equal(host(o1)[0], got[2])
+
+
+def _qkv_case(rng, kind, K, group, H, Hk, hd, T, cdt, S):
+    N = (H + 2 * Hk) * hd
+    dev, W = _epi_weight(rng, kind, N, K, group)
+    x, nw = norm_inputs(rng, T, K)
+    base_k = rng.standard_normal((2, S, Hk, hd)).astype(cdt)
+    base_v = rng.standard_normal((2, S, Hk, hd)).astype(cdt)
+    return dev, x, nw, base_k, base_v
+
+
+@pytest.mark.parametrize("kind,K,group,path", EPI_CASES)
+@pytest.mark.parametrize("cdt,tree", [(np.float16, False), (np.float32, True)])
+def test_matmul_qkv_epilogue_equals_matmul_then_rope_kv_append(kind, K, group, path, cdt, tree):
+    """q|k|v matmul with the RoPE + KV-append epilogue (norm fused) == the matmul into the (T, N)
+    buffer followed by rope_kv_append_qkv: the same rotated q and the same cache contents, bit for
+    bit, causal and over a draft tree's layout; a causal row alone == the row in the launch."""
+    rng = np.random.default_rng(K + (7 if tree else 5))
+    H, Hk, hd, p0, layer, eps = 2, 1, 8, 3, 1, 1e-5
+    if tree:
+        t, depth, path_t = _tree_tables(2, 1)      # 3 nodes: root and two children
+        T = t.n_nodes
+    else:
+        T, depth, path_t = 3, None, None
+    S = p0 + T + 2
+    dev, x, nw, base_k, base_v = _qkv_case(rng, kind, K, group, H, Hk, hd, T, cdt, S)
+    cs = D(rope.rope_table(hd, 10000.0, S + rope.POSITION_MARGIN))
+    pos = D(np.array([p0], np.int32))
+    args = (dev["w"], dev.get("scales"), dev.get("zeros"))
+    qkv = D(np.zeros((T, (H + 2 * Hk) * hd), np.float32))
+    matmul.matmul(qkv, D(x), *args, norm_w=D(nw), eps=eps)
+    kc, vc = D(base_k), D(base_v)
+    q_ref = D(np.zeros((T, H * hd), np.float32))
+    rope.rope_kv_append_qkv(qkv, q_ref, kc, vc, layer, pos, cs, depth=depth, path=path_t)
+    kc2, vc2 = D(base_k), D(base_v)
+    q_out = D(np.full((T, H * hd), np.nan, np.float32))
+    ep = rope.qkv_epilogue(q_out, kc2, vc2, layer, pos, cs, depth=depth, path=path_t)
+    matmul.matmul(q_out, D(x), *args, norm_w=D(nw), eps=eps, epilogue=ep)
+    assert np.array_equal(host(q_out), host(q_ref))
+    assert np.array_equal(host(kc2), host(kc)) and np.array_equal(host(vc2), host(vc))
+    if not tree:
+        kc3, vc3 = D(base_k), D(base_v)
+        q1 = D(np.full((1, H * hd), np.nan, np.float32))
+        pos1 = D(np.array([p0 + 2], np.int32))
+        matmul.matmul(q1, D(x[2:]), *args, norm_w=D(nw), eps=eps,
+                      epilogue=rope.qkv_epilogue(q1, kc3, vc3, layer, pos1, cs))
+        assert np.array_equal(host(q1)[0], host(q_out)[2])
+        assert np.array_equal(host(kc3)[layer, p0 + 2], host(kc)[layer, p0 + 2])
+        assert np.array_equal(host(vc3)[layer, p0 + 2], host(vc)[layer, p0 + 2])
+
+
+def test_matmul_epilogue_argument_errors():
+    rng = np.random.default_rng(2)
+    dev, _ = _epi_weight(rng, "f32", 6, 16, 0)
+    x = D(np.zeros((2, 16), np.float32))
+    with pytest.raises(BackendError, match="accumulate"):
+        matmul.matmul(D(np.zeros((2, 3), np.float32)), x, dev["w"], accumulate=True,
+                      epilogue=swiglu.glu_epilogue(3))
+    with pytest.raises(BackendError, match="out has 6 columns"):
+        matmul.matmul(D(np.zeros((2, 6), np.float32)), x, dev["w"], epilogue=swiglu.glu_epilogue(3))
+    with pytest.raises(BackendError, match="shape"):    # weight of 6 rows, epilogue for 8
+        matmul.matmul(D(np.zeros((2, 4), np.float32)), x, dev["w"], epilogue=swiglu.glu_epilogue(4))
+    with pytest.raises(BackendError, match="Epilogue"):
+        matmul.matmul(D(np.zeros((2, 3), np.float32)), x, dev["w"], epilogue=("glu", 3))
+    with pytest.raises(BackendError, match="F=0"):
+        swiglu.glu_epilogue(0)
+    cs = D(rope.rope_table(8, 10000.0, 4 + rope.POSITION_MARGIN))
+    kc = D(np.zeros((1, 4, 1, 8), np.float16))
+    with pytest.raises(BackendError, match="layer"):
+        rope.qkv_epilogue(D(np.zeros((2, 16), np.float32)), kc, kc, 1, D(np.zeros(1, np.int32)), cs)
+    with pytest.raises(BackendError, match="positions"):
+        rope.qkv_epilogue(D(np.zeros((2, 16), np.float32)), kc, kc, 0, D(np.zeros(1, np.int32)),
+                          D(rope.rope_table(8, 10000.0, 5)))
+
+
 # =============================================================================== rope
 def test_rope_and_kv_append():
     rng = np.random.default_rng(4)

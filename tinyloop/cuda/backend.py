@@ -22,10 +22,11 @@ replay. ``TINYLOOP_CUDA_GRAPHS=0`` runs every step eagerly (same tokens). Only t
 (4 bytes) crosses to the host per greedy step.
 
 Fusion (``attn_half``, ``mlp_half``, ``final_logits`` overridden): the block's RMSNorm runs inside
-the following matmul (``matmul(norm_w=...)``), q|k|v and gate|up are one matmul each into
-``ws.qkv`` / ``ws.gu``, RoPE + KV append reads ``ws.qkv`` and writes the rotated q to ``ws.q``,
-and SwiGLU reads ``ws.gu``: 4 + 3 launches per block instead of 7 + 5, and the final norm rides
-in the head matmul. ``TINYLOOP_CUDA_FUSE=0`` runs the unfused default composites (A/B, debugging).
+the following matmul (``matmul(norm_w=...)``); q|k|v is one matmul whose epilogue rotates q into
+``ws.q`` and k into the cache and appends v (``rope.qkv_epilogue``); gate|up is one matmul whose
+epilogue stores ``silu(gate) * up`` into ``ws.g`` (``swiglu.glu_epilogue``): 3 + 2 launches per
+block instead of 7 + 5, and the final norm rides in the head matmul. ``TINYLOOP_CUDA_FUSE=0``
+runs the unfused default composites (A/B, debugging).
 """
 
 from __future__ import annotations
@@ -140,6 +141,7 @@ class CUDABackend(Backend):
         self._graphs: "OrderedDict[Any, tuple]" = OrderedDict()
         self.use_graphs = _env_on("TINYLOOP_CUDA_GRAPHS") and not numba.config.ENABLE_CUDASIM
         self.fuse = _env_on("TINYLOOP_CUDA_FUSE")
+        self._glu = k_swiglu.glu_epilogue(cfg.d_ff)
         self.profile = os.environ.get("TINYLOOP_CUDA_PROFILE", "") not in ("", "0")
         self.graph_launches = 0
         self.step_nodes = 0
@@ -229,11 +231,8 @@ class CUDABackend(Backend):
                     k=(rows, c.kv_dim), v=(rows, c.kv_dim), att=(rows, c.q_dim), g=(rows, c.d_ff),
                     u=(rows, c.d_ff), logits=(rows, c.vocab_size), snap_x=(rows, c.d_model),
                     snap_e=(rows, c.d_model))
-        # fused projections (attn_half / mlp_half): q|k|v and gate|up outputs
-        extra = dict(qkv=(rows, c.q_dim + 2 * c.kv_dim), gu=(rows, 2 * c.d_ff))
-        arrays = {n: self._empty(s, f) for n, s in {**bufs, **extra}.items()}
-        ws = Workspace(rows=rows, **{n: arrays[n] for n in bufs})
-        ws.qkv, ws.gu = arrays["qkv"], arrays["gu"]
+        arrays = {n: self._empty(s, f) for n, s in bufs.items()}
+        ws = Workspace(rows=rows, **arrays)
         ws.ids = self._empty(rows, np.int32)
         ws.tok = self._empty(1, np.int32)
         ws.toks = self._empty(rows, np.int32)
@@ -536,22 +535,23 @@ class CUDABackend(Backend):
         dst[:T].copy_to_device(src[:T], stream=self.stream)
 
     # ------------------------------------------------------------------ fused composites
-    def _norm_matmul(self, x, norm, W, out, T: int) -> None:
-        """out[:T] = (rmsnorm(x[:T]) * norm) @ W^T in one launch."""
+    def _norm_matmul(self, x, norm, W, out, T: int, epilogue=None) -> None:
+        """out[:T] = (rmsnorm(x[:T]) * norm) @ W^T in one launch (stored through `epilogue`)."""
         k_matmul.matmul(out[:T], x[:T], W.w, W.scales, W.zeros, stream=self.stream, norm_w=norm.w,
-                        eps=self.cfg.norm_eps)
+                        eps=self.cfg.norm_eps, epilogue=epilogue)
 
     def attn_half(self, ws: Workspace, b, cache: CUDACache, layer: int, pos, T: int) -> None:
-        """norm+q|k|v matmul, RoPE + KV append from ws.qkv, attention, wo (+= x): 4 launches.
-        A block without a concatenated wqkv takes three norm-fused matmuls instead."""
+        """norm+q|k|v matmul with the RoPE + KV-append epilogue (rotated q -> ws.q), attention,
+        wo (+= x): 3 launches. A block without a concatenated wqkv takes three norm-fused matmuls
+        and rope_kv_append instead."""
         if not self.fuse:
             return super().attn_half(ws, b, cache, layer, pos, T)
         wqkv = getattr(b, "wqkv", None)
         if wqkv is not None:
-            self._norm_matmul(ws.x, b.attn_norm, wqkv, ws.qkv, T)
             p, depth, path = self._tables(pos)
-            k_rope.rope_kv_append_qkv(ws.qkv[:T], ws.q[:T], cache.k, cache.v, layer, p, self.rope_table,
-                                      stream=self.stream, depth=depth, path=path)
+            ep = k_rope.qkv_epilogue(ws.q[:T], cache.k, cache.v, layer, p, self.rope_table,
+                                     depth=depth, path=path)
+            self._norm_matmul(ws.x, b.attn_norm, wqkv, ws.q, T, ep)
         else:
             for W, out in ((b.wq, ws.q), (b.wk, ws.k), (b.wv, ws.v)):
                 self._norm_matmul(ws.x, b.attn_norm, W, out, T)
@@ -560,14 +560,13 @@ class CUDABackend(Backend):
         self.matmul(ws.att, b.wo, ws.x, T, accumulate=True)
 
     def mlp_half(self, ws: Workspace, b, T: int) -> None:
-        """norm+gate|up matmul, SwiGLU from ws.gu, down (+= x): 3 launches. A block without a
-        concatenated wgu takes two norm-fused matmuls and the two-input SwiGLU instead."""
+        """norm+gate|up matmul with the SwiGLU epilogue (-> ws.g), down (+= x): 2 launches. A block
+        without a concatenated wgu takes two norm-fused matmuls and the two-input SwiGLU instead."""
         if not self.fuse:
             return super().mlp_half(ws, b, T)
         wgu = getattr(b, "wgu", None)
         if wgu is not None:
-            self._norm_matmul(ws.x, b.mlp_norm, wgu, ws.gu, T)
-            k_swiglu.swiglu_fused(ws.g[:T], ws.gu[:T], stream=self.stream)
+            self._norm_matmul(ws.x, b.mlp_norm, wgu, ws.g, T, self._glu)
         else:
             self._norm_matmul(ws.x, b.mlp_norm, b.w_gate, ws.g, T)
             self._norm_matmul(ws.x, b.mlp_norm, b.w_up, ws.u, T)

@@ -23,6 +23,8 @@ number of rows in a launch.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numba
 import numpy as np
 from numba import cuda, float32, uint32
@@ -204,6 +206,24 @@ def check_tree(op, depth, path, T):
     return depth, path
 
 
-__all__ = ["SIM", "FULL_MASK", "NEG_INF", "warp_sum", "warp_max", "block_sum", "block_max",
+class Epilogue(NamedTuple):
+    """A pair epilogue for `matmul.matmul(..., epilogue=)`: the matmul computes weight rows in pairs
+    (na, nb) = ``rows(args, p, N)`` for p = 0 .. N/2 - 1 (each row reduced exactly as the plain
+    matmul reduces it) and hands each pair's two results to ``store(args, out, t, p, va, vb, N)``
+    instead of writing them to ``out[t, na]`` and ``out[t, nb]``. Both are @cuda.jit device
+    functions of the module that owns the fused op; `args` is a tuple of device arrays and
+    scalars passed to the kernel as one argument; `name` keys the compiled kernel; `n_rows` is
+    the weight's row count N the epilogue was built for and `out_cols` the width of `out`;
+    `sig` is the numba type of `args` (PTX compile tests)."""
+    name: str
+    rows: Any
+    store: Any
+    args: tuple
+    n_rows: int
+    out_cols: int
+    sig: str
+
+
+__all__ = ["SIM", "Epilogue", "FULL_MASK", "NEG_INF", "warp_sum", "warp_max", "block_sum", "block_max",
            "as_float", "as_bits", "cdiv", "is_device_array", "check_array", "device_pointer",
            "no_tree", "check_tree", "float32", "uint32"]

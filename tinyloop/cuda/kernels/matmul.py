@@ -63,7 +63,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from ...core.errors import BackendError
-from ._common import as_float, cdiv, check_array, device_pointer, warp_sum
+from ._common import Epilogue, as_float, cdiv, check_array, device_pointer, warp_sum
 from .rmsnorm import NT as NORM_NT
 from .rmsnorm import NW as NORM_NW
 from .rmsnorm import check_eps, inv_rms, sumsq_partial
@@ -94,14 +94,17 @@ MAX_UNROLL = 256
 MAX_ROW_ELEMS = 128
 
 
-def config_for(kind: str, T: int, N: int = 0):
-    """(TT, R, NW, KC) the fast kernel uses for storage `kind`, T rows and N output features."""
+def config_for(kind: str, T: int, N: int = 0, pair: bool = False):
+    """(TT, R, NW, KC) the fast kernel uses for storage `kind`, T rows and N weight rows; with
+    `pair` (an epilogue) R is even, so a warp's rows are whole pairs."""
     if T == 1:
         TT, R, NW, KC = GEMV_WIDE_CONFIG if N >= WIDE_N else GEMV_CONFIG
     else:
         TT, R, NW, KC = GEMM_CONFIG
     E = WORD_ELEMS[kind]
     R = max(1, min(R, MAX_UNROLL // (TT * E), MAX_ROW_ELEMS // E))
+    if pair:
+        R = max(2, R - R % 2)
     return TT, R, NW, KC
 
 
@@ -164,6 +167,24 @@ def _make_decoder(kind):
     return decode
 
 
+# ----------------------------------------------------------------------------- plain epilogue
+@cuda.jit(device=True)
+def _no_rows(ep, p, N):
+    """Placeholder pair map of a launch without an epilogue (never called)."""
+    return p, p
+
+
+@cuda.jit(device=True)
+def _no_store(ep, out, t, p, va, vb, N):
+    """Placeholder pair store of a launch without an epilogue (never called)."""
+    return
+
+
+#: The `ep` argument of a launch without an epilogue (the kernels always take one).
+NO_EPILOGUE_ARGS = (np.int64(0),)
+NO_EPILOGUE_SIG = "UniTuple(int64, 1)"
+
+
 # ----------------------------------------------------------------------------- norm prologue
 _prologue_cache = {}
 
@@ -210,13 +231,20 @@ def _make_norm_prologue(TT, NW):
 _fast_cache = {}
 
 
-def _make_fast(kind, TT, R, NW, KC, norm=False):
+def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None):
     """Build the fast kernel for one storage kind and block configuration (see module doc);
-    `norm` compiles in the fused-RMSNorm prologue and staging."""
-    key = (kind, TT, R, NW, KC, bool(norm))
+    `norm` compiles in the fused-RMSNorm prologue and staging, `epi` (an `Epilogue`) the pair
+    row map and store."""
+    name = None if epi is None else epi.name
+    key = (kind, TT, R, NW, KC, bool(norm), name)
     if key in _fast_cache:
         return _fast_cache[key]
     NORM = bool(norm)
+    PAIR = epi is not None
+    rows_of = epi.rows if PAIR else _no_rows
+    store = epi.store if PAIR else _no_store
+    RP = R // 2            # pairs per warp (pair mode)
+    assert not PAIR or R % 2 == 0, R
     NJ = TT * NORM_NW
     prologue = _make_norm_prologue(TT, NW)
     E = WORD_ELEMS[kind]
@@ -251,29 +279,53 @@ def _make_fast(kind, TT, R, NW, KC, norm=False):
                     xs[tt, rem & EM1, rem >> LOG2E] = float32(0.0)
 
     @cuda.jit(device=True)
-    def finish(out, acc, scratch, warp, lane, n0, t0, N, T, accumulate):
-        """Butterfly-reduce every accumulator of the warp and store it (optionally added)."""
-        for tt in range(TT):
+    def setup_rows(nrow, ep, unit, N):
+        """The warp's weight rows: n0 .. n0 + R - 1 (clamped to N - 1: rows past N are computed on
+        row N - 1 and never stored, so the warp stays converged for the butterfly), or in pair
+        mode the rows of pairs unit*RP .. unit*RP + RP - 1 (clamped to the last pair)."""
+        if PAIR:
+            P = N // 2
+            for j in range(RP):
+                na, nb = rows_of(ep, min(unit * RP + j, P - 1), N)
+                nrow[2 * j] = na
+                nrow[2 * j + 1] = nb
+        else:
             for r in range(R):
-                v = warp_sum(acc[tt, r], scratch, warp, lane)
-                t = t0 + tt
-                n = n0 + r
-                # Every lane holds the total; spread the stores over lanes.
-                if lane == (tt * R + r) % 32 and t < T and n < N:
-                    if accumulate:
-                        v = out[t, n] + v
-                    out[t, n] = v
+                nrow[r] = min(unit * R + r, N - 1)
+
+    @cuda.jit(device=True)
+    def finish(out, acc, scratch, warp, lane, unit, t0, N, T, accumulate, ep):
+        """Butterfly-reduce every accumulator of the warp and store it (optionally added), or in
+        pair mode hand each pair's two totals to the epilogue."""
+        for tt in range(TT):
+            t = t0 + tt
+            if PAIR:
+                for j in range(RP):
+                    va = warp_sum(acc[tt, 2 * j], scratch, warp, lane)
+                    vb = warp_sum(acc[tt, 2 * j + 1], scratch, warp, lane)
+                    p = unit * RP + j
+                    if lane == (tt * RP + j) % 32 and t < T and p < N // 2:
+                        store(ep, out, t, p, va, vb, N)
+            else:
+                for r in range(R):
+                    v = warp_sum(acc[tt, r], scratch, warp, lane)
+                    n = unit * R + r
+                    # Every lane holds the total; spread the stores over lanes.
+                    if lane == (tt * R + r) % 32 and t < T and n < N:
+                        if accumulate:
+                            v = out[t, n] + v
+                        out[t, n] = v
 
     if quant:
         @cuda.jit
-        def kernel(out, x, nw, eps, qw, scales, zeros, gw, accumulate):
+        def kernel(out, x, nw, eps, qw, scales, zeros, gw, accumulate, ep):
             T = x.shape[0]
-            N = out.shape[1]
+            N = qw.shape[0]
             nwords = qw.shape[1]
             tid = cuda.threadIdx.x
             warp = tid // 32
             lane = tid % 32
-            n0 = (cuda.blockIdx.x * NW + warp) * R
+            unit = cuda.blockIdx.x * NW + warp
             t0 = cuda.blockIdx.y * TT
             xs = cuda.shared.array((TT, E, XW), float32)
             scratch = cuda.shared.array((NW, 32), float32)
@@ -284,6 +336,8 @@ def _make_fast(kind, TT, R, NW, KC, norm=False):
                 prologue(x, t0, T, eps, invs, part, scratch, tid, warp, lane)
             acc = cuda.local.array((TT, R), float32)
             wv = cuda.local.array(E, float32)
+            nrow = cuda.local.array(R, int32)
+            setup_rows(nrow, ep, unit, N)
             for tt in range(TT):
                 for r in range(R):
                     acc[tt, r] = float32(0.0)
@@ -299,9 +353,7 @@ def _make_fast(kind, TT, R, NW, KC, norm=False):
                     w = c0 + wl
                     g = uint32(w) // ugw
                     for r in range(R):
-                        # Rows past N are computed on row N-1 and never stored: the warp stays
-                        # converged for the butterfly.
-                        n = min(n0 + r, N - 1)
+                        n = nrow[r]
                         word = qw[n, w]
                         s = float32(scales[n, g])
                         c = _TWO23 + float32(zeros[n, g])
@@ -311,17 +363,17 @@ def _make_fast(kind, TT, R, NW, KC, norm=False):
                             for i in range(E):
                                 p = cuda.fma(wv[i], xs[tt, i, wl], p)
                             acc[tt, r] = cuda.fma(s, p, acc[tt, r])
-            finish(out, acc, scratch, warp, lane, n0, t0, N, T, accumulate)
+            finish(out, acc, scratch, warp, lane, unit, t0, N, T, accumulate, ep)
     else:
         @cuda.jit
-        def kernel(out, x, nw, eps, qw, accumulate):
+        def kernel(out, x, nw, eps, qw, accumulate, ep):
             T = x.shape[0]
-            N = out.shape[1]
+            N = qw.shape[0]
             nwords = qw.shape[1]
             tid = cuda.threadIdx.x
             warp = tid // 32
             lane = tid % 32
-            n0 = (cuda.blockIdx.x * NW + warp) * R
+            unit = cuda.blockIdx.x * NW + warp
             t0 = cuda.blockIdx.y * TT
             xs = cuda.shared.array((TT, E, XW), float32)
             scratch = cuda.shared.array((NW, 32), float32)
@@ -332,6 +384,8 @@ def _make_fast(kind, TT, R, NW, KC, norm=False):
                 prologue(x, t0, T, eps, invs, part, scratch, tid, warp, lane)
             acc = cuda.local.array((TT, R), float32)
             wv = cuda.local.array(E, float32)
+            nrow = cuda.local.array(R, int32)
+            setup_rows(nrow, ep, unit, N)
             for tt in range(TT):
                 for r in range(R):
                     acc[tt, r] = float32(0.0)
@@ -345,14 +399,13 @@ def _make_fast(kind, TT, R, NW, KC, norm=False):
                 for wl in range(lane, cw, 32):
                     w = c0 + wl
                     for r in range(R):
-                        n = min(n0 + r, N - 1)
-                        decode(qw[n, w], wv, _TWO23)
+                        decode(qw[nrow[r], w], wv, _TWO23)
                         for tt in range(TT):
                             p = float32(0.0)
                             for i in range(E):
                                 p = cuda.fma(wv[i], xs[tt, i, wl], p)
                             acc[tt, r] = acc[tt, r] + p
-            finish(out, acc, scratch, warp, lane, n0, t0, N, T, accumulate)
+            finish(out, acc, scratch, warp, lane, unit, t0, N, T, accumulate, ep)
 
     _fast_cache[key] = kernel
     return kernel
@@ -362,13 +415,18 @@ def _make_fast(kind, TT, R, NW, KC, norm=False):
 _simple_cache = {}
 
 
-def _make_simple(quant, norm=False):
-    """Build the simple kernel (one warp per (t, n)) for quantized or float weights; `norm`
-    compiles in the fused-RMSNorm prologue (every block has a single token row t)."""
-    key = (bool(quant), bool(norm))
+def _make_simple(quant, norm=False, epi=None):
+    """Build the simple kernel (one warp per (t, n), or per (t, pair) with an epilogue) for
+    quantized or float weights; `norm` compiles in the fused-RMSNorm prologue (every block has a
+    single token row t)."""
+    name = None if epi is None else epi.name
+    key = (bool(quant), bool(norm), name)
     if key in _simple_cache:
         return _simple_cache[key]
     NORM = bool(norm)
+    PAIR = epi is not None
+    rows_of = epi.rows if PAIR else _no_rows
+    pair_store = epi.store if PAIR else _no_store
     prologue = _make_norm_prologue(1, SIMPLE_WARPS)
 
     @cuda.jit(device=True)
@@ -389,13 +447,6 @@ def _make_simple(quant, norm=False):
             return (x[t, k] * inv) * nw[k]
         return x[t, k]
 
-    @cuda.jit(device=True)
-    def store(out, acc, t, n_raw, n, lane, accumulate):
-        if lane == 0 and n_raw < out.shape[1] and t < out.shape[0]:
-            if accumulate:
-                acc = out[t, n] + acc
-            out[t, n] = acc
-
     if quant:
         @cuda.jit(device=True)
         def weight(w, scales, zeros, bits, group, n, k):
@@ -411,10 +462,18 @@ def _make_simple(quant, norm=False):
             """Element (n, k) of an f32 / f16 matrix (scales, zeros, bits, group unused)."""
             return float32(w[n, k])
 
+    @cuda.jit(device=True)
+    def row_dot(x, nw, inv, t, w, scales, zeros, bits, group, n, lane, scratch, warp):
+        """Row n of W times the (normed) row t of x: lane l takes k = l, l+32, ..., then the
+        butterfly."""
+        acc = float32(0.0)
+        for k in range(lane, x.shape[1], 32):
+            acc = cuda.fma(weight(w, scales, zeros, bits, group, n, k), xval(x, nw, inv, t, k), acc)
+        return warp_sum(acc, scratch, warp, lane)
+
     @cuda.jit
-    def kernel(out, x, nw, eps, w, scales, zeros, bits, group, accumulate):
-        K = x.shape[1]
-        N = out.shape[1]
+    def kernel(out, x, nw, eps, w, scales, zeros, bits, group, accumulate, ep):
+        N = w.shape[0]
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
@@ -422,13 +481,21 @@ def _make_simple(quant, norm=False):
         invs = cuda.shared.array(1, float32)
         part = cuda.shared.array(NORM_NW, float32)
         t, inv = setup(x, nw, eps, invs, part, scratch, tid, warp, lane)
-        n_raw = cuda.blockIdx.x * SIMPLE_WARPS + warp
-        n = min(n_raw, N - 1)
-        acc = float32(0.0)
-        for k in range(lane, K, 32):
-            acc = cuda.fma(weight(w, scales, zeros, bits, group, n, k), xval(x, nw, inv, t, k), acc)
-        acc = warp_sum(acc, scratch, warp, lane)
-        store(out, acc, t, n_raw, n, lane, accumulate)
+        unit = cuda.blockIdx.x * SIMPLE_WARPS + warp
+        if PAIR:
+            P = N // 2
+            na, nb = rows_of(ep, min(unit, P - 1), N)
+            va = row_dot(x, nw, inv, t, w, scales, zeros, bits, group, na, lane, scratch, warp)
+            vb = row_dot(x, nw, inv, t, w, scales, zeros, bits, group, nb, lane, scratch, warp)
+            if lane == 0 and unit < P and t < x.shape[0]:
+                pair_store(ep, out, t, unit, va, vb, N)
+        else:
+            acc = row_dot(x, nw, inv, t, w, scales, zeros, bits, group, min(unit, N - 1), lane,
+                          scratch, warp)
+            if lane == 0 and unit < N and t < x.shape[0]:
+                if accumulate:
+                    acc = out[t, unit] + acc
+                out[t, unit] = acc
 
     _simple_cache[key] = kernel
     return kernel
@@ -463,7 +530,8 @@ def uses_fast_path(kind: str, K: int, group_size: int, w=None) -> bool:
     return True
 
 
-def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_w=None, eps=0.0):
+def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_w=None, eps=0.0,
+           epilogue=None):
     """``out[t, n] = sum_k x[t, k] * W[n, k]`` (``+=`` when accumulate), for t < T, n < N.
 
     The storage is inferred: float32 or float16 `w` of shape (N, K), or uint8 `w` of shape
@@ -473,12 +541,32 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
 
     With `norm_w` (float32 (K,)) the product uses the RMS-normed rows instead of x:
     ``x[t] / sqrt(mean(x[t]^2) + eps) * norm_w`` (fused, see module doc); `eps` is a model
-    constant (Python float)."""
+    constant (Python float).
+
+    With `epilogue` (an `Epilogue`, e.g. `swiglu.glu_epilogue` or `rope.qkv_epilogue`) the rows
+    are computed in the epilogue's pairs and stored through it: `out` is then (T,
+    epilogue.out_cols), N = epilogue.n_rows and accumulate must be False (module doc)."""
     op = "matmul"
     check_array(op, "x", x, np.float32, 2)
     T, K = x.shape
     check_array(op, "out", out, np.float32, 2, (T, None))
-    N = out.shape[1]
+    if epilogue is not None:
+        if not isinstance(epilogue, Epilogue):
+            raise BackendError(f"{op}: epilogue must be an Epilogue, got {type(epilogue).__name__}")
+        if accumulate:
+            raise BackendError(f"{op}: accumulate=True cannot be combined with the "
+                               f"{epilogue.name!r} epilogue (it stores through the epilogue)")
+        N = int(epilogue.n_rows)
+        if out.shape[1] != epilogue.out_cols:
+            raise BackendError(f"{op}: out has {out.shape[1]} columns; the {epilogue.name!r} "
+                               f"epilogue writes {epilogue.out_cols}")
+        if N <= 0 or N % 2:
+            raise BackendError(f"{op}: the {epilogue.name!r} epilogue needs an even, positive "
+                               f"number of weight rows, got {N}")
+        ep = epilogue.args
+    else:
+        N = out.shape[1]
+        ep = NO_EPILOGUE_ARGS
     if K == 0 or N == 0:
         raise BackendError(f"{op}: empty dimension (in_features={K}, out_features={N})")
     if w is None:
@@ -512,46 +600,54 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
     acc_flag = 1 if accumulate else 0
     # Without a norm the kernel's norm_w parameter is unused: pass a view (no allocation).
     nw = norm_w if norm else x[0]
+    pair = epilogue is not None
 
     if uses_fast_path(kind, K, group, w):
-        TT, R, NW, KC = config_for(kind, T, N)
-        kern = _make_fast(kind, TT, R, NW, KC, norm)
+        TT, R, NW, KC = config_for(kind, T, N, pair)
+        kern = _make_fast(kind, TT, R, NW, KC, norm, epilogue)
         E = WORD_ELEMS[kind]
         qw = w.view(np.uint64)
-        grid = (cdiv(N, NW * R), cdiv(T, TT))
+        grid = (cdiv(N // 2, NW * R // 2) if pair else cdiv(N, NW * R), cdiv(T, TT))
         if kind.startswith("q"):
-            kern[grid, NW * 32, stream](out, x, nw, eps, qw, scales, zeros, group // E, acc_flag)
+            kern[grid, NW * 32, stream](out, x, nw, eps, qw, scales, zeros, group // E, acc_flag, ep)
         else:
-            kern[grid, NW * 32, stream](out, x, nw, eps, qw, acc_flag)
+            kern[grid, NW * 32, stream](out, x, nw, eps, qw, acc_flag, ep)
         return
 
-    grid = (cdiv(N, SIMPLE_WARPS), T)
+    grid = (cdiv(N // 2 if pair else N, SIMPLE_WARPS), T)
     if kind.startswith("q"):
-        _make_simple(True, norm)[grid, SIMPLE_WARPS * 32, stream](
-            out, x, nw, eps, w, scales, zeros, {"q8": 8, "q4": 4, "q2": 2}[kind], group, acc_flag)
+        _make_simple(True, norm, epilogue)[grid, SIMPLE_WARPS * 32, stream](
+            out, x, nw, eps, w, scales, zeros, {"q8": 8, "q4": 4, "q2": 2}[kind], group, acc_flag, ep)
     else:
         # float weights: the scales / zeros / bits / group parameters are unused; w stands in
-        _make_simple(False, norm)[grid, SIMPLE_WARPS * 32, stream](out, x, nw, eps, w, w, w, 0, 0, acc_flag)
+        _make_simple(False, norm, epilogue)[grid, SIMPLE_WARPS * 32, stream](
+            out, x, nw, eps, w, w, w, 0, 0, acc_flag, ep)
 
 
-def ptx_signatures():
-    """(name, python function, signature) triples the launcher compiles, for PTX compile tests."""
+def ptx_signatures(epilogues=()):
+    """(name, python function, signature) triples the launcher compiles, for PTX compile tests;
+    `epilogues` adds the pair variants of the norm-fused kernels for each given `Epilogue`."""
     sigs = []
     f32_2 = "float32[:, ::1]"
     head = f"{f32_2}, {f32_2}, float32[::1], float32"      # out, x, norm_w, eps
-    for norm in (False, True):
-        tag = "_norm" if norm else ""
+    variants = [(norm, None) for norm in (False, True)] + [(True, e) for e in epilogues]
+    for norm, epi in variants:
+        tag = ("_norm" if norm else "") + (f"_{epi.name}" if epi is not None else "")
+        es = NO_EPILOGUE_SIG if epi is None else epi.sig
         for kind in WORD_ELEMS:
-            for cfg in (config_for(kind, 1), config_for(kind, 1, WIDE_N), config_for(kind, 2)):
-                k = _make_fast(kind, *cfg, norm)
+            cfgs = (config_for(kind, 1), config_for(kind, 1, WIDE_N), config_for(kind, 2))
+            if epi is not None:
+                cfgs = tuple(config_for(kind, T, n, True) for T, n in ((1, 0), (1, WIDE_N), (2, 0)))
+            for cfg in cfgs:
+                k = _make_fast(kind, *cfg, norm, epi)
                 if kind.startswith("q"):
-                    sig = f"void({head}, uint64[:, ::1], float16[:, ::1], uint8[:, ::1], int64, int64)"
+                    sig = f"void({head}, uint64[:, ::1], float16[:, ::1], uint8[:, ::1], int64, int64, {es})"
                 else:
-                    sig = f"void({head}, uint64[:, ::1], int64)"
+                    sig = f"void({head}, uint64[:, ::1], int64, {es})"
                 sigs.append((f"matmul_fast{tag}_{kind}_{'_'.join(map(str, cfg))}", k.py_func, sig))
-        sigs.append((f"matmul_simple{tag}_q", _make_simple(True, norm).py_func,
-                     f"void({head}, uint8[:, ::1], float16[:, ::1], uint8[:, ::1], int64, int64, int64)"))
+        sigs.append((f"matmul_simple{tag}_q", _make_simple(True, norm, epi).py_func,
+                     f"void({head}, uint8[:, ::1], float16[:, ::1], uint8[:, ::1], int64, int64, int64, {es})"))
         for wt in ("float32", "float16"):
-            sigs.append((f"matmul_simple{tag}_{wt}", _make_simple(False, norm).py_func,
-                         f"void({head}, {wt}[:, ::1], {wt}[:, ::1], {wt}[:, ::1], int64, int64, int64)"))
+            sigs.append((f"matmul_simple{tag}_{wt}", _make_simple(False, norm, epi).py_func,
+                         f"void({head}, {wt}[:, ::1], {wt}[:, ::1], {wt}[:, ::1], int64, int64, int64, {es})"))
     return sigs

@@ -62,7 +62,7 @@ import numpy as np
 from numba import cuda
 
 from ...core.errors import BackendError
-from ._common import cdiv, check_array, check_tree
+from ._common import Epilogue, cdiv, check_array, check_tree
 
 NT = 256
 MAX_BLOCKS = 4096
@@ -96,16 +96,26 @@ def rope_table(head_dim: int, theta: float, n_positions: int) -> np.ndarray:
 
 
 @cuda.jit(device=True)
+def rotate_pair(x0, x1, c, s):
+    """The pair (x0, x1) rotated by the angle whose (cos, sin) is (c, s)."""
+    return x0 * c - x1 * s, x1 * c + x0 * s
+
+
+@cuda.jit(device=True)
+def row_place(t, p0, depth, path):
+    """(position, cache slot) of query row t: p0 + t for both in the causal layout; with tree
+    tables (depth non-empty) position p0 + depth[t] and slot p0 + path[t, depth[t]]."""
+    if depth.shape[0] > 0:
+        return p0 + depth[t], p0 + path[t, depth[t]]
+    return p0 + t, p0 + t
+
+
+@cuda.jit(device=True)
 def _rotate(src, dst, t, scol, dcol, half, p, cs, i):
     """Rotate the pair (src[t, scol], src[t, scol + half]) into dst[t, dcol], dst[t, dcol + half]
     by the table's angle for (position p, pair i) (dst may be src: each element is read before it
     is written, by the same thread)."""
-    c = cs[p, i, 0]
-    s = cs[p, i, 1]
-    x0 = src[t, scol]
-    x1 = src[t, scol + half]
-    r0 = x0 * c - x1 * s
-    r1 = x1 * c + x0 * s
+    r0, r1 = rotate_pair(src[t, scol], src[t, scol + half], cs[p, i, 0], cs[p, i, 1])
     dst[t, dcol] = r0
     dst[t, dcol + half] = r1
     return r0, r1
@@ -148,17 +158,12 @@ def _rope_kv_append_kernel(q, q_out, k, v, qoff, koff, voff, k_cache, v_cache, l
     per_row = (H + Hk) * half
     n = T * per_row
     p0 = pos[0]
-    tree = depth.shape[0] > 0
     for idx in range(cuda.grid(1), n, cuda.gridsize(1)):
         t = idx // per_row
         r = idx - t * per_row
         head = r // half
         i = r - head * half
-        p = p0 + t
-        slot = p
-        if tree:
-            p = p0 + depth[t]
-            slot = p0 + path[t, depth[t]]
+        p, slot = row_place(t, p0, depth, path)
         if head < H:
             col = head * hd + i
             _rotate(q, q_out, t, qoff + col, col, half, p, cs, i)
@@ -261,6 +266,95 @@ def rope_kv_append_qkv(qkv, q_out, k_cache, v_cache, layer, pos, cs, stream=0, d
         return
     _rope_kv_append_kernel[min(cdiv(n, NT), MAX_BLOCKS), NT, stream](
         qkv, q_out, qkv, qkv, 0, q_dim, q_dim + kv_dim, k_cache, v_cache, layer, pos, cs, depth, path)
+
+
+# ----------------------------------------------------------------------------- matmul epilogue
+@cuda.jit(device=True)
+def _qkv_dims(ep, N):
+    """(half, hd, Hk, q_dim, kv_dim, rope pairs) of the fused q|k|v projection of N rows."""
+    k_cache = ep[0]
+    half = ep[4].shape[1]
+    hd = 2 * half
+    Hk = k_cache.shape[2]
+    kv_dim = Hk * hd
+    q_dim = N - 2 * kv_dim
+    return half, hd, Hk, q_dim, kv_dim, (q_dim + kv_dim) // 2
+
+
+@cuda.jit(device=True)
+def _qkv_rows(ep, p, N):
+    """Weight rows of pair p: a RoPE pair (i, i + half) of a q or k head for p < (q_dim + kv_dim)
+    / 2, then the v columns two by two."""
+    half, hd, Hk, q_dim, kv_dim, n_rope = _qkv_dims(ep, N)
+    if p < n_rope:
+        head = p // half
+        na = head * hd + (p - head * half)
+        return na, na + half
+    na = q_dim + kv_dim + 2 * (p - n_rope)
+    return na, na + 1
+
+
+@cuda.jit(device=True)
+def _qkv_store(ep, q_out, t, p, va, vb, N):
+    """Rotate a q pair into q_out, a k pair into the cache; store a v pair in the cache (the
+    element placement and arithmetic of `_rope_kv_append_kernel`)."""
+    k_cache, v_cache, layer, pos, cs, depth, path = ep
+    half, hd, Hk, q_dim, kv_dim, n_rope = _qkv_dims(ep, N)
+    H = q_dim // hd
+    S = k_cache.shape[1]
+    pp, slot = row_place(t, pos[0], depth, path)
+    if p < n_rope:
+        head = p // half
+        i = p - head * half
+        r0, r1 = rotate_pair(va, vb, cs[pp, i, 0], cs[pp, i, 1])
+        if head < H:
+            col = head * hd + i
+            q_out[t, col] = r0
+            q_out[t, col + half] = r1
+        elif 0 <= slot < S:
+            kh = head - H
+            k_cache[layer, slot, kh, i] = r0
+            k_cache[layer, slot, kh, i + half] = r1
+    elif 0 <= slot < S:
+        e = 2 * (p - n_rope)
+        kh = e // hd
+        d = e - kh * hd
+        v_cache[layer, slot, kh, d] = va
+        v_cache[layer, slot, kh, d + 1] = vb
+
+
+def qkv_epilogue(q_out, k_cache, v_cache, layer, pos, cs, depth=None, path=None) -> Epilogue:
+    """RoPE + KV append as the epilogue of the fused q|k|v matmul (``matmul(q_out, x, wqkv, ...,
+    epilogue=qkv_epilogue(...))``, weight rows q | k | v, N = q_dim + 2 kv_dim): the rotated q
+    rows go to `q_out` (T, q_dim), the rotated k and the v rows to cache layer `layer` at the
+    rows' slots (causal, or the tree layout of `depth` / `path`), exactly as the matmul into a
+    (T, N) buffer followed by `rope_kv_append_qkv` (which also leaves the rotated k in the buffer;
+    here there is no buffer). The matmul pairs rows (i, i + half) of every q and k head so one
+    warp holds both members of a rotation pair."""
+    op = "qkv_epilogue"
+    T, hd, _ = _check_common(op, q_out, q_out, pos, cs)
+    q_dim = q_out.shape[1]
+    check_array(op, "k_cache", k_cache, (np.float16, np.float32), 4, (None, None, None, hd))
+    kv_dim = int(k_cache.shape[2]) * hd
+    if kv_dim == 0:
+        raise BackendError(f"{op}: the cache has no kv heads")
+    layer = _check_cache(op, T, kv_dim // hd, hd, k_cache, v_cache, layer, cs)
+    depth, path = check_tree(op, depth, path, T)
+    proto = ptx_epilogues()[0 if np.dtype(k_cache.dtype) == np.float16 else 1]
+    return proto._replace(args=(k_cache, v_cache, np.int64(layer), pos, cs, depth, path),
+                          n_rows=q_dim + 2 * kv_dim, out_cols=q_dim)
+
+
+def ptx_epilogues():
+    """The qkv epilogue of each cache dtype without arrays (its `sig` only), for PTX tests of the
+    matmul variants that carry it."""
+    out = []
+    for ct in ("float16", "float32"):
+        c = f"{ct}[:, :, :, ::1]"
+        out.append(Epilogue(f"qkv_{ct}", _qkv_rows, _qkv_store, (), 0, 0,
+                            f"Tuple(({c}, {c}, int64, int32[::1], float32[:, :, ::1], int32[::1], "
+                            f"int32[:, ::1]))"))
+    return out
 
 
 def ptx_signatures():

@@ -8,6 +8,12 @@ Shapes (T rows, F = d_ff)::
 
 Thread mapping: flat grid-stride loop, one output element per thread per step; elementwise, so
 batch-invariant. exp is the float32 libdevice expf (not the fast approximation).
+
+`glu_epilogue(F)` fuses the activation into the gate|up matmul instead (``matmul(out, x, wgu,
+..., epilogue=glu_epilogue(F))`` with wgu = gate rows then up rows, out (T, F)): the matmul
+reduces gate row j and up row F + j in one warp and stores ``silu(g) * u`` through the same
+`_silu_mul`, so the result equals the matmul into (T, 2F) followed by `swiglu_fused`, bit for bit,
+without the intermediate buffer or the extra launch.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import numpy as np
 from numba import cuda, float32
 
 from ...core.errors import BackendError
-from ._common import cdiv, check_array
+from ._common import Epilogue, cdiv, check_array
 
 NT = 256
 MAX_BLOCKS = 1024
@@ -49,6 +55,25 @@ def _swiglu_fused_kernel(out, gu):
         out[t, j] = _silu_mul(gu[t, j], gu[t, j + F])
 
 
+@cuda.jit(device=True)
+def _glu_rows(ep, p, N):
+    """Weight rows of pair p: gate row p and up row F + p (ep = (F,))."""
+    return p, p + ep[0]
+
+
+@cuda.jit(device=True)
+def _glu_store(ep, out, t, p, g, u, N):
+    out[t, p] = _silu_mul(g, u)
+
+
+def glu_epilogue(F: int) -> Epilogue:
+    """The SwiGLU epilogue for a gate|up matmul with F = d_ff: weight (2F, K), out (T, F)."""
+    F = int(F)
+    if F <= 0:
+        raise BackendError(f"glu_epilogue: F={F} must be positive (the MLP width d_ff)")
+    return ptx_epilogues()[0]._replace(args=(np.int64(F),), n_rows=2 * F, out_cols=F)
+
+
 def _blocks(n):
     if n >= 2 ** 31:
         raise BackendError(f"swiglu: {n} elements is too many for one launch")
@@ -77,6 +102,11 @@ def swiglu_fused(out, gu, stream=0):
     if n == 0:
         return
     _swiglu_fused_kernel[_blocks(n), NT, stream](out, gu)
+
+
+def ptx_epilogues():
+    """The SwiGLU epilogue without sizes (its `sig` only), for PTX tests of the matmul variant."""
+    return [Epilogue("glu", _glu_rows, _glu_store, (), 0, 0, "UniTuple(int64, 1)")]
 
 
 def ptx_signatures():
