@@ -168,15 +168,11 @@ def _check_rows_alone(rng, kind, N, K, group, T, rows):
         assert np.array_equal(host(o1)[0], got[t])
 
 
-@pytest.mark.parametrize("kind,N,K,group", [("q4", 21, 128, 32), ("q2", 10, 64, 32), ("f16", 11, 36, 0),
-                                           ("q4", 70, 64, 32)])
+@pytest.mark.parametrize("kind,N,K,group", [("q4", 21, 128, 32), ("q2", 10, 64, 32), ("f16", 11, 36, 0)])
 def test_matmul_wide_gemv_config_is_batch_invariant(monkeypatch, kind, N, K, group):
     """The one-row launch of a wide weight (N >= WIDE_N; lowered here so tiny shapes reach it) uses
-    GEMV_WIDE_CONFIG and, K fitting one chunk, the row-tile loop (one block per "SM" here, so the
-    70-row case walks 3 tiles): still the same bits as the row inside a multi-row launch."""
+    GEMV_WIDE_CONFIG: still the same bits as the row inside a multi-row launch."""
     monkeypatch.setattr(matmul, "WIDE_N", 8)
-    monkeypatch.setattr(matmul, "_SM_COUNT", [1])
-    monkeypatch.setattr(matmul, "TILE_BLOCKS_PER_SM", 1)
     assert matmul.config_for(kind, 1, N)[1:] != matmul.config_for(kind, 1, 4)[1:]
     _check_rows_alone(np.random.default_rng(N + K), kind, N, K, group, 3, range(3))
 
@@ -381,19 +377,12 @@ def _epi_weight(rng, kind, N, K, group):
     return {k: D(v) for k, v in arrays.items()}, W
 
 
-@pytest.mark.parametrize("kind,K,group,path", EPI_CASES + [("q4", 64, 16, "tiled")])
-def test_matmul_glu_epilogue_equals_matmul_then_swiglu(kind, K, group, path, monkeypatch):
+@pytest.mark.parametrize("kind,K,group,path", EPI_CASES)
+def test_matmul_glu_epilogue_equals_matmul_then_swiglu(kind, K, group, path):
     """gate|up matmul with the SwiGLU epilogue (norm fused) == the matmul into (T, 2F) followed by
-    swiglu_fused, bit for bit; rows alone == rows in the launch; close to float64. "tiled": the
-    one-row launch takes the wide configuration's row-tile loop (one block walking 2 tiles)."""
+    swiglu_fused, bit for bit; rows alone == rows in the launch; close to float64."""
     rng = np.random.default_rng(K + 3)
     F, T, eps = 5, 3, 1e-5        # F odd: the last warp's second pair is past the end
-    if path == "tiled":
-        F = 21
-        monkeypatch.setattr(matmul, "WIDE_N", 8)
-        monkeypatch.setattr(matmul, "_SM_COUNT", [1])
-        monkeypatch.setattr(matmul, "TILE_BLOCKS_PER_SM", 1)
-        path = "fast"
     dev, W = _epi_weight(rng, kind, 2 * F, K, group)
     assert matmul.uses_fast_path(kind, K, group) == (path == "fast")
     x, nw = norm_inputs(rng, T, K)

@@ -83,23 +83,6 @@ GEMV_CONFIG = (1, 2, 8, 4096)
 #: shape only, never on T.
 GEMV_WIDE_CONFIG = (1, 8, 4, 4096)
 WIDE_N = 8192
-#: One-row launches of wide weights (N >= WIDE_N) whose K fits one staged chunk use the row-tile
-#: loop: TILE_BLOCKS_PER_SM blocks per SM, each staging (and norming) x once and walking the row
-#: tiles (0 turns it off). Who computes a row changes, its reduction order does not.
-TILE_BLOCKS_PER_SM = int(__import__("os").environ.get("TINYLOOP_MM_TILE_BPS", "4"))
-_SM_COUNT = []
-
-
-def _sm_count() -> int:
-    """Multiprocessors of the current device (4 under the simulator, so tests reach the loop)."""
-    if not _SM_COUNT:
-        try:
-            _SM_COUNT.append(int(cuda.get_current_device().MULTIPROCESSOR_COUNT))
-        except Exception:
-            _SM_COUNT.append(4)
-    return _SM_COUNT[0]
-
-
 #: T > 1 (same tuning run: (2, 8, 4) beat (4, 4, 4) by 3-9% at T = 16 and 128 on every shape).
 GEMM_CONFIG = (2, 8, 4, 1024)
 #: Largest TT * R * E (fmas per lane per word) the compiler still unrolls fully (read off the
@@ -248,17 +231,16 @@ def _make_norm_prologue(TT, NW):
 _fast_cache = {}
 
 
-def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, tiled=False):
+def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None):
     """Build the fast kernel for one storage kind and block configuration (see module doc);
     `norm` compiles in the fused-RMSNorm prologue and staging, `epi` (an `Epilogue`) the pair
-    row map and store; `tiled` the row-tile loop (x staged once per block, K <= KC)."""
+    row map and store."""
     name = None if epi is None else epi.name
-    key = (kind, TT, R, NW, KC, bool(norm), name, bool(tiled))
+    key = (kind, TT, R, NW, KC, bool(norm), name)
     if key in _fast_cache:
         return _fast_cache[key]
     NORM = bool(norm)
     PAIR = epi is not None
-    TILED = bool(tiled)
     rows_of = epi.rows if PAIR else _no_rows
     store = epi.store if PAIR else _no_store
     RP = R // 2            # pairs per warp (pair mode)
@@ -334,90 +316,32 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, tiled=False):
                             v = out[t, n] + v
                         out[t, n] = v
 
-    @cuda.jit(device=True)
-    def zero(acc):
-        for tt in range(TT):
-            for r in range(R):
-                acc[tt, r] = float32(0.0)
-
-    @cuda.jit(device=True)
-    def dot_q(acc, wv, nrow, qw, scales, zeros, ugw, xs, c0, cw, lane):
-        """Words c0 .. c0 + cw - 1 of the warp's rows against the staged xs (lane l: words l,
-        l+32, ... of the chunk, ascending)."""
-        for wl in range(lane, cw, 32):
-            w = c0 + wl
-            g = uint32(w) // ugw
-            for r in range(R):
-                n = nrow[r]
-                word = qw[n, w]
-                s = float32(scales[n, g])
-                c = _TWO23 + float32(zeros[n, g])
-                decode(word, wv, c)
-                for tt in range(TT):
-                    p = float32(0.0)
-                    for i in range(E):
-                        p = cuda.fma(wv[i], xs[tt, i, wl], p)
-                    acc[tt, r] = cuda.fma(s, p, acc[tt, r])
-
-    @cuda.jit(device=True)
-    def dot_f(acc, wv, nrow, qw, xs, c0, cw, lane):
-        """dot_q for float weights (scale 1: acc + p)."""
-        for wl in range(lane, cw, 32):
-            w = c0 + wl
-            for r in range(R):
-                decode(qw[nrow[r], w], wv, _TWO23)
-                for tt in range(TT):
-                    p = float32(0.0)
-                    for i in range(E):
-                        p = cuda.fma(wv[i], xs[tt, i, wl], p)
-                    acc[tt, r] = acc[tt, r] + p
-
-    @cuda.jit(device=True)
-    def dot(acc, wv, nrow, qw, scales, zeros, ugw, xs, c0, cw, lane):
-        if quant:
-            dot_q(acc, wv, nrow, qw, scales, zeros, ugw, xs, c0, cw, lane)
-        else:
-            dot_f(acc, wv, nrow, qw, xs, c0, cw, lane)
-
-    @cuda.jit(device=True)
-    def body(out, x, nw, eps, qw, scales, zeros, gw, accumulate, ep):
-        T = x.shape[0]
-        N = qw.shape[0]
-        nwords = qw.shape[1]
-        tid = cuda.threadIdx.x
-        warp = tid // 32
-        lane = tid % 32
-        t0 = cuda.blockIdx.y * TT
-        xs = cuda.shared.array((TT, E, XW), float32)
-        scratch = cuda.shared.array((NW, 32), float32)
-        invs = cuda.shared.array(TT, float32)
-        part = cuda.shared.array(NJ, float32)
-        if NORM:
-            # invs becomes visible at the first barrier below.
-            prologue(x, t0, T, eps, invs, part, scratch, tid, warp, lane)
-        acc = cuda.local.array((TT, R), float32)
-        wv = cuda.local.array(E, float32)
-        nrow = cuda.local.array(R, int32)
-        ugw = uint32(gw)
-        if TILED:
-            # All of K in one staged chunk (the launcher checks nwords <= NWC); the block then
-            # walks the row tiles blockIdx.x, blockIdx.x + gridDim.x, ... with it.
-            cuda.syncthreads()
-            stage_x(xs, x, nw, invs, t0, 0, nwords, T, tid)
-            # The staged x must be visible to every warp before the dot products.
-            cuda.syncthreads()
-            units = N // 2 if PAIR else N
-            per_tile = NW * (RP if PAIR else R)
-            for tile in range(cuda.blockIdx.x, (units + per_tile - 1) // per_tile, cuda.gridDim.x):
-                unit = tile * NW + warp
-                setup_rows(nrow, ep, unit, N)
-                zero(acc)
-                dot(acc, wv, nrow, qw, scales, zeros, ugw, xs, 0, nwords, lane)
-                finish(out, acc, scratch, warp, lane, unit, t0, N, T, accumulate, ep)
-        else:
+    if quant:
+        @cuda.jit
+        def kernel(out, x, nw, eps, qw, scales, zeros, gw, accumulate, ep):
+            T = x.shape[0]
+            N = qw.shape[0]
+            nwords = qw.shape[1]
+            tid = cuda.threadIdx.x
+            warp = tid // 32
+            lane = tid % 32
             unit = cuda.blockIdx.x * NW + warp
+            t0 = cuda.blockIdx.y * TT
+            xs = cuda.shared.array((TT, E, XW), float32)
+            scratch = cuda.shared.array((NW, 32), float32)
+            invs = cuda.shared.array(TT, float32)
+            part = cuda.shared.array(NJ, float32)
+            if NORM:
+                # invs becomes visible at the first chunk's barrier below.
+                prologue(x, t0, T, eps, invs, part, scratch, tid, warp, lane)
+            acc = cuda.local.array((TT, R), float32)
+            wv = cuda.local.array(E, float32)
+            nrow = cuda.local.array(R, int32)
             setup_rows(nrow, ep, unit, N)
-            zero(acc)
+            for tt in range(TT):
+                for r in range(R):
+                    acc[tt, r] = float32(0.0)
+            ugw = uint32(gw)
             for c0 in range(0, nwords, NWC):
                 cw = min(NWC, nwords - c0)
                 # The previous chunk's reads of xs must be done before it is overwritten.
@@ -425,18 +349,63 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, tiled=False):
                 stage_x(xs, x, nw, invs, t0, c0, cw, T, tid)
                 # The staged chunk must be visible to every warp before the dot products.
                 cuda.syncthreads()
-                dot(acc, wv, nrow, qw, scales, zeros, ugw, xs, c0, cw, lane)
+                for wl in range(lane, cw, 32):
+                    w = c0 + wl
+                    g = uint32(w) // ugw
+                    for r in range(R):
+                        n = nrow[r]
+                        word = qw[n, w]
+                        s = float32(scales[n, g])
+                        c = _TWO23 + float32(zeros[n, g])
+                        decode(word, wv, c)
+                        for tt in range(TT):
+                            p = float32(0.0)
+                            for i in range(E):
+                                p = cuda.fma(wv[i], xs[tt, i, wl], p)
+                            acc[tt, r] = cuda.fma(s, p, acc[tt, r])
             finish(out, acc, scratch, warp, lane, unit, t0, N, T, accumulate, ep)
-
-    if quant:
-        @cuda.jit
-        def kernel(out, x, nw, eps, qw, scales, zeros, gw, accumulate, ep):
-            body(out, x, nw, eps, qw, scales, zeros, gw, accumulate, ep)
     else:
         @cuda.jit
         def kernel(out, x, nw, eps, qw, accumulate, ep):
-            # float weights: no scales / zeros / group (qw stands in; dot_f never reads them)
-            body(out, x, nw, eps, qw, qw, qw, 1, accumulate, ep)
+            T = x.shape[0]
+            N = qw.shape[0]
+            nwords = qw.shape[1]
+            tid = cuda.threadIdx.x
+            warp = tid // 32
+            lane = tid % 32
+            unit = cuda.blockIdx.x * NW + warp
+            t0 = cuda.blockIdx.y * TT
+            xs = cuda.shared.array((TT, E, XW), float32)
+            scratch = cuda.shared.array((NW, 32), float32)
+            invs = cuda.shared.array(TT, float32)
+            part = cuda.shared.array(NJ, float32)
+            if NORM:
+                # invs becomes visible at the first chunk's barrier below.
+                prologue(x, t0, T, eps, invs, part, scratch, tid, warp, lane)
+            acc = cuda.local.array((TT, R), float32)
+            wv = cuda.local.array(E, float32)
+            nrow = cuda.local.array(R, int32)
+            setup_rows(nrow, ep, unit, N)
+            for tt in range(TT):
+                for r in range(R):
+                    acc[tt, r] = float32(0.0)
+            for c0 in range(0, nwords, NWC):
+                cw = min(NWC, nwords - c0)
+                # The previous chunk's reads of xs must be done before it is overwritten.
+                cuda.syncthreads()
+                stage_x(xs, x, nw, invs, t0, c0, cw, T, tid)
+                # The staged chunk must be visible to every warp before the dot products.
+                cuda.syncthreads()
+                for wl in range(lane, cw, 32):
+                    w = c0 + wl
+                    for r in range(R):
+                        decode(qw[nrow[r], w], wv, _TWO23)
+                        for tt in range(TT):
+                            p = float32(0.0)
+                            for i in range(E):
+                                p = cuda.fma(wv[i], xs[tt, i, wl], p)
+                            acc[tt, r] = acc[tt, r] + p
+            finish(out, acc, scratch, warp, lane, unit, t0, N, T, accumulate, ep)
 
     _fast_cache[key] = kernel
     return kernel
@@ -635,12 +604,10 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
 
     if uses_fast_path(kind, K, group, w):
         TT, R, NW, KC = config_for(kind, T, N, pair)
+        kern = _make_fast(kind, TT, R, NW, KC, norm, epilogue)
         E = WORD_ELEMS[kind]
-        tiles = cdiv(N // 2, NW * R // 2) if pair else cdiv(N, NW * R)
-        tiled = T == 1 and N >= WIDE_N and K <= KC and TILE_BLOCKS_PER_SM > 0
-        kern = _make_fast(kind, TT, R, NW, KC, norm, epilogue, tiled)
         qw = w.view(np.uint64)
-        grid = (min(tiles, _sm_count() * TILE_BLOCKS_PER_SM) if tiled else tiles, cdiv(T, TT))
+        grid = (cdiv(N // 2, NW * R // 2) if pair else cdiv(N, NW * R), cdiv(T, TT))
         if kind.startswith("q"):
             kern[grid, NW * 32, stream](out, x, nw, eps, qw, scales, zeros, group // E, acc_flag, ep)
         else:
@@ -671,15 +638,13 @@ def ptx_signatures(epilogues=()):
             cfgs = (config_for(kind, 1), config_for(kind, 1, WIDE_N), config_for(kind, 2))
             if epi is not None:
                 cfgs = tuple(config_for(kind, T, n, True) for T, n in ((1, 0), (1, WIDE_N), (2, 0)))
-            # the wide configuration in both forms: row-tile loop (K <= KC) and chunked
-            for cfg, tiled in zip(cfgs + cfgs[1:2], (False, False, False, True)):
-                k = _make_fast(kind, *cfg, norm, epi, tiled)
+            for cfg in cfgs:
+                k = _make_fast(kind, *cfg, norm, epi)
                 if kind.startswith("q"):
                     sig = f"void({head}, uint64[:, ::1], float16[:, ::1], uint8[:, ::1], int64, int64, {es})"
                 else:
                     sig = f"void({head}, uint64[:, ::1], int64, {es})"
-                sigs.append((f"matmul_fast{tag}_{kind}_{'_'.join(map(str, cfg))}{'_tiled' if tiled else ''}",
-                             k.py_func, sig))
+                sigs.append((f"matmul_fast{tag}_{kind}_{'_'.join(map(str, cfg))}", k.py_func, sig))
         sigs.append((f"matmul_simple{tag}_q", _make_simple(True, norm, epi).py_func,
                      f"void({head}, uint8[:, ::1], float16[:, ::1], uint8[:, ::1], int64, int64, int64, {es})"))
         for wt in ("float32", "float16"):
