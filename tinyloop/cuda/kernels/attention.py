@@ -26,8 +26,8 @@ Shapes (T rows, H query heads, Hkv kv heads, hd head width <= MAX_HD, L layers, 
 Build constants (fixed per build, never derived from T or the grid)::
 
               GPU  simulator
-    NW         16     4       warps per block (NT = 32 * NW threads)
-    CK         64     8       keys per chunk (CK / NW = 4 resp. 2 keys per warp and chunk)
+    NW          8     4       warps per block (NT = 32 * NW threads)
+    CK         32     8       keys per chunk (CK / NW = 4 resp. 2 keys per warp and chunk)
     Z           8     2       blocks (splits) per (row, head)
     U           4     1       keys per score / value step (their cache loads in flight together)
 
@@ -85,7 +85,7 @@ tree tables), the cache contents, q and the build constants (CK, NW, Z, U), neve
 grid's other dimensions or on which block arrives last; a row of a T-row launch is bit-identical
 to the same row launched alone. Warp reductions: shuffles on the GPU, shared-memory twin under the
 simulator (same butterfly). Shared memory is fixed (CK scores and slots, NW x MAX_HD partials,
-reduction scratch: about 17 KB on the GPU) whatever the context length. The kernel is compiled per
+reduction scratch: about 9 KB on the GPU) whatever the context length. The kernel is compiled per
 ND = ceil(hd / 32) (dims per lane), so the per-lane arrays stay in registers. Cache elements are
 addressed through flat views with unsigned offsets (base + slot * row + d).
 """
@@ -100,13 +100,15 @@ from numba import cuda, float32, int32, uint64
 from ...core.errors import BackendError
 from ._common import NEG_INF, SIM, check_array, check_tree, warp_max, warp_sum
 
-#: Warps per block: 16 on the GPU; 4 under the simulator, where every thread is a Python thread.
-NW = 4 if SIM else 16
+#: Warps per block: 8 on the GPU; 4 under the simulator, where every thread is a Python thread.
+#: (H200, 360m decode step, attention us per token: NW 16 / CK 64: 86; NW 8 / CK 32: 78;
+#: NW 16 / CK 32: 79; NW 8 / CK 32 / Z 16: 94.)
+NW = 4 if SIM else 8
 NT = NW * 32
 #: Keys per chunk. Each warp takes CK / NW keys of a chunk, and lane i holds the score of the
 #: warp's i-th key, so CK / NW <= 32. On the GPU one chunk is one U-step per warp; the simulator
 #: keeps chunks small so that tests reach several chunks per split with few keys.
-CK = 8 if SIM else 64
+CK = 8 if SIM else 32
 KPW = CK // NW
 #: Blocks (splits) per (row, head): the grid is (T, H, Z). 8 puts 128 blocks on the GPU for a
 #: 16-head one-token decode step (the H200 has 132 SMs).
@@ -117,7 +119,7 @@ Z = 2 if SIM else 8
 U = 1 if SIM else 4
 MAX_HD = min(256, NT)   # thread d < hd of the block owns output dim d (128 under the simulator)
 REC = 2                 # floats ahead of acc in a split's record: m, l
-_JIT_OPTS = {} if SIM else {"max_registers": 128}   # 512 threads x 128 registers fit one SM
+_JIT_OPTS = {} if SIM else {"max_registers": 128}   # 256 threads x 128 registers: 2 blocks per SM
 
 assert CK % NW == 0 and 0 < KPW <= 32, (CK, NW)
 
