@@ -28,6 +28,10 @@ def _median(xs):
 
 
 def _commit() -> str:
+    """The checkout's short commit; TINYLOOP_COMMIT overrides it (for runs on a copy of the tree
+    whose git metadata is not the checkout's)."""
+    if os.environ.get("TINYLOOP_COMMIT"):
+        return os.environ["TINYLOOP_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
