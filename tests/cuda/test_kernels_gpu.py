@@ -217,9 +217,16 @@ def test_argmax_sample_large_vocab_gpu():
     Vv = 151936
     logits = (rng.standard_normal((3, Vv)) * 3).astype(np.float32)
     logits[1, [5, 150000]] = 99.0
+    want = [int(np.argmax(logits[0])), 5, int(np.argmax(logits[2]))]
     out = D(np.zeros(3, np.int32))
     argmax.argmax(out, D(logits))
-    assert host(out).tolist() == [int(np.argmax(logits[0])), 5, int(np.argmax(logits[2]))]
+    assert host(out).tolist() == want
+    work = tuple(D(np.zeros(n, dt)) for n, dt in zip(argmax.work_shapes(3), (np.float32, np.int32, np.int32)))
+    for _ in range(3):                   # the split kernel, repeatedly through one workspace
+        out = D(np.zeros(3, np.int32))
+        argmax.argmax(out, D(logits), work=work)
+        assert host(out).tolist() == want
+    assert not host(work[2]).any()
     row = logits[0]
     for temp, k, p in [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 50, 1.0), (1.0, 0, 0.9),
                        (0.8, 40, 0.95), (2.0, 2000, 1.0)]:
@@ -361,6 +368,8 @@ def test_bench_other_kernels():
     tok = D(np.zeros(1, np.int32))
     st_ = D(np.array([1, 0], np.int64))
     res.append(("argmax V=151936", _time_us(lambda st: argmax.argmax(tok, lg2, stream=st), 50)))
+    aw = tuple(D(np.zeros(n, dt)) for n, dt in zip(argmax.work_shapes(1), (np.float32, np.int32, np.int32)))
+    res.append(("argmax split V=151936", _time_us(lambda st: argmax.argmax(tok, lg2, stream=st, work=aw), 50)))
     for name, pr in (("sample full", [1.0, 0, 1.0]), ("sample top-k 50", [1.0, 50, 1.0]),
                      ("sample top-p 0.9", [1.0, 0, 0.9])):
         p = D(np.array(pr, np.float32))

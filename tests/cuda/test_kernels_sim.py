@@ -859,6 +859,54 @@ def test_argmax_ties_nan_inf():
     assert host(out).tolist() == [ref_argmax(wide[0]), 777]
 
 
+def _argmax_work(T):
+    sv, si, sc = argmax.work_shapes(T)
+    return (D(np.full(sv, np.nan, np.float32)), D(np.full(si, -5, np.int32)), D(np.zeros(sc, np.int32)))
+
+
+def test_split_argmax_equals_one_block():
+    """The split argmax (SPLIT blocks per row, last-block merge) picks what the one-block kernel
+    picks: ties to the lowest index across slice borders, NaN never, all -inf -> the first index,
+    all NaN -> 0; repeated launches through one workspace (the counters return to zero)."""
+    rng = np.random.default_rng(21)
+    V = 1000                       # 4 slices of 250 under the simulator, 2 scan steps each
+    rows = rng.standard_normal((6, V)).astype(np.float32)
+    rows[1, [249, 250, 999]] = 7.0                   # tie across a slice border
+    rows[2, :] = -np.inf
+    rows[3, :] = np.nan
+    rows[4, ::2] = np.nan
+    rows[4, 501] = np.inf
+    rows[5, :] = np.float32(2.5)                     # all equal
+    work = _argmax_work(6)
+    for rep in range(2):
+        out = D(np.full(6, -7, np.int32))
+        argmax.argmax(out, D(rows), work=work)
+        assert host(out).tolist() == [ref_argmax(rows[0]), 249, 0, 0, 501, 0], rep
+        assert not host(work[2]).any()
+    one = D(np.full(6, -7, np.int32))
+    argmax.argmax(one, D(rows))
+    assert host(one).tolist() == host(out).tolist()
+    # a row alone == the row in the 6-row launch; V smaller than the slices
+    o1 = D(np.zeros(1, np.int32))
+    argmax.argmax(o1, D(rows[1:2]), work=_argmax_work(1))
+    assert host(o1).tolist() == [249]
+    small = np.array([[0.5, 3.0, -1.0]], np.float32)
+    argmax.argmax(o1, D(small), work=_argmax_work(1))
+    assert host(o1).tolist() == [1]
+
+
+def test_split_argmax_argument_errors():
+    logits = D(np.zeros((3, 50), np.float32))
+    out = D(np.zeros(3, np.int32))
+    with pytest.raises(BackendError, match="cand_v has"):
+        argmax.argmax(out, logits, work=_argmax_work(2))
+    with pytest.raises(BackendError, match="work must be"):
+        argmax.argmax(out, logits, work=_argmax_work(3)[:2])
+    cv, ci, cnt = _argmax_work(3)
+    with pytest.raises(BackendError, match="counter"):
+        argmax.argmax(out, logits, work=(cv, ci, D(np.zeros(3, np.float32))))
+
+
 # =============================================================================== sample
 SAMPLE_CASES = [
     # temperature, top_k, top_p, seed, step

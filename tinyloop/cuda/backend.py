@@ -7,7 +7,8 @@ Memory (all taken at load, released by free()):
               (one copy resident); a group whose tensors differ in storage stays separate;
   workspace   the BufferPool: float32 activations for `rows` rows, the logits rows, ids, the
               position, the argmax token, the split-KV attention partials and counters
-              (``ws.att_work``, ``ws.att_count``), and pinned host staging buffers;
+              (``ws.att_work``, ``ws.att_count``), the split argmax's candidates and counters
+              (``ws.amax_work``), and pinned host staging buffers;
   KV caches   fp16 or fp32 (n_layers, slots, n_kv_heads, head_dim), slots rounded up to a power of
               two; up to MAX_SPARE_CACHES released caches are kept and handed to later requests that
               fit, so captured graphs stay valid across requests (counted in memory_bytes);
@@ -247,13 +248,18 @@ class CUDABackend(Backend):
         # once (every launch leaves them zero, graph replays included)
         ws.att_work = self._empty(k_attention.workspace_shape(rows, c.n_heads, c.head_dim), f)
         ws.att_count = self._empty(k_attention.counter_shape(rows, c.n_heads), np.int32)
-        if numba.config.ENABLE_CUDASIM:
-            ws.att_count.copy_to_device(np.zeros(ws.att_count.shape, np.int32))
-        else:
-            device_memset(ws.att_count, 0, int(ws.att_count.nbytes), stream=self.stream)
+        # split argmax: per-slice candidates and per-row arrival counters, zeroed here once
+        av, ai, ac = k_argmax.work_shapes(rows)
+        ws.amax_work = (self._empty(av, f), self._empty(ai, np.int32), self._empty(ac, np.int32))
+        for counter in (ws.att_count, ws.amax_work[2]):
+            if numba.config.ENABLE_CUDASIM:
+                counter.copy_to_device(np.zeros(counter.shape, np.int32))
+            else:
+                device_memset(counter, 0, int(counter.nbytes), stream=self.stream)
         self._held += (sum(int(a.nbytes) for a in arrays.values()) + int(ws.ids.nbytes) + 4
                        + int(ws.toks.nbytes) + int(ws.topk.nbytes) + int(ws.moves.nbytes)
-                       + int(ws.att_work.nbytes) + int(ws.att_count.nbytes))
+                       + int(ws.att_work.nbytes) + int(ws.att_count.nbytes)
+                       + sum(int(a.nbytes) for a in ws.amax_work))
         self._ws = ws
         return ws
 
@@ -421,7 +427,7 @@ class CUDABackend(Backend):
         return out
 
     def launch_argmax(self, ws: Workspace) -> None:
-        k_argmax.argmax(ws.tok, ws.logits[:1], stream=self.stream)
+        k_argmax.argmax(ws.tok, ws.logits[:1], stream=self.stream, work=ws.amax_work)
         self._tok_value = None
 
     def read_argmax(self, ws: Workspace) -> int:
@@ -448,7 +454,7 @@ class CUDABackend(Backend):
         return [[int(i) for i in flat[r * k:(r + 1) * k]] for r in range(n)]
 
     def launch_argmax_rows(self, ws: Workspace, n: int) -> None:
-        k_argmax.argmax(ws.toks[:n], ws.logits[:n], stream=self.stream)
+        k_argmax.argmax(ws.toks[:n], ws.logits[:n], stream=self.stream, work=ws.amax_work)
 
     def read_argmax_rows(self, ws: Workspace, n: int) -> list:
         ws.toks[:n].copy_to_host(ws.toks_host[:n], stream=self.stream)

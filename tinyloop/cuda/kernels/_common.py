@@ -104,25 +104,26 @@ else:  # CUDA simulator twins: same butterfly, through shared memory.
 
 
 @cuda.jit(device=True)
-def block_sum(v, scratch, part, warp, lane, n_warps):
+def block_sum_once(v, scratch, part, warp, lane, n_warps):
     """Sum of v over the block, identical bits in every thread: warp butterflies, then the warp
-    totals added in warp order. `part` is a shared float32 array of at least n_warps entries."""
+    totals added in warp order. `part` is a shared float32 array of at least n_warps entries. No
+    barrier at the end: the caller must pass one before `part` is written again (block_sum)."""
     w = warp_sum(v, scratch, warp, lane)
     if lane == 0:
         part[warp] = w
-    # The warp totals must be stored before any thread adds them up.
+    # The warp totals (and whatever the caller stored before the call) must be visible before any
+    # thread adds them up.
     cuda.syncthreads()
     tot = part[0]
     for i in range(1, n_warps):
         tot += part[i]
-    # Every thread must have read `part` before a later call overwrites it.
-    cuda.syncthreads()
     return tot
 
 
 @cuda.jit(device=True)
-def block_max(v, scratch, part, warp, lane, n_warps):
-    """Max of v over the block (exact), returned to every thread."""
+def block_max_once(v, scratch, part, warp, lane, n_warps):
+    """Max of v over the block (exact), returned to every thread; no barrier at the end (as
+    block_sum_once)."""
     w = warp_max(v, scratch, warp, lane)
     if lane == 0:
         part[warp] = w
@@ -131,12 +132,27 @@ def block_max(v, scratch, part, warp, lane, n_warps):
     m = part[0]
     for i in range(1, n_warps):
         m = max(m, part[i])
+    return m
+
+
+@cuda.jit(device=True)
+def block_sum(v, scratch, part, warp, lane, n_warps):
+    """block_sum_once, then a barrier: `part` may be reused at once."""
+    tot = block_sum_once(v, scratch, part, warp, lane, n_warps)
+    # Every thread must have read `part` before a later call overwrites it.
+    cuda.syncthreads()
+    return tot
+
+
+@cuda.jit(device=True)
+def block_max(v, scratch, part, warp, lane, n_warps):
+    """block_max_once, then a barrier: `part` may be reused at once."""
+    m = block_max_once(v, scratch, part, warp, lane, n_warps)
     # Every thread must have read `part` before a later call overwrites it.
     cuda.syncthreads()
     return m
 
 
-# ----------------------------------------------------------------------------- launcher helpers
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -224,6 +240,6 @@ class Epilogue(NamedTuple):
     sig: str
 
 
-__all__ = ["SIM", "Epilogue", "FULL_MASK", "NEG_INF", "warp_sum", "warp_max", "block_sum", "block_max",
+__all__ = ["SIM", "Epilogue", "FULL_MASK", "NEG_INF", "warp_sum", "warp_max", "block_sum", "block_max", "block_sum_once", "block_max_once",
            "as_float", "as_bits", "cdiv", "is_device_array", "check_array", "device_pointer",
            "no_tree", "check_tree", "float32", "uint32"]

@@ -98,7 +98,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint64
 
 from ...core.errors import BackendError
-from ._common import NEG_INF, SIM, check_array, check_tree, warp_max, warp_sum
+from ._common import NEG_INF, SIM, block_max_once, block_sum_once, check_array, check_tree, warp_sum
 
 #: Warps per block: 8 on the GPU; 4 under the simulator, where every thread is a Python thread.
 #: (H200, 360m decode step, attention us per token: NW 16 / CK 64: 86; NW 8 / CK 32: 78;
@@ -210,15 +210,7 @@ def _make_kernel(nd):
                         s_mine = tot * scale
                         slot_mine = ks[u]
             # 2. running max
-            wmax = warp_max(s_mine, scratch, warp, lane)
-            if lane == 0:
-                pmax[warp] = wmax
-            # The warp maxima must be stored before any thread combines them.
-            cuda.syncthreads()
-            cmax = pmax[0]
-            for w in range(1, NW):
-                cmax = max(cmax, pmax[w])
-            m_new = max(m, cmax)
+            m_new = max(m, block_max_once(s_mine, scratch, pmax, warp, lane, NW))
             # 3. weights and their sum
             e = float32(0.0)
             if lane < n_mine:
@@ -226,15 +218,8 @@ def _make_kernel(nd):
             if lane < KPW:
                 sc[warp + NW * lane] = e
                 sl[warp + NW * lane] = slot_mine
-            wsum = warp_sum(e, scratch, warp, lane)
-            if lane == 0:
-                psum[warp] = wsum
-            # The warp sums, and every lane's sc[] and sl[] entries, must be stored before they
-            # are read.
-            cuda.syncthreads()
-            csum = psum[0]
-            for w in range(1, NW):
-                csum += psum[w]
+            # (the barrier inside also publishes every lane's sc[] and sl[] entries)
+            csum = block_sum_once(e, scratch, psum, warp, lane, NW)
             alpha = math.exp(m - m_new)  # exp(-inf) = 0 on the block's first chunk
             l = cuda.fma(l, alpha, csum)
             # 4. values, U keys at a time

@@ -243,25 +243,31 @@ def rope_kv_append(q, k, v, k_cache, v_cache, layer, pos, cs, stream=0, depth=No
         q, q, k, v, 0, 0, 0, k_cache, v_cache, layer, pos, cs, depth, path)
 
 
+def _check_qkv(op, q_out, k_cache, v_cache, layer, pos, cs, depth, path):
+    """Checks shared by the fused-projection forms: (T, q_dim, kv_dim, layer, depth, path)."""
+    # q_out stands in for both q and k in the shared checks (cs, pos, widths vs head_dim).
+    T, hd, _ = _check_common(op, q_out, q_out, pos, cs)
+    check_array(op, "k_cache", k_cache, (np.float16, np.float32), 4, (None, None, None, hd))
+    kv_dim = int(k_cache.shape[2]) * hd
+    if kv_dim == 0:
+        raise BackendError(f"{op}: the cache has no kv heads")
+    layer = _check_cache(op, T, kv_dim // hd, hd, k_cache, v_cache, layer, cs)
+    depth, path = check_tree(op, depth, path, T)
+    return T, q_out.shape[1], kv_dim, layer, depth, path
+
+
 def rope_kv_append_qkv(qkv, q_out, k_cache, v_cache, layer, pos, cs, stream=0, depth=None, path=None):
     """`rope_kv_append` reading q, k and v from the fused projection `qkv` (T, q_dim + 2 kv_dim):
     the rotated q rows go to `q_out` (T, q_dim), the rotated k rows (also left in qkv's k
     columns) and the v rows to cache layer `layer` at slots pos[0] + t (or the tree layout's).
     kv_dim is the cache's n_kv_heads * head_dim."""
     op = "rope_kv_append_qkv"
-    # q_out stands in for both q and k in the shared checks (cs, pos, widths vs head_dim).
-    T, hd, _ = _check_common(op, q_out, q_out, pos, cs)
-    q_dim = q_out.shape[1]
-    check_array(op, "k_cache", k_cache, (np.float16, np.float32), 4, (None, None, None, hd))
-    kv_dim = int(k_cache.shape[2]) * hd
-    if kv_dim == 0:
-        raise BackendError(f"{op}: the cache has no kv heads")
+    T, q_dim, kv_dim, layer, depth, path = _check_qkv(op, q_out, k_cache, v_cache, layer, pos, cs,
+                                                      depth, path)
     check_array(op, "qkv", qkv, np.float32, 2, (T, q_dim + 2 * kv_dim))
     n = T * (q_dim + kv_dim) // 2
     if n >= 2 ** 31:
         raise BackendError(f"{op}: too many elements for one launch")
-    layer = _check_cache(op, T, kv_dim // hd, hd, k_cache, v_cache, layer, cs)
-    depth, path = check_tree(op, depth, path, T)
     if T == 0:
         return
     _rope_kv_append_kernel[min(cdiv(n, NT), MAX_BLOCKS), NT, stream](
@@ -331,15 +337,8 @@ def qkv_epilogue(q_out, k_cache, v_cache, layer, pos, cs, depth=None, path=None)
     (T, N) buffer followed by `rope_kv_append_qkv` (which also leaves the rotated k in the buffer;
     here there is no buffer). The matmul pairs rows (i, i + half) of every q and k head so one
     warp holds both members of a rotation pair."""
-    op = "qkv_epilogue"
-    T, hd, _ = _check_common(op, q_out, q_out, pos, cs)
-    q_dim = q_out.shape[1]
-    check_array(op, "k_cache", k_cache, (np.float16, np.float32), 4, (None, None, None, hd))
-    kv_dim = int(k_cache.shape[2]) * hd
-    if kv_dim == 0:
-        raise BackendError(f"{op}: the cache has no kv heads")
-    layer = _check_cache(op, T, kv_dim // hd, hd, k_cache, v_cache, layer, cs)
-    depth, path = check_tree(op, depth, path, T)
+    T, q_dim, kv_dim, layer, depth, path = _check_qkv("qkv_epilogue", q_out, k_cache, v_cache, layer,
+                                                      pos, cs, depth, path)
     proto = ptx_epilogues()[0 if np.dtype(k_cache.dtype) == np.float16 else 1]
     return proto._replace(args=(k_cache, v_cache, np.int64(layer), pos, cs, depth, path),
                           n_rows=q_dim + 2 * kv_dim, out_cols=q_dim)
