@@ -114,3 +114,23 @@ def test_rope_table_covers_every_cache_and_is_counted():
                                   rope.rope_table(cfg.head_dim, cfg.rope_theta, P))
         finally:
             be.free()
+
+
+def test_split_counters_are_zeroed_with_each_request_cache():
+    """The split kernels' arrival counters start at zero and every cache a request takes (new or a
+    kept spare) zeroes them again: a launch that failed part-way cannot poison later requests."""
+    from tinyloop.cuda.backend import CUDABackend
+    be = CUDABackend(ModelConfig(**SMALL), 64)
+    try:
+        ws = be.alloc_workspace(4)
+        counters = (ws.att_count, ws.amax_work[2])
+        assert not any(c.copy_to_host().any() for c in counters)
+        for _ in range(2):                       # a new cache, then the released one reused
+            for c in counters:
+                c.copy_to_device(np.full(c.shape, 3, np.int32))
+            cache = be.alloc_cache(2, 16, "fp16")
+            be.stream.synchronize()
+            assert not any(c.copy_to_host().any() for c in counters)
+            be.release_cache(cache)
+    finally:
+        be.free()

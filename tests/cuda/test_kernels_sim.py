@@ -474,6 +474,12 @@ def test_matmul_epilogue_argument_errors():
     with pytest.raises(BackendError, match="positions"):
         rope.qkv_epilogue(D(np.zeros((2, 16), np.float32)), kc, kc, 0, D(np.zeros(1, np.int32)),
                           D(rope.rope_table(8, 10000.0, 5)))
+    # an epilogue made for 1 row (its q_out / tree tables) used in a 2-row launch
+    q1 = D(np.zeros((1, 16), np.float32))
+    ep = rope.qkv_epilogue(q1, kc, kc, 0, D(np.zeros(1, np.int32)), cs)
+    wqkv = D(np.zeros((32, 16), np.float32))
+    with pytest.raises(BackendError, match="made for 1 rows"):
+        matmul.matmul(D(np.zeros((2, 16), np.float32)), x, wqkv, epilogue=ep)
 
 
 # =============================================================================== rope
@@ -903,6 +909,8 @@ def test_split_argmax_argument_errors():
     with pytest.raises(BackendError, match="work must be"):
         argmax.argmax(out, logits, work=_argmax_work(3)[:2])
     cv, ci, cnt = _argmax_work(3)
+    with pytest.raises(BackendError, match="work must be"):
+        argmax.argmax(out, logits, work=cv)
     with pytest.raises(BackendError, match="counter"):
         argmax.argmax(out, logits, work=(cv, ci, D(np.zeros(3, np.float32))))
 

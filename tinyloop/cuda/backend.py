@@ -125,6 +125,7 @@ class CUDABackend(Backend):
         self.max_seq_len = max_seq_len
         self.stream = cuda.stream()
         self._held = 0
+        self._ws = None                   # the workspace (alloc_workspace)
         # cos/sin for every position a launch into any of this backend's caches can reach (the
         # launchers check cache slots + POSITION_MARGIN); read-only, shared by every graph
         n_pos = max_cache_slots(max_seq_len) + k_rope.POSITION_MARGIN
@@ -252,10 +253,7 @@ class CUDABackend(Backend):
         av, ai, ac = k_argmax.work_shapes(rows)
         ws.amax_work = (self._empty(av, f), self._empty(ai, np.int32), self._empty(ac, np.int32))
         for counter in (ws.att_count, ws.amax_work[2]):
-            if numba.config.ENABLE_CUDASIM:
-                counter.copy_to_device(np.zeros(counter.shape, np.int32))
-            else:
-                device_memset(counter, 0, int(counter.nbytes), stream=self.stream)
+            self._memset0(counter)
         self._held += (sum(int(a.nbytes) for a in arrays.values()) + int(ws.ids.nbytes) + 4
                        + int(ws.toks.nbytes) + int(ws.topk.nbytes) + int(ws.moves.nbytes)
                        + int(ws.att_work.nbytes) + int(ws.att_count.nbytes)
@@ -291,12 +289,20 @@ class CUDABackend(Backend):
     def _zero(self, cache: CUDACache) -> None:
         """Every request starts from a zeroed cache, as on the CPU: a slot the decode never wrote (a
         speculative draft's post layers at a position only the verify pass computed) then reads the
-        same values every time, so seeded speculative sampling is reproducible."""
-        for a in (cache.k, cache.v):
-            if numba.config.ENABLE_CUDASIM:
-                a.copy_to_device(np.zeros(a.shape, a.dtype))
-            else:
-                device_memset(a, 0, int(a.nbytes), stream=self.stream)
+        same values every time, so seeded speculative sampling is reproducible. The split kernels'
+        arrival counters are zeroed with it: every launch leaves them zero, but one that failed
+        part-way (an earlier request's error) may not have."""
+        arrays = [cache.k, cache.v]
+        if self._ws is not None:
+            arrays += [self._ws.att_count, self._ws.amax_work[2]]
+        for a in arrays:
+            self._memset0(a)
+
+    def _memset0(self, a) -> None:
+        if numba.config.ENABLE_CUDASIM:
+            a.copy_to_device(np.zeros(a.shape, a.dtype))
+        else:
+            device_memset(a, 0, int(a.nbytes), stream=self.stream)
 
     def report(self, stats) -> None:
         if self.profile:

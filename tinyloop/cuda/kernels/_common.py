@@ -230,7 +230,8 @@ class Epilogue(NamedTuple):
     functions of the module that owns the fused op; `args` is a tuple of device arrays and
     scalars passed to the kernel as one argument; `name` keys the compiled kernel; `n_rows` is
     the weight's row count N the epilogue was built for and `out_cols` the width of `out`;
-    `sig` is the numba type of `args` (PTX compile tests)."""
+    `sig` is the numba type of `args` (PTX compile tests); `t_rows`, when >= 0, the number of
+    token rows the epilogue's arrays were checked for (the launch must have exactly that many)."""
     name: str
     rows: Any
     store: Any
@@ -238,6 +239,7 @@ class Epilogue(NamedTuple):
     n_rows: int
     out_cols: int
     sig: str
+    t_rows: int = -1
 
 
 __all__ = ["SIM", "Epilogue", "FULL_MASK", "NEG_INF", "warp_sum", "warp_max", "block_sum", "block_max", "block_sum_once", "block_max_once",

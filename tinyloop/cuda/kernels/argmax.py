@@ -45,6 +45,8 @@ _BIG = 2 ** 31 - 1
 #: b < SPLIT load one candidate each).
 SPLIT = 4 if SIM else 32
 SPLIT_NT = 32 if SIM else 256
+#: Rows one split launch takes (they go on the grid's y dimension).
+MAX_SPLIT_ROWS = 65535
 
 
 @cuda.jit(device=True)
@@ -213,8 +215,12 @@ def argmax(out, logits, stream=0, work=None):
     T, V = logits.shape
     if V == 0:
         raise BackendError(f"{op}: empty vocabulary")
-    if len(work) != 3:
-        raise BackendError(f"{op}: work must be (cand_v, cand_i, counter), got {len(work)} items")
+    if not isinstance(work, (tuple, list)) or len(work) != 3:
+        raise BackendError(f"{op}: work must be a (cand_v, cand_i, counter) tuple, got "
+                           f"{type(work).__name__}")
+    if T > MAX_SPLIT_ROWS:
+        raise BackendError(f"{op}: {T} rows exceed the split kernel's {MAX_SPLIT_ROWS} (grid y); "
+                           f"launch without work for more")
     for name, a, dt, n in zip(("cand_v", "cand_i", "counter"), work, (np.float32, np.int32, np.int32),
                               work_shapes(T)):
         check_array(op, name, a, dt, 1)

@@ -315,7 +315,8 @@ def attention(out, q, k_cache, v_cache, layer, pos, work, counter, stream=0, dep
     (T, D+1) are given (see the module doc). hd and Hkv come from the cache shape; H from q.
     `work` (float32, at least `workspace_shape(T, H, hd)`) and `counter` (int32, at least
     `counter_shape(T, H)`, zero before the first launch) are the split workspace; one launch at a
-    time may use them. The host keeps every slot read below S (slots past S are not read)."""
+    time may use them. The caller keeps every slot a row reads below S: the key count is clamped
+    to S, but a tree path's slots ``pos[0] + path[t, j]`` are not checked on the device."""
     op = "attention"
     check_array(op, "k_cache", k_cache, (np.float16, np.float32), 4)
     L, S, Hk, hd = k_cache.shape

@@ -16,7 +16,8 @@ Two kernels; the launcher picks one from the weight's shape and storage only, ne
 * fast (``_fast_*``): the weight row is read as 8-byte words (``uint64`` view): E = 64/B
   elements per word (q2 32, q4 16, q8 8, f16 4, f32 2). Needs K % E == 0, group_size % E == 0 and
   an 8-byte aligned weight. A block is NW warps; warp w of block b owns output rows
-  ``(b*NW + w)*R .. +R`` (R rows per warp so one staged x value feeds R weights) and
+  ``(b*NW + w)*R .. +R`` (R rows per warp so one staged x value feeds R weights; with a pair
+  epilogue, the rows of pairs ``(b*NW + w)*R/2 .. +R/2`` instead, see below) and
   TT token rows ``blockIdx.y*TT .. +TT``. The block stages x for its TT rows, KC elements at a
   time, into shared memory in a word-transposed layout ``xs[tt, i, word]`` (padded by one float per
   row) so lane reads and staging writes are free of bank conflicts.
@@ -33,7 +34,7 @@ because KC is a multiple of 32 words), and for each word forms the partial
 ``acc = fma(scale, p, acc)`` (floats: scale 1, i.e. acc + p). The 32 lane sums are combined by
 the fixed xor butterfly (offsets 16, 8, 4, 2, 1) of `_common.warp_sum`, then added to out when
 accumulating. Every step is an explicit fma or add, so the compiler has no contraction choice
-to make differently between the instantiations for T == 1 (TT=1) and T > 1 (TT=4) (the
+to make differently between the instantiations for T == 1 (TT=1) and T > 1 (TT=2) (the
 configurations differ only in TT, R, NW, KC): row t of a T-row launch is bit-identical to the same
 row launched alone. The simple kernel has the same property
 (lane l: k = l, l+32, ..., fma per element, then the butterfly).
@@ -52,6 +53,14 @@ the rmsnorm kernel would have written, and the product is the same as rmsnorm fo
 plain matmul (same kernel choice, same reduction). Both kernels (fast and simple) support it; the
 norm is a compile-time variant of each (the launch signature always carries ``norm_w`` and
 ``eps``; without a norm the launcher passes row 0 of x as an unused placeholder).
+
+Pair epilogues (``epilogue=``, a `_common.Epilogue`): the weight rows are taken in pairs
+``(na, nb) = epilogue.rows(args, p, N)``, p = 0 .. N/2 - 1, a warp reducing both rows of its
+pairs (R even); instead of storing the two totals, the warp hands them to
+``epilogue.store(args, out, t, p, va, vb, N)`` (rope.qkv_epilogue: RoPE + KV append;
+swiglu.glu_epilogue: silu(gate) * up). Each row is reduced exactly as without the epilogue, so the
+result is the plain matmul's followed by the epilogue's op. The simple kernel does the same with
+one warp per pair.
 
 Warp reductions use shuffles on the GPU and the shared-memory twin under the simulator
 (see `_common`).
@@ -560,6 +569,9 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
         if out.shape[1] != epilogue.out_cols:
             raise BackendError(f"{op}: out has {out.shape[1]} columns; the {epilogue.name!r} "
                                f"epilogue writes {epilogue.out_cols}")
+        if epilogue.t_rows >= 0 and T != epilogue.t_rows:
+            raise BackendError(f"{op}: a launch of {T} rows with the {epilogue.name!r} epilogue "
+                               f"made for {epilogue.t_rows} rows (its q_out / tree tables)")
         if N <= 0 or N % 2:
             raise BackendError(f"{op}: the {epilogue.name!r} epilogue needs an even, positive "
                                f"number of weight rows, got {N}")

@@ -341,7 +341,7 @@ def qkv_epilogue(q_out, k_cache, v_cache, layer, pos, cs, depth=None, path=None)
                                                       pos, cs, depth, path)
     proto = ptx_epilogues()[0 if np.dtype(k_cache.dtype) == np.float16 else 1]
     return proto._replace(args=(k_cache, v_cache, np.int64(layer), pos, cs, depth, path),
-                          n_rows=q_dim + 2 * kv_dim, out_cols=q_dim)
+                          n_rows=q_dim + 2 * kv_dim, out_cols=q_dim, t_rows=T)
 
 
 def ptx_epilogues():
