@@ -29,7 +29,7 @@ from tinyloop.cuda.kernels import (add, argmax, attention, embed, matmul, rmsnor
 import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for the shared references
-from test_kernels_sim import (att_ws, close, make_weight, old_formula_table,  # noqa: E402
+from test_kernels_sim import (argmax_ws, att_ws, close, make_weight, old_formula_table,  # noqa: E402
                               ref_attention, ref_rmsnorm, ref_rope)
 
 D = cuda.to_device
@@ -221,7 +221,7 @@ def test_argmax_sample_large_vocab_gpu():
     out = D(np.zeros(3, np.int32))
     argmax.argmax(out, D(logits))
     assert host(out).tolist() == want
-    work = tuple(D(np.zeros(n, dt)) for n, dt in zip(argmax.work_shapes(3), (np.float32, np.int32, np.int32)))
+    work = argmax_ws(3)
     for _ in range(3):                   # the split kernel, repeatedly through one workspace
         out = D(np.zeros(3, np.int32))
         argmax.argmax(out, D(logits), work=work)
@@ -368,7 +368,7 @@ def test_bench_other_kernels():
     tok = D(np.zeros(1, np.int32))
     st_ = D(np.array([1, 0], np.int64))
     res.append(("argmax V=151936", _time_us(lambda st: argmax.argmax(tok, lg2, stream=st), 50)))
-    aw = tuple(D(np.zeros(n, dt)) for n, dt in zip(argmax.work_shapes(1), (np.float32, np.int32, np.int32)))
+    aw = argmax_ws(1)
     res.append(("argmax split V=151936", _time_us(lambda st: argmax.argmax(tok, lg2, stream=st, work=aw), 50)))
     for name, pr in (("sample full", [1.0, 0, 1.0]), ("sample top-k 50", [1.0, 50, 1.0]),
                      ("sample top-p 0.9", [1.0, 0, 0.9])):

@@ -865,7 +865,7 @@ def test_argmax_ties_nan_inf():
     assert host(out).tolist() == [ref_argmax(wide[0]), 777]
 
 
-def _argmax_work(T):
+def argmax_ws(T):
     sv, si, sc = argmax.work_shapes(T)
     return (D(np.full(sv, np.nan, np.float32)), D(np.full(si, -5, np.int32)), D(np.zeros(sc, np.int32)))
 
@@ -883,7 +883,7 @@ def test_split_argmax_equals_one_block():
     rows[4, ::2] = np.nan
     rows[4, 501] = np.inf
     rows[5, :] = np.float32(2.5)                     # all equal
-    work = _argmax_work(6)
+    work = argmax_ws(6)
     for rep in range(2):
         out = D(np.full(6, -7, np.int32))
         argmax.argmax(out, D(rows), work=work)
@@ -894,10 +894,10 @@ def test_split_argmax_equals_one_block():
     assert host(one).tolist() == host(out).tolist()
     # a row alone == the row in the 6-row launch; V smaller than the slices
     o1 = D(np.zeros(1, np.int32))
-    argmax.argmax(o1, D(rows[1:2]), work=_argmax_work(1))
+    argmax.argmax(o1, D(rows[1:2]), work=argmax_ws(1))
     assert host(o1).tolist() == [249]
     small = np.array([[0.5, 3.0, -1.0]], np.float32)
-    argmax.argmax(o1, D(small), work=_argmax_work(1))
+    argmax.argmax(o1, D(small), work=argmax_ws(1))
     assert host(o1).tolist() == [1]
 
 
@@ -905,10 +905,10 @@ def test_split_argmax_argument_errors():
     logits = D(np.zeros((3, 50), np.float32))
     out = D(np.zeros(3, np.int32))
     with pytest.raises(BackendError, match="cand_v has"):
-        argmax.argmax(out, logits, work=_argmax_work(2))
+        argmax.argmax(out, logits, work=argmax_ws(2))
     with pytest.raises(BackendError, match="work must be"):
-        argmax.argmax(out, logits, work=_argmax_work(3)[:2])
-    cv, ci, cnt = _argmax_work(3)
+        argmax.argmax(out, logits, work=argmax_ws(3)[:2])
+    cv, ci, cnt = argmax_ws(3)
     with pytest.raises(BackendError, match="work must be"):
         argmax.argmax(out, logits, work=cv)
     with pytest.raises(BackendError, match="counter"):

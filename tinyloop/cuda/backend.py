@@ -252,12 +252,11 @@ class CUDABackend(Backend):
         # split argmax: per-slice candidates and per-row arrival counters, zeroed here once
         av, ai, ac = k_argmax.work_shapes(rows)
         ws.amax_work = (self._empty(av, f), self._empty(ai, np.int32), self._empty(ac, np.int32))
-        for counter in (ws.att_count, ws.amax_work[2]):
+        for counter in self._counters(ws):
             self._memset0(counter)
-        self._held += (sum(int(a.nbytes) for a in arrays.values()) + int(ws.ids.nbytes) + 4
-                       + int(ws.toks.nbytes) + int(ws.topk.nbytes) + int(ws.moves.nbytes)
-                       + int(ws.att_work.nbytes) + int(ws.att_count.nbytes)
-                       + sum(int(a.nbytes) for a in ws.amax_work))
+        device = [*arrays.values(), ws.ids, ws.tok, ws.toks, ws.topk, ws.moves, ws.att_work,
+                  ws.att_count, *ws.amax_work]
+        self._held += sum(int(a.nbytes) for a in device)
         self._ws = ws
         return ws
 
@@ -294,9 +293,14 @@ class CUDABackend(Backend):
         part-way (an earlier request's error) may not have."""
         arrays = [cache.k, cache.v]
         if self._ws is not None:
-            arrays += [self._ws.att_count, self._ws.amax_work[2]]
+            arrays += self._counters(self._ws)
         for a in arrays:
             self._memset0(a)
+
+    @staticmethod
+    def _counters(ws: Workspace) -> list:
+        """The split kernels' arrival counters (split-KV attention, split argmax)."""
+        return [ws.att_count, ws.amax_work[2]]
 
     def _memset0(self, a) -> None:
         if numba.config.ENABLE_CUDASIM:

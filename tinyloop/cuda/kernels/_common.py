@@ -192,6 +192,15 @@ def check_array(op: str, name: str, a, dtypes, ndim: int, shape=None):
     return a
 
 
+def check_workspace(op: str, name: str, a, dtype, need: int, what: str):
+    """A 1-D device workspace array of `dtype` with at least `need` entries (`what` says who needs
+    them, e.g. "3 rows (work_shapes)")."""
+    check_array(op, name, a, dtype, 1)
+    if a.shape[0] < need:
+        raise BackendError(f"{op}: {name} has {a.shape[0]} elements; {what} need at least {need}")
+    return a
+
+
 def device_pointer(a) -> int:
     """Device address of `a` (0 under the simulator, where alignment is irrelevant)."""
     if SIM:
@@ -242,6 +251,7 @@ class Epilogue(NamedTuple):
     t_rows: int = -1
 
 
-__all__ = ["SIM", "Epilogue", "FULL_MASK", "NEG_INF", "warp_sum", "warp_max", "block_sum", "block_max", "block_sum_once", "block_max_once",
-           "as_float", "as_bits", "cdiv", "is_device_array", "check_array", "device_pointer",
-           "no_tree", "check_tree", "float32", "uint32"]
+__all__ = ["SIM", "Epilogue", "FULL_MASK", "NEG_INF", "warp_sum", "warp_max", "block_sum",
+           "block_max", "block_sum_once", "block_max_once", "as_float", "as_bits", "cdiv",
+           "is_device_array", "check_array", "check_workspace", "device_pointer", "no_tree",
+           "check_tree", "float32", "uint32"]

@@ -33,7 +33,7 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from ...core.errors import BackendError
-from ._common import NEG_INF, SIM, check_array
+from ._common import NEG_INF, SIM, check_array, check_workspace
 
 #: Threads per block (a power of two). Fewer under the simulator, where each thread is a
 #: Python thread; the result does not depend on it.
@@ -185,15 +185,21 @@ def work_shapes(T: int) -> tuple:
     return (T * SPLIT,), (T * SPLIT,), (T,)
 
 
+def _check_logits(op, logits):
+    """(T, V) of a float32 (T, V) logits array with a non-empty vocabulary."""
+    check_array(op, "logits", logits, np.float32, 2)
+    T, V = logits.shape
+    if V == 0:
+        raise BackendError(f"{op}: empty vocabulary")
+    return T, V
+
+
 def topk(out, logits, stream=0):
     """``out[t, 0:K]`` = the K indices of largest ``logits[t]``, best first (int32, ties to the
     lowest index), for every row t; K = out.shape[1] <= V."""
     op = "topk"
-    check_array(op, "logits", logits, np.float32, 2)
-    T, V = logits.shape
+    T, V = _check_logits(op, logits)
     check_array(op, "out", out, np.int32, 2, (T, None))
-    if V == 0:
-        raise BackendError(f"{op}: empty vocabulary")
     if not 1 <= out.shape[1] <= V:
         raise BackendError(f"{op}: K={out.shape[1]} is outside [1, {V}] (the vocabulary)")
     if T == 0:
@@ -211,10 +217,7 @@ def argmax(out, logits, stream=0, work=None):
     if work is None:
         topk(out.reshape(out.shape[0], 1), logits, stream=stream)
         return
-    check_array(op, "logits", logits, np.float32, 2)
-    T, V = logits.shape
-    if V == 0:
-        raise BackendError(f"{op}: empty vocabulary")
+    T, _ = _check_logits(op, logits)
     if not isinstance(work, (tuple, list)) or len(work) != 3:
         raise BackendError(f"{op}: work must be a (cand_v, cand_i, counter) tuple, got "
                            f"{type(work).__name__}")
@@ -223,10 +226,7 @@ def argmax(out, logits, stream=0, work=None):
                            f"launch without work for more")
     for name, a, dt, n in zip(("cand_v", "cand_i", "counter"), work, (np.float32, np.int32, np.int32),
                               work_shapes(T)):
-        check_array(op, name, a, dt, 1)
-        if a.shape[0] < n[0]:
-            raise BackendError(f"{op}: {name} has {a.shape[0]} entries; {T} rows need at least "
-                               f"{n[0]} (work_shapes)")
+        check_workspace(op, name, a, dt, n[0], f"{T} rows (work_shapes)")
     if T == 0:
         return
     _argmax_split_kernel[(SPLIT, T), SPLIT_NT, stream](out.reshape(T, 1), logits, *work)

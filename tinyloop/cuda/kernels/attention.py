@@ -98,7 +98,8 @@ import numpy as np
 from numba import cuda, float32, int32, uint64
 
 from ...core.errors import BackendError
-from ._common import NEG_INF, SIM, block_max_once, block_sum_once, check_array, check_tree, warp_sum
+from ._common import (NEG_INF, SIM, block_max_once, block_sum_once, check_array, check_tree,
+                      check_workspace, warp_sum)
 
 #: Warps per block: 8 on the GPU; 4 under the simulator, where every thread is a Python thread.
 #: (H200, 360m decode step, attention us per token: NW 16 / CK 64: 86; NW 8 / CK 32: 78;
@@ -341,16 +342,10 @@ def attention(out, q, k_cache, v_cache, layer, pos, work, counter, stream=0, dep
     if T > S:
         raise BackendError(f"{op}: {T} rows do not fit a cache of {S} slots")
     depth, path = check_tree(op, depth, path, T)
-    check_array(op, "work", work, np.float32, 1)
-    need = workspace_shape(T, H, hd)[0]
-    if work.shape[0] < need:
-        raise BackendError(f"{op}: work has {work.shape[0]} elements; {T} rows x {H} heads of "
-                           f"head_dim={hd} need at least {need} (workspace_shape)")
-    check_array(op, "counter", counter, np.int32, 1)
-    need = counter_shape(T, H)[0]
-    if counter.shape[0] < need:
-        raise BackendError(f"{op}: counter has {counter.shape[0]} elements; {T} rows x {H} heads "
-                           f"need at least {need} (counter_shape)")
+    check_workspace(op, "work", work, np.float32, workspace_shape(T, H, hd)[0],
+                    f"{T} rows x {H} heads of head_dim={hd} (workspace_shape)")
+    check_workspace(op, "counter", counter, np.int32, counter_shape(T, H)[0],
+                    f"{T} rows x {H} heads (counter_shape)")
     if T == 0:
         return
     scale = np.float32(1.0 / math.sqrt(hd))

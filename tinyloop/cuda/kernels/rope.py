@@ -339,21 +339,25 @@ def qkv_epilogue(q_out, k_cache, v_cache, layer, pos, cs, depth=None, path=None)
     warp holds both members of a rotation pair."""
     T, q_dim, kv_dim, layer, depth, path = _check_qkv("qkv_epilogue", q_out, k_cache, v_cache, layer,
                                                       pos, cs, depth, path)
-    proto = ptx_epilogues()[0 if np.dtype(k_cache.dtype) == np.float16 else 1]
+    proto = _QKV_EPILOGUES[np.dtype(k_cache.dtype).name]
     return proto._replace(args=(k_cache, v_cache, np.int64(layer), pos, cs, depth, path),
                           n_rows=q_dim + 2 * kv_dim, out_cols=q_dim, t_rows=T)
+
+
+def _qkv_proto(ct):
+    c = f"{ct}[:, :, :, ::1]"
+    return Epilogue(f"qkv_{ct}", _qkv_rows, _qkv_store, (), 0, 0,
+                    f"Tuple(({c}, {c}, int64, int32[::1], float32[:, :, ::1], int32[::1], int32[:, ::1]))")
+
+
+#: The qkv epilogue per cache dtype without arrays or sizes; `qkv_epilogue` fills them in.
+_QKV_EPILOGUES = {ct: _qkv_proto(ct) for ct in ("float16", "float32")}
 
 
 def ptx_epilogues():
     """The qkv epilogue of each cache dtype without arrays (its `sig` only), for PTX tests of the
     matmul variants that carry it."""
-    out = []
-    for ct in ("float16", "float32"):
-        c = f"{ct}[:, :, :, ::1]"
-        out.append(Epilogue(f"qkv_{ct}", _qkv_rows, _qkv_store, (), 0, 0,
-                            f"Tuple(({c}, {c}, int64, int32[::1], float32[:, :, ::1], int32[::1], "
-                            f"int32[:, ::1]))"))
-    return out
+    return list(_QKV_EPILOGUES.values())
 
 
 def ptx_signatures():

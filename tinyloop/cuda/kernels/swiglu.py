@@ -66,12 +66,16 @@ def _glu_store(ep, out, t, p, g, u, N):
     out[t, p] = _silu_mul(g, u)
 
 
+#: The SwiGLU epilogue without sizes; `glu_epilogue` fills them in.
+_GLU_EPILOGUE = Epilogue("glu", _glu_rows, _glu_store, (), 0, 0, "UniTuple(int64, 1)")
+
+
 def glu_epilogue(F: int) -> Epilogue:
     """The SwiGLU epilogue for a gate|up matmul with F = d_ff: weight (2F, K), out (T, F)."""
     F = int(F)
     if F <= 0:
         raise BackendError(f"glu_epilogue: F={F} must be positive (the MLP width d_ff)")
-    return ptx_epilogues()[0]._replace(args=(np.int64(F),), n_rows=2 * F, out_cols=F)
+    return _GLU_EPILOGUE._replace(args=(np.int64(F),), n_rows=2 * F, out_cols=F)
 
 
 def _blocks(n):
@@ -106,7 +110,7 @@ def swiglu_fused(out, gu, stream=0):
 
 def ptx_epilogues():
     """The SwiGLU epilogue without sizes (its `sig` only), for PTX tests of the matmul variant."""
-    return [Epilogue("glu", _glu_rows, _glu_store, (), 0, 0, "UniTuple(int64, 1)")]
+    return [_GLU_EPILOGUE]
 
 
 def ptx_signatures():
