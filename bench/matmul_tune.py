@@ -18,7 +18,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GEMV = [(1, 2, 8, 4096), (1, 1, 8, 4096), (1, 4, 8, 4096), (1, 2, 4, 4096), (1, 4, 4, 4096), (1, 8, 4, 4096),
-        (1, 2, 16, 4096), (1, 4, 8, 2048)]
+        (1, 8, 8, 4096), (1, 2, 16, 4096), (1, 4, 8, 2048)]
 GEMM = [(2, 8, 4, 1024), (4, 4, 4, 1024), (8, 2, 4, 1024), (16, 1, 4, 1024), (8, 2, 8, 1024), (4, 4, 8, 1024),
         (8, 1, 8, 1024)]
 SHAPES = {"2048x2048": (2048, 2048), "6144x2048 (q|k|v)": (6144, 2048), "11264x2048 (gate|up)": (11264, 2048),
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
         return graph_time_ms(stream, fn, args.reps) * 1e3      # us per launch
 
     rows = []
-    base = (km.GEMV_CONFIG, km.GEMV_WIDE_CONFIG, km.GEMM_CONFIG)
+    base = (km.GEMV_CONFIG, km.GEMV_WIDE_CONFIG, km.GEMV_XWIDE_CONFIG, km.GEMM_CONFIG)
     try:
         for name, (N, K) in SHAPES.items():
             parts = quantize(rng.standard_normal((N, K), dtype=np.float32) * 0.02, TensorQuant("q4", 128))
@@ -57,7 +57,8 @@ def main(argv=None) -> int:
                 ref = None
                 for cfg in (GEMV if T == 1 else GEMM):
                     if T == 1:
-                        km.GEMV_CONFIG = km.GEMV_WIDE_CONFIG = cfg
+                        # (weights of N >= XWIDE_N also get its register cap)
+                        km.GEMV_CONFIG = km.GEMV_WIDE_CONFIG = km.GEMV_XWIDE_CONFIG = cfg
                     else:
                         km.GEMM_CONFIG = cfg
                     used = km.config_for("q4", T, N)
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
                     print(f"{name:22} T={T:<4} cfg={cfg} used={used}: {us:8.1f} us {row['GB_per_s']:6.0f} GB/s "
                           f"identical={same}", flush=True)
     finally:
-        km.GEMV_CONFIG, km.GEMV_WIDE_CONFIG, km.GEMM_CONFIG = base
+        km.GEMV_CONFIG, km.GEMV_WIDE_CONFIG, km.GEMV_XWIDE_CONFIG, km.GEMM_CONFIG = base
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows}, indent=2))
     return 0

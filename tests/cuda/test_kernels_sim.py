@@ -168,12 +168,17 @@ def _check_rows_alone(rng, kind, N, K, group, T, rows):
         assert np.array_equal(host(o1)[0], got[t])
 
 
+@pytest.mark.parametrize("xwide", [False, True])
 @pytest.mark.parametrize("kind,N,K,group", [("q4", 21, 128, 32), ("q2", 10, 64, 32), ("f16", 11, 36, 0)])
-def test_matmul_wide_gemv_config_is_batch_invariant(monkeypatch, kind, N, K, group):
-    """The one-row launch of a wide weight (N >= WIDE_N; lowered here so tiny shapes reach it) uses
-    GEMV_WIDE_CONFIG: still the same bits as the row inside a multi-row launch."""
+def test_matmul_wide_gemv_config_is_batch_invariant(monkeypatch, kind, N, K, group, xwide):
+    """The one-row launch of a wide weight (N >= WIDE_N, or N >= XWIDE_N with its register cap;
+    lowered here so tiny shapes reach them) uses GEMV_WIDE_CONFIG / GEMV_XWIDE_CONFIG: still the
+    same bits as the row inside a multi-row launch."""
     monkeypatch.setattr(matmul, "WIDE_N", 8)
-    assert matmul.config_for(kind, 1, N)[1:] != matmul.config_for(kind, 1, 4)[1:]
+    monkeypatch.setattr(matmul, "XWIDE_N", 8 if xwide else 1 << 30)
+    want = matmul.GEMV_XWIDE_CONFIG if xwide else matmul.GEMV_WIDE_CONFIG
+    assert matmul.config_for(kind, 1, N)[2:] == want[2:]
+    assert (matmul.max_registers_for(1, N) > 0) == xwide and matmul.max_registers_for(2, N) == 0
     _check_rows_alone(np.random.default_rng(N + K), kind, N, K, group, 3, range(3))
 
 

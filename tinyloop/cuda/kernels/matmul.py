@@ -92,6 +92,14 @@ GEMV_CONFIG = (1, 2, 8, 4096)
 #: shape only, never on T.
 GEMV_WIDE_CONFIG = (1, 8, 4, 4096)
 WIDE_N = 8192
+#: T == 1 with at least XWIDE_N output rows (large heads, the 16384x4096 benchmark matrix): 8 warps
+#: of 8 rows, with registers capped at XWIDE_MAX_REGISTERS per thread so two 256-thread blocks fit
+#: per SM (uncapped, ptxas takes ~150). H200, q4 g128 (weights from HBM): 16384x4096 31.1 -> 27.1
+#: us, head 50304x2048 44.5 -> 42.6 us; gate|up 11264x2048 is slower with it (11.6 -> 13.7 us),
+#: hence the second threshold. Shape rule only, like WIDE_N.
+GEMV_XWIDE_CONFIG = (1, 8, 8, 4096)
+XWIDE_N = 16384
+XWIDE_MAX_REGISTERS = 128
 #: T > 1 (same tuning run: (2, 8, 4) beat (4, 4, 4) by 3-9% at T = 16 and 128 on every shape).
 GEMM_CONFIG = (2, 8, 4, 1024)
 #: Largest TT * R * E (fmas per lane per word) the compiler still unrolls fully (read off the
@@ -107,7 +115,8 @@ def config_for(kind: str, T: int, N: int = 0, pair: bool = False):
     """(TT, R, NW, KC) the fast kernel uses for storage `kind`, T rows and N weight rows; with
     `pair` (an epilogue) R is even, so a warp's rows are whole pairs."""
     if T == 1:
-        TT, R, NW, KC = GEMV_WIDE_CONFIG if N >= WIDE_N else GEMV_CONFIG
+        TT, R, NW, KC = (GEMV_XWIDE_CONFIG if N >= XWIDE_N else
+                         GEMV_WIDE_CONFIG if N >= WIDE_N else GEMV_CONFIG)
     else:
         TT, R, NW, KC = GEMM_CONFIG
     E = WORD_ELEMS[kind]
@@ -115,6 +124,11 @@ def config_for(kind: str, T: int, N: int = 0, pair: bool = False):
     if pair:
         R = max(2, R - R % 2)
     return TT, R, NW, KC
+
+
+def max_registers_for(T: int, N: int) -> int:
+    """Register cap per thread of the fast kernel for T rows and N weight rows (0: none)."""
+    return XWIDE_MAX_REGISTERS if T == 1 and N >= XWIDE_N else 0
 
 
 SIMPLE_WARPS = 4
@@ -240,12 +254,12 @@ def _make_norm_prologue(TT, NW):
 _fast_cache = {}
 
 
-def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None):
+def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0):
     """Build the fast kernel for one storage kind and block configuration (see module doc);
     `norm` compiles in the fused-RMSNorm prologue and staging, `epi` (an `Epilogue`) the pair
-    row map and store."""
+    row map and store; `max_registers` > 0 caps the registers per thread (ptxas)."""
     name = None if epi is None else epi.name
-    key = (kind, TT, R, NW, KC, bool(norm), name)
+    key = (kind, TT, R, NW, KC, bool(norm), name, int(max_registers))
     if key in _fast_cache:
         return _fast_cache[key]
     NORM = bool(norm)
@@ -325,8 +339,10 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None):
                             v = out[t, n] + v
                         out[t, n] = v
 
+    opts = {"max_registers": int(max_registers)} if max_registers else {}
+
     if quant:
-        @cuda.jit
+        @cuda.jit(**opts)
         def kernel(out, x, nw, eps, qw, scales, zeros, gw, accumulate, ep):
             T = x.shape[0]
             N = qw.shape[0]
@@ -374,7 +390,7 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None):
                             acc[tt, r] = cuda.fma(s, p, acc[tt, r])
             finish(out, acc, scratch, warp, lane, unit, t0, N, T, accumulate, ep)
     else:
-        @cuda.jit
+        @cuda.jit(**opts)
         def kernel(out, x, nw, eps, qw, accumulate, ep):
             T = x.shape[0]
             N = qw.shape[0]
@@ -616,7 +632,7 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
 
     if uses_fast_path(kind, K, group, w):
         TT, R, NW, KC = config_for(kind, T, N, pair)
-        kern = _make_fast(kind, TT, R, NW, KC, norm, epilogue)
+        kern = _make_fast(kind, TT, R, NW, KC, norm, epilogue, max_registers_for(T, N))
         E = WORD_ELEMS[kind]
         qw = w.view(np.uint64)
         grid = (cdiv(N // 2, NW * R // 2) if pair else cdiv(N, NW * R), cdiv(T, TT))
@@ -647,9 +663,11 @@ def ptx_signatures(epilogues=()):
         tag = ("_norm" if norm else "") + (f"_{epi.name}" if epi is not None else "")
         es = NO_EPILOGUE_SIG if epi is None else epi.sig
         for kind in WORD_ELEMS:
-            cfgs = (config_for(kind, 1), config_for(kind, 1, WIDE_N), config_for(kind, 2))
+            cfgs = (config_for(kind, 1), config_for(kind, 1, WIDE_N), config_for(kind, 1, XWIDE_N),
+                    config_for(kind, 2))
             if epi is not None:
-                cfgs = tuple(config_for(kind, T, n, True) for T, n in ((1, 0), (1, WIDE_N), (2, 0)))
+                cfgs = tuple(config_for(kind, T, n, True)
+                             for T, n in ((1, 0), (1, WIDE_N), (1, XWIDE_N), (2, 0)))
             for cfg in cfgs:
                 k = _make_fast(kind, *cfg, norm, epi)
                 if kind.startswith("q"):
