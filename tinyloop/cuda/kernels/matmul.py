@@ -72,7 +72,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from ...core.errors import BackendError
-from ._common import Epilogue, as_float, cdiv, check_array, device_pointer, warp_sum
+from ._common import SIM, Epilogue, as_float, cdiv, check_array, device_pointer, warp_sum
 from .rmsnorm import NT as NORM_NT
 from .rmsnorm import NW as NORM_NW
 from .rmsnorm import check_eps, inv_rms, sumsq_partial
@@ -339,7 +339,8 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0):
                             v = out[t, n] + v
                         out[t, n] = v
 
-    opts = {"max_registers": int(max_registers)} if max_registers else {}
+    # (the simulator's jit takes no register cap)
+    opts = {"max_registers": int(max_registers)} if max_registers and not SIM else {}
 
     if quant:
         @cuda.jit(**opts)
