@@ -10,7 +10,7 @@ equal what the H200 reports for the loaded kernels (`regs_per_thread`: 64 for th
     python bench/sass_report.py matmul_fast_norm_q4_1_2_8_4096 attention
     python bench/sass_report.py --list
 
-Arguments select kernels by substring of the names in the kernel modules' `ptx_signatures()`
+Arguments select kernels by substring of the names in `tinyloop.cuda.kernels.ptx_signatures()`
 (default: the one-row q4 matmuls). Needs `ptxas` (CUDA toolkit) and `cuobjdump` (toolkit, or
 `pip install nvidia-cuda-cuobjdump`; `--cuobjdump PATH`). numba's NVVM may emit a newer PTX ISA
 version than the local ptxas accepts; `--ptx-version 9.0` rewrites the version line (the kernels
@@ -35,15 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 OPCODES = ("LDG", "STG", "LDS", "STS", "BAR", "SHFL", "FFMA", "FADD", "LOP3", "SHF", "PRMT", "IMAD")
 DEFAULT = ("matmul_fast_q4_1_", "matmul_fast_norm_q4_1_")
-
-
-def _signatures():
-    from tinyloop.cuda.kernels import (add, argmax, attention, cache_move, embed, matmul, position,
-                                       rmsnorm, rope, sample, swiglu)
-    sigs = []
-    for m in (rmsnorm, rope, attention, swiglu, embed, add, argmax, sample, position, cache_move):
-        sigs += m.ptx_signatures()
-    return sigs + matmul.ptx_signatures(rope.ptx_epilogues() + swiglu.ptx_epilogues())
 
 
 def _tool(name: str, given: str | None) -> str:
@@ -107,7 +98,8 @@ def main(argv=None) -> int:
     if not cuda.is_available():
         # kernels that call device functions ask the current device for its compute capability
         dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
-    sigs = _signatures()
+    from tinyloop.cuda.kernels import ptx_signatures
+    sigs = ptx_signatures()
     if args.list:
         print("\n".join(s[0] for s in sigs))
         return 0

@@ -31,13 +31,11 @@ _ERR = _toolchain_error()
 if _ERR:
     pytest.skip(f"NVVM/NVRTC not usable: {_ERR}", allow_module_level=True)
 
-from tinyloop.cuda.kernels import (add, argmax, attention, cache_move, embed, matmul, position, rmsnorm,  # noqa: E402
-                                   rope, sample, swiglu)
+from tinyloop.cuda.kernels import kernel_modules, matmul, ptx_signatures  # noqa: E402
 
-MODULES = (matmul, rmsnorm, rope, attention, swiglu, embed, add, argmax, sample, position, cache_move)
-SIGNATURES = [s for m in MODULES if m is not matmul for s in m.ptx_signatures()]
-# matmul with its plain variants and the pair epilogues that rope and swiglu fuse into it
-SIGNATURES += matmul.ptx_signatures(rope.ptx_epilogues() + swiglu.ptx_epilogues())
+MODULES = kernel_modules()
+# every kernel, with matmul's plain variants and the pair epilogues that rope and swiglu fuse into it
+SIGNATURES = ptx_signatures()
 
 
 @pytest.fixture

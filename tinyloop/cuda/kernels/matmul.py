@@ -664,11 +664,8 @@ def ptx_signatures(epilogues=()):
         tag = ("_norm" if norm else "") + (f"_{epi.name}" if epi is not None else "")
         es = NO_EPILOGUE_SIG if epi is None else epi.sig
         for kind in WORD_ELEMS:
-            cfgs = (config_for(kind, 1), config_for(kind, 1, WIDE_N), config_for(kind, 1, XWIDE_N),
-                    config_for(kind, 2))
-            if epi is not None:
-                cfgs = tuple(config_for(kind, T, n, True)
-                             for T, n in ((1, 0), (1, WIDE_N), (1, XWIDE_N), (2, 0)))
+            cfgs = [config_for(kind, T, n, epi is not None)
+                    for T, n in ((1, 0), (1, WIDE_N), (1, XWIDE_N), (2, 0))]
             for cfg in cfgs:
                 k = _make_fast(kind, *cfg, norm, epi)
                 if kind.startswith("q"):
