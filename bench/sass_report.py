@@ -92,6 +92,8 @@ def main(argv=None) -> int:
                          "GEMV_XWIDE_CONFIG: 128)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if args.maxrregcount and not 16 <= args.maxrregcount <= 255:
+        ap.error(f"--maxrregcount={args.maxrregcount} must be 0 (no cap) or in [16, 255]")
 
     import numba.cuda.dispatcher as dispatcher
     from numba import cuda
