@@ -79,6 +79,9 @@ def test_decode_paths_identical_on_gpu(pair, monkeypatch):
         assert tl.generate(chunked, p, cfg) == base
     finally:
         tl.free_model(chunked)
+    monkeypatch.setenv("TINYLOOP_LOOKAHEAD", "0")        # each token read back before its step
+    assert tl.generate(gpu, p, cfg) == base
+    monkeypatch.delenv("TINYLOOP_LOOKAHEAD")
     monkeypatch.setenv("TINYLOOP_DISABLE_KV_CACHE", "1")
     assert tl.generate(gpu, p, cfg) == base
     monkeypatch.delenv("TINYLOOP_DISABLE_KV_CACHE")

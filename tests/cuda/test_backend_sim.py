@@ -134,3 +134,33 @@ def test_split_counters_are_zeroed_with_each_request_cache():
             be.release_cache(cache)
     finally:
         be.free()
+
+
+def test_greedy_lookahead_matches_plain_greedy(small_path, monkeypatch):
+    """greedy(ahead=True) queues the decode step of the token it returns before reading the token
+    back (the argmax stays on the device). Tokens and stats equal plain greedy decoding; a step
+    nobody advances into (a stop sequence ends the request) is dropped without a trace for the
+    next request; the last token of max_tokens is not looked ahead."""
+    monkeypatch.delenv("TINYLOOP_LOOKAHEAD", raising=False)
+    m = tl.load_model(str(small_path), max_seq_len=8, backend="cuda")
+    try:
+        calls = []
+        begin = m.backend.begin_read_argmax
+        monkeypatch.setattr(m.backend, "begin_read_argmax", lambda ws: (calls.append(1), begin(ws)))
+        cfg = tl.GenerateConfig(max_tokens=3, loops=1)
+        st_a = tl.GenerateStats()
+        a = tl.generate_stream(m, [3], cfg, stats=st_a)
+        assert len(calls) == 2                  # generated tokens 1 and 2; not the last
+        stop = tl.GenerateConfig(max_tokens=3, loops=1, stop_sequences=[[a[1]]])
+        st_b = tl.GenerateStats()
+        b = tl.generate_stream(m, [3], stop, stats=st_b)
+        assert b == a[:2] and st_b.stop_reason == tl.StopReason.STOP_SEQUENCE
+        assert len(calls) == 3 and st_b.loop_iters_run == 1   # the dropped step is not counted
+        monkeypatch.setenv("TINYLOOP_LOOKAHEAD", "0")
+        st_c = tl.GenerateStats()
+        c = tl.generate_stream(m, [3], cfg, stats=st_c)
+        assert len(calls) == 3 and c == a and st_c.loop_iters_run == st_a.loop_iters_run
+        monkeypatch.setenv("TINYLOOP_LOOKAHEAD", "1")
+        assert tl.generate(m, [3], cfg) == a and len(calls) == 5
+    finally:
+        tl.free_model(m)

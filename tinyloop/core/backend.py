@@ -283,6 +283,22 @@ class Backend(ABC):
     def read_argmax(self, ws: Workspace) -> int:
         """The argmax of ws.logits[0] (ties to the lowest id); only the id reaches the host."""
 
+    def begin_read_argmax(self, ws: Workspace) -> None:
+        """Queue the copy of the last launch_argmax's id to the host without waiting for it
+        (chains_on_device backends; finish_read_argmax returns it). Ops queued after this call may
+        overwrite the device id: the copy is ordered before them."""
+        raise NotImplementedError(f"{self.name} backend does not read ids back asynchronously")
+
+    def finish_read_argmax(self, ws: Workspace) -> int:
+        """The id begin_read_argmax queued, once its copy has landed (ops queued after it may still
+        be running)."""
+        raise NotImplementedError(f"{self.name} backend does not read ids back asynchronously")
+
+    def device_token(self, ws: Workspace) -> Any:
+        """The one-token id buffer as it is on the device (the last launch_argmax's token), as a
+        forward's `ids` (chains_on_device): what set_ids returns for one token, without an upload."""
+        raise NotImplementedError(f"{self.name} backend does not chain tokens on the device")
+
     def launch_argmax_rows(self, ws: Workspace, n: int) -> None:
         """Start the argmax of each of ws.logits[0:n] where the logits live."""
 

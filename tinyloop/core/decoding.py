@@ -12,6 +12,9 @@ DecodeSession (implemented by tinyloop.core.engine.Session):
                        the next advance).
 * ``greedy()``         argmax of the processed pending logits (on the device when every processor
                        is argmax-invariant, so only a token id crosses to the host).
+                       ``greedy(ahead=True)`` promises that the next call is ``advance(that token)``
+                       (or nothing): the engine may then queue that token's decode step before the
+                       token reaches the host (``logits()`` before the advance raises).
 * ``advance(token)``   append `token` at the next position and run the decode forward.
 * ``config``           the request's GenerateConfig; ``vocab_size``; ``eos_id`` (None: no EOS);
                        ``position`` (tokens so far).

@@ -244,9 +244,13 @@ class Session:
         self._lane = 0                          # the lane whose state is in cache/tokens/position
         self._parked: List[Optional[list]] = [None]   # [cache, tokens, position] of the other lanes
         self._logits_lane: Optional[int] = 0    # the lane whose logits are pending (None: stale)
+        # greedy(ahead=True): the token returned whose decode step already runs (None: none)
+        self._ahead: Optional[int] = None
+        self._lookahead = os.environ.get("TINYLOOP_LOOKAHEAD", "1") not in ("0", "false", "no")
 
     def close(self) -> None:
         """Hand every lane's cache back to the backend (idempotent)."""
+        self._settle()
         caches = [self.cache] + [p[0] for p in self._parked if p is not None]
         self.cache = None
         for p in self._parked:
@@ -271,6 +275,7 @@ class Session:
             raise PluginError(f"fork_pool(n={n!r}): n must be an integer >= 1")
         if self.cache is None:
             raise PluginError("fork_pool on a closed session")
+        self._settle()
         layers, slots, kv_dtype = self._cache_shape
         slots = int(getattr(self.cache, "n_slots", slots))    # a reused cache may hold more slots
         while len(self._parked) < n:
@@ -304,6 +309,7 @@ class Session:
     def copy_state(self, dst: int, src: int) -> None:
         """Make lane `dst` a copy of lane `src`: its KV cache (every layer, the cached slots), token
         list and position. `dst`'s pending logits, if any, become stale."""
+        self._settle()
         self._check_lane(dst)
         self._check_lane(src)
         if dst == src:
@@ -343,14 +349,31 @@ class Session:
                     be.launch_argmax(ws)
 
             if T == 1 and last:
-                def one_token_step(ids=ids, pos=pos):
-                    step(ids, pos)
-                    be.advance_position(pos)
-                be.replay(("step", self.loops, self.cache), one_token_step)
+                self._one_token_step(ids, pos)
             else:
                 step()
             self.stats.loop_iters_run += self.loops
         self.position = stop
+
+    def _one_token_step(self, ids, pos) -> None:
+        """The decode step of one token (ids and pos: backend buffers), captured once per (loops,
+        cache) and replayed: forward, logits, argmax started, position advanced on the device."""
+        be, fwd, ws = self.model.backend, self.model.fwd, self.model.ws
+
+        def one_token_step(ids=ids, pos=pos):
+            fwd.forward(ids, pos, 1, self.cache, self.loops)
+            fwd.logits(0, 1)
+            be.launch_argmax(ws)
+            be.advance_position(pos)
+        be.replay(("step", self.loops, self.cache), one_token_step)
+
+    def _settle(self) -> None:
+        """Drop a look-ahead step nobody advanced into: its K/V sit past `position` (overwritten
+        when that slot is next decoded), the device position is the backend's to re-upload (its
+        mirror knows the value moved), and the pending logits are the look-ahead's, so stale."""
+        if self._ahead is not None:
+            self._ahead = None
+            self._logits_lane = None
 
     def start(self) -> None:
         """Prefill the prompt of the lane in use (lane 0 unless a lane was advanced before)."""
@@ -360,6 +383,16 @@ class Session:
         self.stats.prefill_ms = (time.perf_counter() - t) * 1e3
 
     def advance(self, token: int, lane: int = 0) -> None:
+        if self._ahead is not None:
+            if lane == self._lane and int(token) == self._ahead:
+                # greedy(ahead=True) already started this step: only the host state catches up
+                self._ahead = None
+                self.tokens.append(int(token))
+                self.position = len(self.tokens)
+                self.stats.loop_iters_run += self.loops
+                self._logits_lane = self._lane
+                return
+            self._settle()
         if lane != self._lane:
             self._select(lane)
         self.tokens.append(int(token))
@@ -367,16 +400,35 @@ class Session:
         self._logits_lane = self._lane
 
     def logits(self, lane: int = 0) -> np.ndarray:
+        if self._ahead is not None:
+            raise PluginError("logits() after greedy(ahead=True): the pending logits are the next "
+                              "step's; a decoder that reads logits must not ask for look-ahead")
         self._check_pending(lane)
         np.copyto(self._buf, self.model.backend.logits_to_host(self.model.ws, 0))
         self.chain.apply(self._buf)
         return self._buf
 
-    def greedy(self, lane: int = 0) -> int:
+    def greedy(self, lane: int = 0, ahead: bool = False) -> int:
+        """The greedy token of the pending logits. With `ahead` the caller promises that its next
+        call is advance(that token, lane) or nothing (the engine may stop): where the backend keeps
+        the argmax on the device, the decode step of that token is queued before the token is read
+        back, so the device never waits for the host between steps (the step is dropped, unseen,
+        if the promise is not kept)."""
+        if self._ahead is not None and lane == self._lane:
+            return self._ahead
         self._check_pending(lane)
-        if self.chain.argmax_invariant:
-            return self.model.backend.read_argmax(self.model.ws)
-        return int(np.argmax(self.logits(lane)))
+        if not self.chain.argmax_invariant:
+            return int(np.argmax(self.logits(lane)))
+        be, ws = self.model.backend, self.model.ws
+        generated = len(self.tokens) - self._prompt_len + 1      # counting the token read now
+        if not (ahead and self._lookahead and be.chains_on_device and not self.uncached
+                and lane == self._lane and generated < self.config.max_tokens):
+            return be.read_argmax(ws)
+        be.begin_read_argmax(ws)
+        self._one_token_step(be.device_token(ws), be.positions(len(self.tokens)))
+        self._ahead = be.finish_read_argmax(ws)
+        self._logits_lane = None
+        return self._ahead
 
     @property
     def cache_bytes(self) -> int:

@@ -134,6 +134,7 @@ class CUDABackend(Backend):
         self.pos = cuda.device_array(1, np.int32)
         self._pos_host = cuda.pinned_array(1, np.int32)
         self._tok_host = cuda.pinned_array(1, np.int32)
+        self._tok_event = cuda.event()     # begin/finish_read_argmax
         self._tok_up = cuda.pinned_array(1, np.int32)
         # host mirrors of the device position and of ws.tok (None: unknown); an upload is skipped
         # when the device already holds the value, which is the case for every greedy decode step
@@ -445,6 +446,18 @@ class CUDABackend(Backend):
         self.stream.synchronize()
         self._tok_value = int(self._tok_host[0])
         return self._tok_value
+
+    def begin_read_argmax(self, ws: Workspace) -> None:
+        ws.tok.copy_to_host(self._tok_host, stream=self.stream)
+        self._tok_event.record(self.stream)
+
+    def finish_read_argmax(self, ws: Workspace) -> int:
+        self._tok_event.synchronize()
+        # ws.tok may already hold a later step's argmax: the mirror does not know it
+        return int(self._tok_host[0])
+
+    def device_token(self, ws: Workspace):
+        return ws.tok
 
     def launch_topk_rows(self, ws: Workspace, n: int, k: int, out_row=None) -> None:
         if not 1 <= k <= MAX_TOPK:

@@ -21,7 +21,9 @@ class GreedyDecoder(Decoder):
     def decode(self, session):
         session.start()
         while True:
-            token = session.greedy()
+            # ahead: this decoder always advances with the token it yields, so the engine may
+            # queue that token's decode step before reading the token back
+            token = session.greedy(ahead=True)
             yield token
             session.advance(token)
 
