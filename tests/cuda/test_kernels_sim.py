@@ -182,6 +182,17 @@ def test_matmul_wide_gemv_config_is_batch_invariant(monkeypatch, kind, N, K, gro
     _check_rows_alone(np.random.default_rng(N + K), kind, N, K, group, 3, range(3))
 
 
+@pytest.mark.parametrize("batch", [2, 8])
+def test_matmul_batched_staging_is_batch_invariant(monkeypatch, batch):
+    """A plain one-row GEMV stages x `stage_batch_for` elements per thread at a time (K = 1600:
+    6.25 elements per thread, so whole and partial batches): the reference, and the same bits as
+    the row inside a 2-row launch, whose staging loop is the plain one."""
+    monkeypatch.setattr(matmul, "STAGE_BATCH", batch)
+    assert matmul.stage_batch_for(1, 5, False) == batch
+    assert matmul.stage_batch_for(1, 5, True) == matmul.stage_batch_for(2, 5, False) == 1
+    _check_rows_alone(np.random.default_rng(batch), "q4", 5, 1600, 64, 2, range(2))
+
+
 def test_matmul_accumulate_and_chunks():
     """K spanning several staged chunks (T > 1: KC=1024 -> 2 chunks; T == 1: one chunk) with the
     residual add fused."""
