@@ -133,6 +133,7 @@ def host(a):
 MATMUL_CASES = [
     # kind, N, K, group, expected fast path
     ("q4", 13, 64, 16, True),
+    ("q4", 7, 96, 48, True),      # 3 words per group: group index by division, not a shift
     ("q4", 9, 48, 8, False),      # group 8 < 16 elements per word: simple kernel
     ("q8", 12, 40, 8, True),
     ("q2", 10, 64, 32, True),
@@ -191,6 +192,17 @@ def test_matmul_batched_staging_is_batch_invariant(monkeypatch, batch):
     assert matmul.stage_batch_for(1, 5, False) == batch
     assert matmul.stage_batch_for(1, 5, True) == matmul.stage_batch_for(2, 5, False) == 1
     _check_rows_alone(np.random.default_rng(batch), "q4", 5, 1600, 64, 2, range(2))
+
+
+def test_group_shift_rule():
+    """The group index is a compiled-in shift for power-of-two words per group, without a pair
+    epilogue, on quantized kinds; otherwise a division (-1)."""
+    assert matmul.group_shift_for("q4", 128, False) == 3
+    assert matmul.group_shift_for("q2", 32, False) == 0
+    assert matmul.group_shift_for("q8", 128, False) == 4
+    assert matmul.group_shift_for("q4", 48, False) == -1
+    assert matmul.group_shift_for("q4", 128, True) == -1
+    assert matmul.group_shift_for("f16", 0, False) == -1
 
 
 def test_matmul_accumulate_and_chunks():
