@@ -51,16 +51,16 @@ def bench_tinyloop(path: str, prompt: List[int], new: int, loops: int, sweep: Li
     m = tl.load_model(path, max_seq_len=len(prompt) + new + 8, backend="cuda")
     out = {"load_s": time.perf_counter() - t, "backend": m.backend_name}
     try:
-        def run(L: int, n: int):
+        def run(L: int, n: int, **sampling):
             st = tl.GenerateStats()
-            tl.generate_stream(m, prompt, tl.GenerateConfig(max_tokens=n, loops=L), stats=st)
+            tl.generate_stream(m, prompt, tl.GenerateConfig(max_tokens=n, loops=L, **sampling), stats=st)
             return st
 
-        def measure(L: int) -> dict:
-            run(L, 4)                                     # compile, warm, capture the step graph
+        def measure(L: int, **sampling) -> dict:
+            run(L, 4, **sampling)                         # compile, warm, capture the step graph
             pre, dec = [], []
             for _ in range(repeats):
-                st = run(L, new)
+                st = run(L, new, **sampling)
                 pre.append(st.prefill_ms)
                 dec.append(st.decode_ms / max(1, st.tokens_emitted - 1))
             return {"loops": L, "prefill_ms": _median(pre), "decode_ms_per_token": _median(dec),
@@ -68,6 +68,10 @@ def bench_tinyloop(path: str, prompt: List[int], new: int, loops: int, sweep: Li
 
         main = measure(loops)
         out.update(main)
+        # seeded sampling (the logits come to the host, where the sampler runs)
+        smp = dict(temperature=0.8, top_k=50, top_p=0.95, sample_seed=0)
+        out["sampling"] = dict(measure(loops, **smp), **smp)
+        log(f"tinyloop sampling L={loops}: {out['sampling']['decode_ms_per_token']:.3f} ms/token")
         out["graph_nodes_per_token"] = m.backend.step_nodes
         out["vram_bytes"] = tl.vram_usage_bytes(m)
         out["sweep"] = []
@@ -295,6 +299,10 @@ def run(args) -> int:
     print(f"{'engine':<28}{'prefill ms':>12}{'decode ms/tok':>15}{'tok/s':>10}")
     print(f"{'tinyloop (numba, graphs)':<28}{tlr['prefill_ms']:>12.2f}{tlr['decode_ms_per_token']:>15.3f}"
           f"{tlr['tokens_per_s']:>10.1f}")
+    if "sampling" in tlr:
+        smp = tlr["sampling"]
+        print(f"{'  sampling T0.8 k50 p0.95':<28}{smp['prefill_ms']:>12.2f}"
+              f"{smp['decode_ms_per_token']:>15.3f}{smp['tokens_per_s']:>10.1f}")
     if "eager_decode_ms_per_token" in th:
         for k, label in (("eager_decode_ms_per_token", "torch fp16 eager"),
                          ("graph_decode_ms_per_token", "torch fp16 CUDA graph")):

@@ -6,6 +6,8 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tinyloop as tl
 from tinyloop import GenerateConfig, GenerateStats, StopReason
@@ -145,6 +147,19 @@ def test_sample_token_matches_definition():
     counts = np.bincount([sample_token(logits, 1.0, 5, 1.0, rng.random()) for _ in range(4000)], minlength=5)
     p = np.exp(logits - logits.max()); p /= p.sum()
     assert np.allclose(counts / 4000, p, atol=0.03)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([-np.inf, -2.0, -1.0, 0.0, 0.5, 1.0, 3.0, np.nan]), min_size=1,
+                max_size=40),
+       st.integers(1, 45))
+def test_top_order_equals_full_sort(vals, k):
+    """The partition-based top-k order is the full sort's prefix, ties by lower id, -inf and NaN
+    included (NaN falls back to the full sort)."""
+    from tinyloop.core.sampling import top_order
+    z = np.array(vals, np.float64)
+    want = np.lexsort((np.arange(z.size), -z))[:k]
+    assert np.array_equal(top_order(z, k), want)
 
 
 def test_repetition_penalty_hf_convention(tiny_model, prompt):

@@ -16,12 +16,27 @@ from __future__ import annotations
 import numpy as np
 
 
+def top_order(z: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the k largest entries of z, by descending z and, among equal values, ascending id
+    (= ``np.lexsort((arange(n), -z))[:k]``). For k < n the k-th largest value is found by a
+    partition (linear time) and only the k kept ids are sorted: entries above it, then entries
+    equal to it by ascending id until there are k."""
+    n = z.shape[0]
+    if k >= n or np.isnan(z).any():
+        return np.lexsort((np.arange(n), -z))[:k]
+    kth = np.partition(z, n - k)[n - k]
+    above = np.flatnonzero(z > kth)                     # fewer than k: kth is the k-th largest
+    ties = np.flatnonzero(z == kth)[:k - above.size]    # at least k - above.size of them
+    kept = np.concatenate((above, ties))
+    return kept[np.lexsort((kept, -z[kept]))]
+
+
 def _filtered(logits: np.ndarray, temperature: float, top_k: int, top_p: float):
     """Steps 1-4: the kept token ids in descending order and their renormalised probabilities."""
     z = np.asarray(logits, dtype=np.float64) / temperature
     n = z.shape[0]
     k = min(int(top_k), n)
-    order = np.lexsort((np.arange(n), -z))[:k]         # descending z, ties by lower id
+    order = top_order(z, k)                             # descending z, ties by lower id
     p = np.exp(z[order] - z[order[0]])
     p /= p.sum()
     if top_p < 1.0:
