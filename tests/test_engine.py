@@ -162,6 +162,38 @@ def test_top_order_equals_full_sort(vals, k):
     assert np.array_equal(top_order(z, k), want)
 
 
+def _definition_filtered(logits, temperature, top_k, top_p):
+    """Steps 1-4 of tinyloop.core.sampling written plainly: sort every id, cut, renormalise."""
+    z = np.asarray(logits, np.float64) / temperature
+    order = np.lexsort((np.arange(z.size), -z))[:min(top_k, z.size)]
+    p = np.exp(z[order] - z[order[0]])
+    p /= p.sum()
+    if top_p < 1.0:
+        c = np.cumsum(p)
+        keep = int(np.searchsorted(c, top_p, side="left")) + 1
+        order, p = order[:keep], p[:keep] / c[min(keep, len(c)) - 1]
+    return order, p
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([-np.inf, -2.0, -1.0, 0.0, 0.5, 1.0, 3.0]), min_size=1, max_size=40)
+       .filter(lambda v: max(v) > -np.inf),
+       st.integers(1, 45), st.sampled_from([1.0, 0.95, 0.5, 0.1]), st.floats(0.0, 0.999999),
+       st.sampled_from([0.7, 1.0, 1.3]))
+def test_sampler_equals_its_definition(vals, k, top_p, u, temperature):
+    """sample_token and sampling_probs (top-k by partition, ids ranked only as far as needed)
+    give the same token and the same probabilities, bit for bit, as the plain full sort."""
+    from tinyloop.core.sampling import sample_token, sampling_probs
+    logits = np.array(vals, np.float32)
+    order, p = _definition_filtered(logits, temperature, k, top_p)
+    c = np.cumsum(p)
+    want = int(order[min(int(np.searchsorted(c, u * c[-1], side="right")), len(order) - 1)])
+    assert sample_token(logits, temperature, k, top_p, u) == want
+    probs = np.zeros(logits.size)
+    probs[order] = p
+    assert np.array_equal(sampling_probs(logits, temperature, k, top_p), probs)
+
+
 def test_repetition_penalty_hf_convention(tiny_model, prompt):
     from tinyloop.core.plugins import get_plugin_manager
     cls = get_plugin_manager().processors()["repetition_penalty"]

@@ -31,34 +31,60 @@ def top_order(z: np.ndarray, k: int) -> np.ndarray:
     return kept[np.lexsort((kept, -z[kept]))]
 
 
-def _filtered(logits: np.ndarray, temperature: float, top_k: int, top_p: float):
-    """Steps 1-4: the kept token ids in descending order and their renormalised probabilities."""
+def _kept(logits: np.ndarray, temperature: float, top_k: int, top_p: float):
+    """Steps 1-4: (z, zmax, norms, order, p) with z = logits / temperature (float64), p the kept
+    tokens' renormalised probabilities in descending order, ``p = exp(z - zmax) / norms[0]
+    (/ norms[1] after a top-p cut)``, and order their ids when a top-k cut ranked them (None
+    when every token is ranked: the ids are then found only as far as a caller needs them, see
+    `_ids`). The values are sorted on their own, which gives the same p, bit for bit, as the id
+    sort would: tied ids have equal values."""
     z = np.asarray(logits, dtype=np.float64) / temperature
     n = z.shape[0]
     k = min(int(top_k), n)
-    order = top_order(z, k)                             # descending z, ties by lower id
-    p = np.exp(z[order] - z[order[0]])
-    p /= p.sum()
+    if k < n:
+        order = top_order(z, k)
+        zs = z[order]
+    else:
+        order = None
+        zs = -np.sort(-z)
+    p = np.exp(zs - zs[0])
+    norms = [p.sum()]
+    p /= norms[0]
     if top_p < 1.0:
         c = np.cumsum(p)
         keep = int(np.searchsorted(c, top_p, side="left")) + 1
-        order, p = order[:keep], p[:keep] / c[min(keep, len(c)) - 1]
-    return order, p
+        norms.append(c[min(keep, len(c)) - 1])
+        p = p[:keep] / norms[1]
+        if order is not None:
+            order = order[:keep]
+    return z, zs[0], norms, order, p
+
+
+def _ids(z: np.ndarray, order, m: int) -> np.ndarray:
+    """The first m kept ids in descending order (ties by lower id)."""
+    return order[:m] if order is not None else top_order(z, m)
 
 
 def sample_token(logits: np.ndarray, temperature: float, top_k: int, top_p: float, u: float) -> int:
     """One token from `logits` by the algorithm above, given the uniform draw `u`."""
-    order, p = _filtered(logits, temperature, top_k, top_p)
+    z, _, _, order, p = _kept(logits, temperature, top_k, top_p)
     c = np.cumsum(p)
-    i = int(np.searchsorted(c, u * c[-1], side="right"))
-    return int(order[min(i, len(order) - 1)])
+    i = min(int(np.searchsorted(c, u * c[-1], side="right")), len(p) - 1)
+    return int(_ids(z, order, i + 1)[i])
 
 
 def sampling_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
     """The full distribution (float64, vocab-sized) that sample_token draws from."""
-    order, p = _filtered(logits, temperature, top_k, top_p)
-    out = np.zeros(np.asarray(logits).shape[0], np.float64)
-    out[order] = p
+    z, zmax, norms, order, p = _kept(logits, temperature, top_k, top_p)
+    n = z.shape[0]
+    if order is not None or len(p) < n:
+        out = np.zeros(n, np.float64)
+        out[_ids(z, order, len(p))] = p
+        return out
+    # every token kept: the same operations on each value in id order give the same bits
+    out = np.exp(z - zmax)
+    for d in norms:
+        out /= d
     return out
 
 
