@@ -36,8 +36,8 @@ def _kept(logits: np.ndarray, temperature: float, top_k: int, top_p: float):
     tokens' renormalised probabilities in descending order, ``p = exp(z - zmax) / norms[0]
     (/ norms[1] after a top-p cut)``, and order their ids when a top-k cut ranked them (None
     when every token is ranked: the ids are then found only as far as a caller needs them, see
-    `_ids`). The values are sorted on their own, which gives the same p, bit for bit, as the id
-    sort would: tied ids have equal values."""
+    `_ids`). Without a top-k cut the values alone are sorted, which gives the same p, bit for
+    bit, as sorting the ids would: tied ids have equal values."""
     z = np.asarray(logits, dtype=np.float64) / temperature
     n = z.shape[0]
     k = min(int(top_k), n)
