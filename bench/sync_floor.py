@@ -84,6 +84,9 @@ def main(argv=None) -> int:
 
     from numba import cuda
 
+    if not cuda.is_available():
+        print("error: sync_floor needs a CUDA GPU", file=sys.stderr)
+        return 2
     from tinyloop.cuda.graphs import Graph
 
     nt = 256
