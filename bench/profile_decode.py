@@ -4,8 +4,11 @@ Synthesizes a preset (default `360m`), runs a prompt through the CUDA backend, t
 device kernels of `--tokens` graph-replayed decode steps with `torch.profiler` (CUPTI sees the
 kernels of numba's graphs too) and prints, per kernel, the device microseconds per token and the
 launches per token, plus the wall time per token of the same steps. Writes JSON with `--json`.
+With `--by-block`, also each block's kernels (pre blocks, every loop iteration, post blocks) in
+launch order, averaged over the steps: a loop iteration whose weights come from L2 against the
+first one of the token, which follows the head and the pre blocks through L2.
 
-    python bench/profile_decode.py --loops 8 --json out.json
+    python bench/profile_decode.py --loops 8 [--by-block] --json out.json
 """
 
 from __future__ import annotations
@@ -38,6 +41,54 @@ def short_name(name: str) -> str:
     return ".".join(words) or name
 
 
+def block_labels(cfg, loops: int) -> list:
+    """Names of the blocks a token runs through, in order: pre0.., loop<iteration>.<layer>, post0.."""
+    return ([f"pre{i}" for i in range(cfg.n_pre)]
+            + [f"loop{it}.{j}" for it in range(loops) for j in range(cfg.n_loop)]
+            + [f"post{i}" for i in range(cfg.n_post)])
+
+
+def split_blocks(names, n_blocks: int):
+    """(lead, kb): a decode step's kernel names (launch order) are `lead` kernels (embedding), then
+    n_blocks blocks of kb kernels with the same names in every block, then the rest (final norm,
+    head, argmax, position), the repetition going no further on either side. None when no such
+    split exists."""
+    S = len(names)
+    for lead in range(0, 4):
+        if n_blocks < 1 or S - lead < n_blocks:
+            break
+        for kb in range((S - lead) // n_blocks, 0, -1):
+            first = names[lead:lead + kb]
+            end = lead + n_blocks * kb
+            # the repetition must not continue on either side (else the blocks are misaligned or
+            # there are more than n_blocks of them)
+            if (all(names[lead + b * kb:lead + (b + 1) * kb] == first for b in range(1, n_blocks))
+                    and (lead == 0 or names[lead - 1] != names[lead - 1 + kb])
+                    and (end >= S or names[end] != names[end - kb])):
+                return lead, kb
+    return None
+
+
+def per_block(steps, labels):
+    """Mean device time (us) per block and per kernel slot of a block, over decode steps.
+
+    `steps`: one list per decoded token of (kernel name, us) in launch order, all of one shape.
+    Returns {"lead": .., "kb": .., "blocks": [{"block": label, "us": total, "kernels_us": [...]}]}
+    or None when the steps do not split into len(labels) equal blocks."""
+    if not steps or any(len(s) != len(steps[0]) for s in steps):
+        return None
+    split = split_blocks([n for n, _ in steps[0]], len(labels))
+    if split is None:
+        return None
+    lead, kb = split
+    mean = np.mean(np.array([[us for _, us in s] for s in steps], np.float64), axis=0)
+    blocks = []
+    for b, label in enumerate(labels):
+        ks = mean[lead + b * kb:lead + (b + 1) * kb]
+        blocks.append({"block": label, "us": float(ks.sum()), "kernels_us": [float(v) for v in ks]})
+    return {"lead": lead, "kb": kb, "blocks": blocks}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="360m")
@@ -45,6 +96,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--json", default="")
+    ap.add_argument("--by-block", action="store_true",
+                    help="also the device time of every block of the step (pre, each loop iteration, "
+                         "post), kernel by kernel: whether the loop block's weights stay in L2 shows "
+                         "as iteration 0 against iterations 1..L-1")
     args = ap.parse_args(argv)
     for name in ("loops", "prompt_len", "tokens"):
         if getattr(args, name) < 1:
@@ -71,8 +126,10 @@ def main(argv=None) -> int:
     wall = st.decode_ms / max(1, st.tokens_emitted - 1)
 
     def kernels(n_new):
-        """Device time (us) and launches per kernel name of one generate_stream call."""
+        """Device time (us) and launches per kernel name of one generate_stream call, and the
+        kernels (not copies) in launch order as (name, us)."""
         per = defaultdict(lambda: [0.0, 0])
+        order = []
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             tl.generate_stream(m, prompt, tl.GenerateConfig(max_tokens=n_new, loops=args.loops))
             torch.cuda.synchronize()
@@ -82,12 +139,15 @@ def main(argv=None) -> int:
             rec = per[short_name(ev.name)]
             rec[0] += ev.device_time_total
             rec[1] += 1
-        return per
+            if args.by_block and not ev.name.startswith(("Memcpy", "Memset")):
+                order.append((ev.time_range.start, ev.name, ev.device_time_total))
+        order.sort(key=lambda e: e[0])
+        return per, [(n, us) for _, n, us in order]
 
     # The decode part is the difference between a run of 1 + n tokens and a run of 1 token (the
     # prefill and the first token are in both).
-    base = kernels(1)
-    full = kernels(1 + args.tokens)
+    base, _ = kernels(1)
+    full, ordered = kernels(1 + args.tokens)
     n_tok = args.tokens
     per = {k: [v[0] - base.get(k, [0.0, 0])[0], v[1] - base.get(k, [0.0, 0])[1]] for k, v in full.items()}
     per = {k: v for k, v in per.items() if v[1] > 0}
@@ -101,11 +161,24 @@ def main(argv=None) -> int:
         print(f"{k[:52]:<52}{us / n_tok:>10.2f}{cnt / n_tok:>16.2f}{100 * us / total:>7.1f}%")
         out_rows.append({"kernel": k, "us_per_token": us / n_tok, "launches_per_token": cnt / n_tok})
     print(f"{'total device time':<52}{total / n_tok:>10.2f}")
+    blocks = None
+    if args.by_block:
+        S = sum(v[1] for k, v in per.items() if not k.startswith(("Memcpy", "Memset"))) // n_tok
+        tail = ordered[len(ordered) - n_tok * S:] if S > 0 else []
+        steps = [tail[i * S:(i + 1) * S] for i in range(n_tok)] if S > 0 else []
+        blocks = per_block(steps, block_labels(cfg, args.loops))
+        if blocks is None:
+            print("\nper block: the decode steps do not split into equal blocks")
+        else:
+            print(f"\nper block (mean over {n_tok} steps; {blocks['lead']} kernel(s) before the "
+                  f"blocks, {blocks['kb']} per block), us:")
+            for b in blocks["blocks"]:
+                print(f"{b['block']:<12}{b['us']:>9.2f}   " + " ".join(f"{v:7.2f}" for v in b["kernels_us"]))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"preset": args.preset, "loops": args.loops, "prompt_len": args.prompt_len,
                        "tokens": n_tok, "wall_ms_per_token": wall,
-                       "device_us_per_token": total / n_tok, "kernels": out_rows,
+                       "device_us_per_token": total / n_tok, "kernels": out_rows, "blocks": blocks,
                        "date": time.strftime("%Y-%m-%d")}, fh, indent=2)
     tmp.cleanup()
     return 0
