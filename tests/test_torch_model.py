@@ -129,6 +129,23 @@ def test_prefill_decode_equals_forward(inject):
             torch.testing.assert_close(step, full[:, t], atol=1e-5, rtol=0)
 
 
+def test_fused_projections_same_model():
+    """fuse_projections (q|k|v and gate|up as one matmul each): forward, prefill and decode equal
+    the unfused model's; parameters and logical state are untouched."""
+    cfg = make_cfg()
+    m = make_model(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(5))
+    full = m(ids, 3)
+    names = list(m.state_dict_logical())
+    assert m.fuse_projections() is m
+    assert list(m.state_dict_logical()) == names and m.loop[0].w_qkv.shape[0] == cfg.q_dim + 2 * cfg.kv_dim
+    torch.testing.assert_close(m(ids, 3), full, atol=1e-5, rtol=0)
+    m.allocate_cache(batch_size=2)
+    torch.testing.assert_close(m.prefill(ids[:, :4], 3), full[:, :4], atol=1e-5, rtol=0)
+    for t in range(4, 11):
+        torch.testing.assert_close(m.decode_one(ids[:, t], t, 3), full[:, t], atol=1e-5, rtol=0)
+
+
 def test_decode_with_device_tensors_and_prefill_of_one_token():
     """decode_one with tensor token/pos (the CUDA-graph style call), starting from a 1-token prefill."""
     cfg = make_cfg()

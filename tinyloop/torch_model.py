@@ -106,13 +106,29 @@ class Block(nn.Module):
         self.n_heads, self.n_kv, self.hd, self.eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
         self.group = cfg.n_heads // cfg.n_kv_heads
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        # inference copies of [wq; wk; wv] and [w_gate; w_up] (LoopedLM.fuse_projections)
+        self.w_qkv: Optional[torch.Tensor] = None
+        self.w_gate_up: Optional[torch.Tensor] = None
+
+    def fuse_projections(self) -> None:
+        """One matrix for q|k|v and one for gate|up (copies, on the parameters' device and dtype):
+        two matmuls per block instead of five. The parameters stay as they are (training, state
+        dicts); call again after moving or changing them."""
+        with torch.no_grad():
+            self.w_qkv = torch.cat([self.wq, self.wk, self.wv]).detach().contiguous()
+            self.w_gate_up = torch.cat([self.w_gate, self.w_up]).detach().contiguous()
 
     def _qkv(self, x, cos, sin):
         B, T, _ = x.shape
         h = rms_norm(x, self.attn_norm, self.eps)
-        q = F.linear(h, self.wq).view(B, T, self.n_heads, self.hd).transpose(1, 2)
-        k = F.linear(h, self.wk).view(B, T, self.n_kv, self.hd).transpose(1, 2)
-        v = F.linear(h, self.wv).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        if self.w_qkv is not None:
+            q, k, v = F.linear(h, self.w_qkv).split([self.n_heads * self.hd, self.n_kv * self.hd,
+                                                    self.n_kv * self.hd], dim=-1)
+        else:
+            q, k, v = F.linear(h, self.wq), F.linear(h, self.wk), F.linear(h, self.wv)
+        q = q.reshape(B, T, self.n_heads, self.hd).transpose(1, 2)
+        k = k.reshape(B, T, self.n_kv, self.hd).transpose(1, 2)
+        v = v.reshape(B, T, self.n_kv, self.hd).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _expand(self, t):
@@ -123,7 +139,11 @@ class Block(nn.Module):
         B, _, T, _ = att.shape
         x = x + F.linear(att.transpose(1, 2).reshape(B, T, self.n_heads * self.hd), self.wo)
         h = rms_norm(x, self.mlp_norm, self.eps)
-        return x + F.linear(F.silu(F.linear(h, self.w_gate)) * F.linear(h, self.w_up), self.w_down)
+        if self.w_gate_up is not None:
+            g, u = F.linear(h, self.w_gate_up).chunk(2, dim=-1)
+        else:
+            g, u = F.linear(h, self.w_gate), F.linear(h, self.w_up)
+        return x + F.linear(F.silu(g) * u, self.w_down)
 
     def forward(self, x, cos, sin, cache_k=None, cache_v=None):
         """Causal block over a full sequence starting at position 0. If cache_k / cache_v
@@ -191,6 +211,14 @@ class LoopedLM(nn.Module):
                 p.normal_(0.0, std / math.sqrt(2 * depth), generator=generator)
             else:
                 p.normal_(0.0, std, generator=generator)
+
+    def fuse_projections(self) -> "LoopedLM":
+        """Concatenate every block's q|k|v and gate|up weights for inference (see
+        Block.fuse_projections): the same model with fewer, larger matmuls. Call after moving the
+        model to its device and dtype; returns self."""
+        for b in list(self.pre) + list(self.loop) + list(self.post):
+            b.fuse_projections()
+        return self
 
     def head_weight(self) -> torch.Tensor:
         return self.embed if self.head is None else self.head
