@@ -144,6 +144,11 @@ def test_fused_projections_same_model():
     torch.testing.assert_close(m.prefill(ids[:, :4], 3), full[:, :4], atol=1e-5, rtol=0)
     for t in range(4, 11):
         torch.testing.assert_close(m.decode_one(ids[:, t], t, 3), full[:, t], atol=1e-5, rtol=0)
+    # training reads the parameters, never the (now stale) fused copies
+    with torch.no_grad():
+        m.loop[0].wq.mul_(2.0)
+    m.train()
+    assert not torch.allclose(m(ids, 3), full, atol=1e-3)
 
 
 def test_decode_with_device_tensors_and_prefill_of_one_token():

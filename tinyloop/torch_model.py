@@ -112,8 +112,9 @@ class Block(nn.Module):
 
     def fuse_projections(self) -> None:
         """One matrix for q|k|v and one for gate|up (copies, on the parameters' device and dtype):
-        two matmuls per block instead of five. The parameters stay as they are (training, state
-        dicts); call again after moving or changing them."""
+        two matmuls per block instead of five, used in eval mode only (training always reads the
+        parameters). The parameters stay as they are (state dicts); call again after moving or
+        changing them."""
         with torch.no_grad():
             self.w_qkv = torch.cat([self.wq, self.wk, self.wv]).detach().contiguous()
             self.w_gate_up = torch.cat([self.w_gate, self.w_up]).detach().contiguous()
@@ -121,7 +122,7 @@ class Block(nn.Module):
     def _qkv(self, x, cos, sin):
         B, T, _ = x.shape
         h = rms_norm(x, self.attn_norm, self.eps)
-        if self.w_qkv is not None:
+        if self.w_qkv is not None and not self.training:
             q, k, v = F.linear(h, self.w_qkv).split([self.n_heads * self.hd, self.n_kv * self.hd,
                                                     self.n_kv * self.hd], dim=-1)
         else:
@@ -139,7 +140,7 @@ class Block(nn.Module):
         B, _, T, _ = att.shape
         x = x + F.linear(att.transpose(1, 2).reshape(B, T, self.n_heads * self.hd), self.wo)
         h = rms_norm(x, self.mlp_norm, self.eps)
-        if self.w_gate_up is not None:
+        if self.w_gate_up is not None and not self.training:
             g, u = F.linear(h, self.w_gate_up).chunk(2, dim=-1)
         else:
             g, u = F.linear(h, self.w_gate), F.linear(h, self.w_up)
@@ -214,8 +215,8 @@ class LoopedLM(nn.Module):
 
     def fuse_projections(self) -> "LoopedLM":
         """Concatenate every block's q|k|v and gate|up weights for inference (see
-        Block.fuse_projections): the same model with fewer, larger matmuls. Call after moving the
-        model to its device and dtype; returns self."""
+        Block.fuse_projections): the same model with fewer, larger matmuls in eval mode. Call after
+        moving the model to its device and dtype; returns self."""
         for b in list(self.pre) + list(self.loop) + list(self.post):
             b.fuse_projections()
         return self
