@@ -88,6 +88,7 @@ def main(argv=None) -> int:
         print("error: sync_floor needs a CUDA GPU", file=sys.stderr)
         return 2
     from tinyloop.cuda.graphs import Graph
+    from tinyloop.cuda.kernels._common import cdiv
 
     nt = 256
     phase, persistent, zero = build(nt)
@@ -141,10 +142,6 @@ def main(argv=None) -> int:
             json.dump({"device": dev, "phases": args.phases, "repeats": args.repeats,
                        "rows": rows, "date": time.strftime("%Y-%m-%d")}, fh, indent=2)
     return 0
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 if __name__ == "__main__":

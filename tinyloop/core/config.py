@@ -9,10 +9,17 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Tuple, Type, TypeVar
 
 from .errors import ConfigError
+
+
+def env_switch(name: str) -> bool:
+    """An on-by-default environment switch (TINYLOOP_LOOKAHEAD, TINYLOOP_CUDA_GRAPHS, ...): off
+    for "0", "false" or "no"."""
+    return os.environ.get(name, "1") not in ("0", "false", "no")
 
 #: Temperatures at or below this are greedy argmax (spec: "0.0 (or <= 0.01) means greedy").
 GREEDY_TEMPERATURE = 0.01

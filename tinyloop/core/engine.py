@@ -27,7 +27,7 @@ import numpy as np
 from .arch import ModelConfig
 from .backend import BACKENDS, Backend
 from .compat import check_request
-from .config import GenerateConfig, GenerateStats, StopReason
+from .config import GenerateConfig, GenerateStats, StopReason, env_switch
 from .errors import (BackendError, ConfigError, InvalidInputError, ModelBusyError,
                      ModelFreedError, PluginError)
 from .format import open_model
@@ -246,7 +246,7 @@ class Session:
         self._logits_lane: Optional[int] = 0    # the lane whose logits are pending (None: stale)
         # greedy(ahead=True): the token returned whose decode step already runs (None: none)
         self._ahead: Optional[int] = None
-        self._lookahead = os.environ.get("TINYLOOP_LOOKAHEAD", "1") not in ("0", "false", "no")
+        self._lookahead = env_switch("TINYLOOP_LOOKAHEAD")
 
     def close(self) -> None:
         """Hand every lane's cache back to the backend (idempotent)."""
@@ -341,17 +341,13 @@ class Session:
             ids = be.set_ids(ws, self.tokens[a:a + T])
             pos = be.positions(a)
             last = a + T == stop
-
-            def step(ids=ids, pos=pos, T=T, last=last):
+            if T == 1 and last:
+                self._one_token_step(ids, pos)
+            else:
                 fwd.forward(ids, pos, T, self.cache, self.loops)
                 if last:
                     fwd.logits(T - 1, 1)
                     be.launch_argmax(ws)
-
-            if T == 1 and last:
-                self._one_token_step(ids, pos)
-            else:
-                step()
             self.stats.loop_iters_run += self.loops
         self.position = stop
 

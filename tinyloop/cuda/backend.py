@@ -44,6 +44,7 @@ from numba import cuda
 from numba.cuda.cudadrv.driver import device_memset
 
 from ..core.backend import Backend, ModelWeights, TreeRows, Workspace
+from ..core.config import env_switch
 from ..core.errors import BackendError, OutOfMemoryError
 from .graphs import Graph
 from .kernels._common import no_tree
@@ -68,10 +69,6 @@ _DT = {"fp16": np.float16, "fp32": np.float32}
 
 #: Weights of a block concatenated by rows at load: attribute on BlockWeights -> member tensors.
 FUSED_WEIGHTS = (("wqkv", ("wq", "wk", "wv")), ("wgu", ("w_gate", "w_up")))
-
-
-def _env_on(name: str) -> bool:
-    return os.environ.get(name, "1") not in ("0", "false", "no")
 
 
 def round_slots(n_slots: int) -> int:
@@ -142,8 +139,8 @@ class CUDABackend(Backend):
         self._tok_value = None
         self._spares = []                 # released caches kept for later requests (oldest first)
         self._graphs: "OrderedDict[Any, tuple]" = OrderedDict()
-        self.use_graphs = _env_on("TINYLOOP_CUDA_GRAPHS") and not numba.config.ENABLE_CUDASIM
-        self.fuse = _env_on("TINYLOOP_CUDA_FUSE")
+        self.use_graphs = env_switch("TINYLOOP_CUDA_GRAPHS") and not numba.config.ENABLE_CUDASIM
+        self.fuse = env_switch("TINYLOOP_CUDA_FUSE")
         self._glu = k_swiglu.glu_epilogue(cfg.d_ff)
         self.profile = os.environ.get("TINYLOOP_CUDA_PROFILE", "") not in ("", "0")
         self.graph_launches = 0
