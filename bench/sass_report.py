@@ -62,7 +62,7 @@ def _assemble(ptxas: str, ptx: str, workdir: str, name: str, version: str | None
 
 
 def report(name: str, fn, sig: str, ptxas: str, cuobjdump: str, workdir: str, version=None,
-           maxreg: int = 0) -> dict:
+           maxreg: int = 0, dump: str | None = None) -> dict:
     from numba import cuda
     ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0))
     info, cubin = _assemble(ptxas, ptx, workdir, name, version, maxreg)
@@ -72,6 +72,9 @@ def report(name: str, fn, sig: str, ptxas: str, cuobjdump: str, workdir: str, ve
         return int(m.group(1)) if m else 0
 
     sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    if dump:
+        Path(dump).mkdir(parents=True, exist_ok=True)
+        (Path(dump) / f"{name}.sass").write_text(sass)
     ops = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", sass)]
     hist = collections.Counter(ops)
     return {"kernel": name, "registers": num(r"Used (\d+) registers"),
@@ -91,6 +94,7 @@ def main(argv=None) -> int:
                     help="register cap per thread, as the launcher's max_registers (matmul "
                          "GEMV_XWIDE_CONFIG: 128)")
     ap.add_argument("--json")
+    ap.add_argument("--dump", help="also write each kernel's SASS to DIR/<kernel>.sass")
     args = ap.parse_args(argv)
     if args.maxrregcount and not 16 <= args.maxrregcount <= 255:
         ap.error(f"--maxrregcount={args.maxrregcount} must be 0 (no cap) or in [16, 255]")
@@ -114,7 +118,8 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as work:
         for name, fn, sig in chosen:
-            rows.append(report(name, fn, sig, ptxas, cuobjdump, work, args.ptx_version, args.maxrregcount))
+            rows.append(report(name, fn, sig, ptxas, cuobjdump, work, args.ptx_version, args.maxrregcount,
+                               args.dump))
     head = f"{'kernel':48} {'regs':>5} {'spill':>6} {'smem':>6} {'instr':>6}  " + " ".join(f"{k:>5}" for k in OPCODES)
     print(head)
     for r in rows:

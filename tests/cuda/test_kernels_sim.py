@@ -14,6 +14,7 @@ simulator runs every CUDA thread as a Python thread; they are chosen to reach ed
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numba
 import numpy as np
@@ -167,6 +168,84 @@ def _check_rows_alone(rng, kind, N, K, group, T, rows):
         o1 = D(np.full((1, N), np.nan, np.float32))
         matmul.matmul(o1, D(x[t:t + 1]), dev["w"], dev.get("scales"), dev.get("zeros"))
         assert np.array_equal(host(o1)[0], got[t])
+
+
+def fma32(a, b, c):
+    """`cuda.fma` on float32: rounded once (to nearest, ties to even) from the exact value on the
+    GPU; the simulator's fma is a float32 multiply, then an add."""
+    if numba.config.ENABLE_CUDASIM:
+        return np.float32(np.float32(a) * np.float32(b)) + np.float32(c)
+    v = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    r = np.float32(float(v))
+    best = None
+    for cand in (np.nextafter(r, np.float32(-np.inf)), r, np.nextafter(r, np.float32(np.inf))):
+        d = abs(Fraction(float(cand)) - v)
+        key = (d, int(cand.view(np.uint32)) & 1)          # nearer, then even mantissa
+        if best is None or key < best[0]:
+            best = (key, cand)
+    return np.float32(best[1])
+
+
+def emulate_fast_matmul(kind, x, arrays, group):
+    """out[t, n] as the fast kernel defines it (module doc, 'Reduction order'): lane l of the warp
+    visits words l, l+32, ...; per word p = fma chain over its elements of (q - zero) * x, then
+    acc = fma(scale, p, acc) (floats: acc + p); the 32 lane sums by the xor butterfly."""
+    E = matmul.WORD_ELEMS[kind]
+    T, K = x.shape
+    if kind in ("f32", "f16"):
+        W = arrays["w"].astype(np.float32)
+        S = np.ones((W.shape[0], 1), np.float32)
+    else:
+        bits = {"q8": 8, "q4": 4, "q2": 2}[kind]
+        per = 8 // bits
+        packed = arrays["w"]
+        q = np.stack([(packed >> (j * bits)) & (2 ** bits - 1) for j in range(per)], -1)
+        q = q.reshape(packed.shape[0], K).astype(np.float32)
+        z = np.repeat(arrays["zeros"].astype(np.float32), group, 1)
+        W = q - z                                           # exact: small integers
+        S = arrays["scales"].astype(np.float32)
+    N = W.shape[0]
+    out = np.zeros((T, N), np.float32)
+    for t in range(T):
+        for n in range(N):
+            lanes = []
+            for lane in range(32):
+                acc = np.float32(0.0)
+                for w in range(lane, K // E, 32):
+                    p = np.float32(0.0)
+                    for i in range(E):
+                        k = w * E + i
+                        p = fma32(W[n, k], x[t, k], p)
+                    if kind in ("f32", "f16"):
+                        acc = np.float32(acc + p)
+                    else:
+                        acc = fma32(S[n, (w * E) // group], p, acc)
+                lanes.append(acc)
+            for off in (16, 8, 4, 2, 1):
+                lanes = [np.float32(lanes[l] + lanes[l ^ off]) for l in range(32)]
+            out[t, n] = lanes[0]
+    return out
+
+
+@pytest.mark.parametrize("kind,N,K,group,zmax", [
+    ("q4", 3, 1056, 32, 16), ("q4", 2, 64, 16, 256), ("q8", 3, 40, 8, 256), ("q2", 2, 96, 32, 4),
+    ("f16", 2, 36, 0, 0)])
+def test_matmul_fast_kernel_bits_equal_its_defined_order(kind, N, K, group, zmax):
+    """The fast kernel's outputs are EXACTLY the documented reduction over (q - zero) * x: the
+    in-place decode (weights scaled by 2^(bits*p), staged x by 2^-(bits*p)) changes no bit. x
+    spans many binades (above 2^-100), zeros up to 255, K = 1056 gives lanes 1 or 2 words (q4)."""
+    assert matmul.uses_fast_path(kind, K, group)
+    rng = np.random.default_rng(K + N)
+    arrays, _ = make_weight(rng, kind, N, K, group)
+    if zmax > 2 ** {"q8": 8, "q4": 4, "q2": 2}.get(kind, 0):
+        arrays["zeros"] = rng.integers(0, zmax, arrays["zeros"].shape).astype(np.uint8)
+    x = (rng.standard_normal((2, K)) * np.exp2(rng.integers(-60, 60, (2, K)))).astype(np.float32)
+    dev = {k: D(v) for k, v in arrays.items()}
+    for T in (1, 2):
+        out = D(np.full((T, N), np.nan, np.float32))
+        matmul.matmul(out, D(x[:T]), dev["w"], dev.get("scales"), dev.get("zeros"))
+        want = emulate_fast_matmul(kind, x[:T], arrays, group)
+        assert np.array_equal(host(out), want), (host(out) - want)
 
 
 @pytest.mark.parametrize("xwide", [False, True])

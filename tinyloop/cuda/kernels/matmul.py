@@ -80,6 +80,7 @@ from .rmsnorm import check_eps, inv_rms, sumsq_partial
 #: Elements per 8-byte word for each storage kind.
 WORD_ELEMS = {"f32": 2, "f16": 4, "q8": 8, "q4": 16, "q2": 32}
 QBITS = {8: "q8", 4: "q4", 2: "q2"}
+QBITS_OF = {v: k for k, v in QBITS.items()}
 
 #: (TT token rows per block, R output rows per warp, NW warps per block, KC x elements staged per
 #: chunk) for T == 1 and for T > 1. KC must be a multiple of 32 * 32 (the largest warp step, q2).
@@ -156,9 +157,27 @@ _F16_SCALE = float32(2.0 ** 112)
 
 
 # ----------------------------------------------------------------------------- word decoders
+def in_place_elems(kind: str) -> int:
+    """Quantized elements of one segment of a 32-bit half that the decoder masks in place: every
+    bit of the segment must lie below the float32 exponent (bit 23). q8: 2, q4: 5, q2: 11."""
+    return 23 // QBITS_OF[kind]
+
+
+def x_scale_exponent(kind: str, i: int) -> int:
+    """Power of two (<= 0) the staged x element i of a word is multiplied by, so that the in-place
+    decoded weight ``(q - zero) * 2^(bits * p)`` times it is ``(q - zero) * x``; 0 for floats."""
+    if kind not in QBITS_OF:
+        return 0
+    S = in_place_elems(kind)
+    EH = WORD_ELEMS[kind] // 2
+    return -QBITS_OF[kind] * ((i % EH) % S)
+
+
 def _make_decoder(kind):
-    """Device function ``decode(word, wv, c)`` writing the E elements of one 8-byte word into the
-    local array wv. Quantized: ``q_i - zero`` where c = 2^23 + zero (exact). Floats: the value."""
+    """Device function ``decode(word, wv, z)`` writing the E elements of one 8-byte word into the
+    local array wv. Quantized (z = float32(zero)): ``(q_i - zero) * 2^(bits * p_i)`` exactly, with
+    p_i the in-place position of element i (`x_scale_exponent` is its negation). Floats: the
+    value (z unused)."""
     E = WORD_ELEMS[kind]
     EH = E // 2
 
@@ -189,17 +208,32 @@ def _make_decoder(kind):
             wv[3] = half_to_float(uint32(hi >> uint32(16)))
         return decode
 
-    bits = {"q8": 8, "q4": 4, "q2": 2}[kind]
+    bits = QBITS_OF[kind]
     mask = np.uint32((1 << bits) - 1)
+    S = in_place_elems(kind)
 
-    @cuda.jit(device=True)
-    def decode(word, wv, c):
-        lo = uint32(word & _U32_MASK)
-        hi = uint32(word >> _SH32)
-        for i in range(EH):
-            sh = uint32(bits * i)
-            wv[i] = as_float((uint32(lo >> sh) & mask) | _MAGIC) - c
-            wv[i + EH] = as_float((uint32(hi >> sh) & mask) | _MAGIC) - c
+    # Straight-line source (LLVM then keeps the callers' row and token loops fully unrolled,
+    # which a loop with per-element constants here prevented). Element e of a 32-bit half sits at
+    # bit bits*e; segment j = e // S is shifted down by bits*S*j once, and inside it element
+    # p = e % S is masked IN PLACE under the magic exponent: as_float(0x4B000000 | q << bits*p) =
+    # 2^23 + q * 2^(bits*p) exactly (below bit 23), minus c_p = 2^23 + zero * 2^(bits*p) is
+    # (q - zero) * 2^(bits*p) exactly. The staged x carries the factor 2^-(bits*p).
+    lines = ["def decode(word, wv, z, magic):"]
+    lines += [f"    c{p} = cuda.fma(z, float32({float(2 ** (bits * p))!r}), _TWO23)" for p in range(S)]
+    lines += ["    h0 = uint32(word & _U32_MASK)", "    h1 = uint32(word >> _SH32)"]
+    for j in range(1, -(-EH // S)):
+        lines += [f"    h0s{j} = uint32(h0 >> uint32({bits * S * j}))",
+                  f"    h1s{j} = uint32(h1 >> uint32({bits * S * j}))"]
+    for e in range(EH):
+        j, p = divmod(e, S)
+        m = int(mask) << (bits * p)
+        for half in (0, 1):
+            src = f"h{half}" if j == 0 else f"h{half}s{j}"
+            lines.append(f"    wv[{e + half * EH}] = as_float(({src} & uint32({m})) | magic) - c{p}")
+    ns = {"cuda": cuda, "float32": float32, "uint32": uint32, "as_float": as_float,
+          "_TWO23": _TWO23, "_U32_MASK": _U32_MASK, "_SH32": _SH32, "_MAGIC": _MAGIC}
+    exec("\n".join(lines), ns)
+    decode = cuda.jit(device=True)(ns["decode"])
     return decode
 
 
@@ -311,13 +345,28 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
     quant = kind.startswith("q")
     decode = _make_decoder(kind)
     assert KC % (32 * 32) == 0
+    QB = QBITS_OF.get(kind, 0)
+    QS = in_place_elems(kind) if quant else 1
+    EH = E // 2
+
+    assert NT % E == 0     # a thread stages elements of one place in the word: tid % E
+
+    @cuda.jit(device=True)
+    def x_factor(tid):
+        """2^x_scale_exponent(kind, tid % E): the factor of every x element this thread stages
+        (exact, a power of two; 1 for float kinds)."""
+        if not quant:
+            return float32(1.0)
+        return as_float(uint32(127 - QB * (((tid & EM1) % EH) % QS)) << uint32(23))
 
     @cuda.jit(device=True)
     def stage_x(xs, x, nw, invs, t0, c0, cw, T, tid):
         """Copy x[t0:t0+TT, c0*E:(c0+cw)*E] into xs (word-transposed), normed as
-        ``(x * invs[tt]) * nw`` when NORM; rows past T read as 0."""
+        ``(x * invs[tt]) * nw`` when NORM and times 2^x_scale_exponent of the element's place in
+        its word for quantized kinds; rows past T read as 0."""
         n_el = cw * E
         base = c0 * E
+        f = x_factor(tid)
         for tt in range(TT):
             t = t0 + tt
             if t < T:
@@ -325,7 +374,7 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
                     inv = invs[tt]
                     for rem in range(tid, n_el, NT):
                         k = base + rem
-                        xs[tt, rem & EM1, rem >> LOG2E] = (x[t, k] * inv) * nw[k]
+                        xs[tt, rem & EM1, rem >> LOG2E] = ((x[t, k] * inv) * nw[k]) * f
                 elif SB > 1:
                     # SB loads per thread in flight together, then their stores
                     vals = cuda.local.array(SB, float32)
@@ -337,10 +386,10 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
                         for u in range(SB):
                             rem = r0 + u * NT
                             if rem < n_el:
-                                xs[tt, rem & EM1, rem >> LOG2E] = vals[u]
+                                xs[tt, rem & EM1, rem >> LOG2E] = vals[u] * f
                 else:
                     for rem in range(tid, n_el, NT):
-                        xs[tt, rem & EM1, rem >> LOG2E] = x[t, base + rem]
+                        xs[tt, rem & EM1, rem >> LOG2E] = x[t, base + rem] * f
             else:
                 for rem in range(tid, n_el, NT):
                     xs[tt, rem & EM1, rem >> LOG2E] = float32(0.0)
@@ -412,6 +461,7 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
                 for r in range(R):
                     acc[tt, r] = float32(0.0)
             ugw = uint32(gw)
+            magic = _MAGIC | uint32(cuda.blockIdx.z)
             for c0 in range(0, nwords, NWC):
                 cw = min(NWC, nwords - c0)
                 # The previous chunk's reads of xs must be done before it is overwritten.
@@ -426,8 +476,7 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
                         n = nrow[r]
                         word = qw[n, w]
                         s = float32(scales[n, g])
-                        c = _TWO23 + float32(zeros[n, g])
-                        decode(word, wv, c)
+                        decode(word, wv, float32(zeros[n, g]), magic)
                         for tt in range(TT):
                             p = float32(0.0)
                             for i in range(E):
@@ -469,7 +518,7 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
                 for wl in range(lane, cw, 32):
                     w = c0 + wl
                     for r in range(R):
-                        decode(qw[nrow[r], w], wv, _TWO23)
+                        decode(qw[nrow[r], w], wv, float32(0.0))
                         for tt in range(TT):
                             p = float32(0.0)
                             for i in range(E):
