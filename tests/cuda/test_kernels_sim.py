@@ -273,6 +273,15 @@ def test_matmul_batched_staging_is_batch_invariant(monkeypatch, batch):
     _check_rows_alone(np.random.default_rng(batch), "q4", 5, 1600, 64, 2, range(2))
 
 
+def test_flat_addressing_rule(monkeypatch):
+    """One-row launches address the weight as flat arrays, except the wide (GEMV_WIDE_CONFIG)
+    range; many-row launches use 2-D indexing. (The batch-invariance tests above compare the two
+    addressings bit for bit: a small-N row alone is flat, inside a multi-row launch 2-D.)"""
+    assert matmul.flat_for(1, 2048) and matmul.flat_for(1, matmul.XWIDE_N)
+    assert not matmul.flat_for(1, matmul.WIDE_N) and not matmul.flat_for(1, matmul.XWIDE_N - 1)
+    assert not matmul.flat_for(2, 2048) and not matmul.flat_for(64, matmul.XWIDE_N)
+
+
 def test_group_shift_rule():
     """The group index is a compiled-in shift for power-of-two words per group, without a pair
     epilogue, on quantized kinds; otherwise a division (-1)."""

@@ -21,9 +21,16 @@ Two kernels; the launcher picks one from the weight's shape and storage only, ne
   TT token rows ``blockIdx.y*TT .. +TT``. The block stages x for its TT rows, KC elements at a
   time, into shared memory in a word-transposed layout ``xs[tt, i, word]`` (padded by one float per
   row) so lane reads and staging writes are free of bank conflicts.
-  Dequantization uses the magic-number trick: for a q-bit value, ``int_as_float(0x4B000000 | q)``
-  is exactly 2^23 + q, so subtracting the per-group constant (2^23 + zero) gives ``q - zero``
-  exactly in one FADD; the group scale is applied once per word.
+  Dequantization uses the magic-number trick, in place: element p of a segment of a 32-bit half
+  (segments of 23 // B elements, each shifted down once) is masked where it lies, and
+  ``int_as_float(0x4B000000 | q << B*p)`` is exactly 2^23 + q * 2^(B*p) (all bits below the
+  exponent), so subtracting the per-group constant 2^23 + zero * 2^(B*p) gives
+  ``(q - zero) * 2^(B*p)`` exactly in one FADD. The staged x elements carry the factor
+  2^-(B*p) of their place in the word (``x_scale_exponent``), so every product equals
+  ``(q - zero) * x`` and the sums are bit for bit those of a plain dequantization — for |x| >=
+  2^-100; smaller x (near float32's subnormal range) may lose low bits to the scaling, the same
+  in every configuration, so batch invariance is unaffected. The group scale is applied once
+  per word.
 * simple (``_simple_*``): one warp per (row t, output n); lane l handles k = l, l+32, ...,
   dequantizing each element on its own. Used when the fast kernel's alignment conditions fail.
 
@@ -143,6 +150,16 @@ STAGE_BATCH = 8
 def stage_batch_for(T: int, N: int, norm: bool) -> int:
     """x elements per thread loaded together when staging (1: the plain staging loop)."""
     return STAGE_BATCH if T == 1 and N < WIDE_N and not norm else 1
+
+
+def flat_for(T: int, N: int) -> bool:
+    """Whether the fast kernel addresses the weight (and its scales and zeros) as flat arrays with
+    32-bit row offsets computed once (True), or through 2-D indexing (False). Addressing only:
+    the arithmetic is the same. H200 (bench/profile_decode.py, 360m, L = 8, us per token, 2-D ->
+    flat): head 39.9 -> 35.4, q|k|v 107.3 -> 99.8, wo + down 141.7 -> 137.8, INT4 16384x4096
+    22.2 -> 19.9 us per launch; but the norm-fused gate|up pair kernel (GEMV_WIDE_CONFIG)
+    128.8 -> 160.8, so that configuration, and the unmeasured many-row one, keep 2-D indexing."""
+    return T == 1 and not WIDE_N <= N < XWIDE_N
 
 
 SIMPLE_WARPS = 4
@@ -315,19 +332,22 @@ def group_shift_for(kind: str, group: int, pair: bool) -> int:
     return gw.bit_length() - 1 if gw > 0 and gw & (gw - 1) == 0 else -1
 
 
-def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage_batch=1, gshift=-1):
+def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage_batch=1, gshift=-1,
+               flat=False):
     """Build the fast kernel for one storage kind and block configuration (see module doc);
     `norm` compiles in the fused-RMSNorm prologue and staging, `epi` (an `Epilogue`) the pair
     row map and store; `max_registers` > 0 caps the registers per thread (ptxas);
     `stage_batch` > 1 stages x that many elements per thread at a time (plain staging only);
     `gshift` >= 0 takes a word's group index as ``w >> gshift`` (quantized kinds)."""
     name = None if epi is None else epi.name
-    key = (kind, TT, R, NW, KC, bool(norm), name, int(max_registers), int(stage_batch), int(gshift))
+    key = (kind, TT, R, NW, KC, bool(norm), name, int(max_registers), int(stage_batch), int(gshift),
+           bool(flat))
     if key in _fast_cache:
         return _fast_cache[key]
     NORM = bool(norm)
     SB = int(stage_batch)
     GS = int(gshift)
+    FLAT = bool(flat)
     assert SB >= 1 and not (NORM and SB > 1), (norm, stage_batch)
     PAIR = epi is not None
     rows_of = epi.rows if PAIR else _no_rows
@@ -437,10 +457,8 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
 
     if quant:
         @cuda.jit(**opts)
-        def kernel(out, x, nw, eps, qw, scales, zeros, gw, accumulate, ep):
+        def kernel(out, x, nw, eps, qw, scales, zeros, N, nwords, G, gw, accumulate, ep):
             T = x.shape[0]
-            N = qw.shape[0]
-            nwords = qw.shape[1]
             tid = cuda.threadIdx.x
             warp = tid // 32
             lane = tid % 32
@@ -460,7 +478,18 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
             for tt in range(TT):
                 for r in range(R):
                     acc[tt, r] = float32(0.0)
+            # FLAT: row starts in the flat weight, scale and zero arrays, once (32-bit: the
+            # launcher checks the sizes), so a load's address is an add and a wide shift-add.
+            qo = cuda.local.array(R, uint32)
+            go = cuda.local.array(R, uint32)
+            for r in range(R):
+                qo[r] = uint32(nrow[r]) * uint32(nwords)
+                go[r] = uint32(nrow[r]) * uint32(G)
             ugw = uint32(gw)
+            # 0x4B000000 as a run-time value (the grid is 2-D: blockIdx.z is 0): with both the
+            # element mask and the magic as immediates ptxas emits an AND and an OR per element;
+            # with the magic in a register it fuses them into one LOP3 (SASS: 140 instead of 268
+            # LOP3 per 8-row step).
             magic = _MAGIC | uint32(cuda.blockIdx.z)
             for c0 in range(0, nwords, NWC):
                 cw = min(NWC, nwords - c0)
@@ -470,13 +499,19 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
                 # The staged chunk must be visible to every warp before the dot products.
                 cuda.syncthreads()
                 for wl in range(lane, cw, 32):
-                    w = c0 + wl
-                    g = (uint32(w) >> uint32(GS)) if GS >= 0 else uint32(w) // ugw
+                    w = uint32(c0 + wl)
+                    g = (w >> uint32(GS)) if GS >= 0 else w // ugw
                     for r in range(R):
-                        n = nrow[r]
-                        word = qw[n, w]
-                        s = float32(scales[n, g])
-                        decode(word, wv, float32(zeros[n, g]), magic)
+                        if FLAT:
+                            word = qw[qo[r] + w]
+                            s = float32(scales[go[r] + g])
+                            z = float32(zeros[go[r] + g])
+                        else:
+                            n = nrow[r]
+                            word = qw[n, w]
+                            s = float32(scales[n, g])
+                            z = float32(zeros[n, g])
+                        decode(word, wv, z, magic)
                         for tt in range(TT):
                             p = float32(0.0)
                             for i in range(E):
@@ -485,10 +520,8 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
             finish(out, acc, scratch, warp, lane, unit, t0, N, T, accumulate, ep)
     else:
         @cuda.jit(**opts)
-        def kernel(out, x, nw, eps, qw, accumulate, ep):
+        def kernel(out, x, nw, eps, qw, N, nwords, accumulate, ep):
             T = x.shape[0]
-            N = qw.shape[0]
-            nwords = qw.shape[1]
             tid = cuda.threadIdx.x
             warp = tid // 32
             lane = tid % 32
@@ -508,6 +541,9 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
             for tt in range(TT):
                 for r in range(R):
                     acc[tt, r] = float32(0.0)
+            qo = cuda.local.array(R, uint32)
+            for r in range(R):
+                qo[r] = uint32(nrow[r]) * uint32(nwords)
             for c0 in range(0, nwords, NWC):
                 cw = min(NWC, nwords - c0)
                 # The previous chunk's reads of xs must be done before it is overwritten.
@@ -516,9 +552,10 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
                 # The staged chunk must be visible to every warp before the dot products.
                 cuda.syncthreads()
                 for wl in range(lane, cw, 32):
-                    w = c0 + wl
+                    w = uint32(c0 + wl)
                     for r in range(R):
-                        decode(qw[nrow[r], w], wv, float32(0.0))
+                        word = qw[qo[r] + w] if FLAT else qw[nrow[r], w]
+                        decode(word, wv, float32(0.0))
                         for tt in range(TT):
                             p = float32(0.0)
                             for i in range(E):
@@ -726,15 +763,26 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
 
     if uses_fast_path(kind, K, group, w):
         TT, R, NW, KC = config_for(kind, T, N, pair)
+        flat = flat_for(T, N)
         kern = _make_fast(kind, TT, R, NW, KC, norm, epilogue, max_registers_for(T, N),
-                          stage_batch_for(T, N, norm), group_shift_for(kind, group, pair))
+                          stage_batch_for(T, N, norm), group_shift_for(kind, group, pair), flat)
         E = WORD_ELEMS[kind]
+        nwords = K // E
+        if N * nwords >= 1 << 32:
+            raise BackendError(f"{op}: a weight of {N} x {nwords} 8-byte words is too large "
+                               f"(the kernel addresses it with 32-bit offsets: below 2^32 words)")
         qw = w.view(np.uint64)
         grid = (cdiv(N // 2, NW * R // 2) if pair else cdiv(N, NW * R), cdiv(T, TT))
         if kind.startswith("q"):
-            kern[grid, NW * 32, stream](out, x, nw, eps, qw, scales, zeros, group // E, acc_flag, ep)
+            G = scales.shape[1]
+            if flat:      # flat views, no copies
+                qw, scales, zeros = qw.reshape(N * nwords), scales.reshape(N * G), zeros.reshape(N * G)
+            kern[grid, NW * 32, stream](out, x, nw, eps, qw, scales, zeros, N, nwords, G, group // E,
+                                        acc_flag, ep)
         else:
-            kern[grid, NW * 32, stream](out, x, nw, eps, qw, acc_flag, ep)
+            if flat:
+                qw = qw.reshape(N * nwords)
+            kern[grid, NW * 32, stream](out, x, nw, eps, qw, N, nwords, acc_flag, ep)
         return
 
     grid = (cdiv(N // 2 if pair else N, SIMPLE_WARPS), T)
@@ -761,12 +809,15 @@ def ptx_signatures(epilogues=()):
             for T, n in ((1, 0), (1, WIDE_N), (1, XWIDE_N), (2, 0)):
                 cfg = config_for(kind, T, n, epi is not None)
                 # (group 128, the presets' group size, for the group-index shift)
+                flat = flat_for(T, n)
                 k = _make_fast(kind, *cfg, norm, epi, 0, stage_batch_for(T, n, norm),
-                               group_shift_for(kind, 128, epi is not None))
+                               group_shift_for(kind, 128, epi is not None), flat)
+                a = "[::1]" if flat else "[:, ::1]"
                 if kind.startswith("q"):
-                    sig = f"void({head}, uint64[:, ::1], float16[:, ::1], uint8[:, ::1], int64, int64, {es})"
+                    sig = (f"void({head}, uint64{a}, float16{a}, uint8{a}, int64, int64, "
+                           f"int64, int64, int64, {es})")
                 else:
-                    sig = f"void({head}, uint64[:, ::1], int64, {es})"
+                    sig = f"void({head}, uint64{a}, int64, int64, int64, {es})"
                 sigs.append((f"matmul_fast{tag}_{kind}_{'_'.join(map(str, cfg))}", k.py_func, sig))
         sigs.append((f"matmul_simple{tag}_q", _make_simple(True, norm, epi).py_func,
                      f"void({head}, uint8[:, ::1], float16[:, ::1], uint8[:, ::1], int64, int64, int64, {es})"))
