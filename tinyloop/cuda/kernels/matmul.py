@@ -26,7 +26,7 @@ Two kernels; the launcher picks one from the weight's shape and storage only, ne
   ``int_as_float(0x4B000000 | q << B*p)`` is exactly 2^23 + q * 2^(B*p) (all bits below the
   exponent), so subtracting the per-group constant 2^23 + zero * 2^(B*p) gives
   ``(q - zero) * 2^(B*p)`` exactly in one FADD. The staged x elements carry the factor
-  2^-(B*p) of their place in the word (``x_scale_exponent``), so every product equals
+  2^-(B*p) of their place in the word (``in_place_pos``), so every product equals
   ``(q - zero) * x`` and the sums are bit for bit those of a plain dequantization — for |x| >=
   2^-100; smaller x (near float32's subnormal range) may lose low bits to the scaling, the same
   in every configuration, so batch invariance is unaffected. The group scale is applied once
@@ -180,21 +180,17 @@ def in_place_elems(kind: str) -> int:
     return 23 // QBITS_OF[kind]
 
 
-def x_scale_exponent(kind: str, i: int) -> int:
-    """Power of two (<= 0) the staged x element i of a word is multiplied by, so that the in-place
-    decoded weight ``(q - zero) * 2^(bits * p)`` times it is ``(q - zero) * x``; 0 for floats."""
-    if kind not in QBITS_OF:
-        return 0
-    S = in_place_elems(kind)
-    EH = WORD_ELEMS[kind] // 2
-    return -QBITS_OF[kind] * ((i % EH) % S)
+def in_place_pos(kind: str, i: int) -> int:
+    """Position p of element i of a quantized word inside its segment: the decoder yields
+    ``(q - zero) * 2^(bits * p)`` for it, and the staged x element i carries 2^-(bits * p)."""
+    return (i % (WORD_ELEMS[kind] // 2)) % in_place_elems(kind)
 
 
 def _make_decoder(kind):
-    """Device function ``decode(word, wv, z)`` writing the E elements of one 8-byte word into the
-    local array wv. Quantized (z = float32(zero)): ``(q_i - zero) * 2^(bits * p_i)`` exactly, with
-    p_i the in-place position of element i (`x_scale_exponent` is its negation). Floats: the
-    value (z unused)."""
+    """Device function writing the E elements of one 8-byte word into the local array wv.
+    Quantized, ``decode(word, wv, z, magic)`` with z = float32(zero) and magic = 0x4B000000:
+    ``(q_i - zero) * 2^(bits * p_i)`` exactly, p_i = `in_place_pos(kind, i)`. Floats,
+    ``decode(word, wv, unused)``: the values."""
     E = WORD_ELEMS[kind]
     EH = E // 2
 
@@ -242,7 +238,7 @@ def _make_decoder(kind):
         lines += [f"    h0s{j} = uint32(h0 >> uint32({bits * S * j}))",
                   f"    h1s{j} = uint32(h1 >> uint32({bits * S * j}))"]
     for e in range(EH):
-        j, p = divmod(e, S)
+        j, p = e // S, in_place_pos(kind, e)
         m = int(mask) << (bits * p)
         for half in (0, 1):
             src = f"h{half}" if j == 0 else f"h{half}s{j}"
@@ -373,8 +369,8 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
 
     @cuda.jit(device=True)
     def x_factor(tid):
-        """2^x_scale_exponent(kind, tid % E): the factor of every x element this thread stages
-        (exact, a power of two; 1 for float kinds)."""
+        """2^-(bits * in_place_pos(kind, tid % E)): the factor of every x element this thread
+        stages (exact, a power of two; 1 for float kinds)."""
         if not quant:
             return float32(1.0)
         return as_float(uint32(127 - QB * (((tid & EM1) % EH) % QS)) << uint32(23))
@@ -382,8 +378,8 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
     @cuda.jit(device=True)
     def stage_x(xs, x, nw, invs, t0, c0, cw, T, tid):
         """Copy x[t0:t0+TT, c0*E:(c0+cw)*E] into xs (word-transposed), normed as
-        ``(x * invs[tt]) * nw`` when NORM and times 2^x_scale_exponent of the element's place in
-        its word for quantized kinds; rows past T read as 0."""
+        ``(x * invs[tt]) * nw`` when NORM and times `x_factor` (quantized kinds: the power of two
+        of the element's place in its word); rows past T read as 0."""
         n_el = cw * E
         base = c0 * E
         f = x_factor(tid)
