@@ -29,6 +29,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,16,128")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--flat", choices=("rule", "on", "off"), default="rule",
+                    help="weight addressing of the one-row launches: the launcher's flat_for rule "
+                         "(default), or flat / 2-D for every shape")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     from numba import cuda
@@ -46,6 +49,9 @@ def main(argv=None) -> int:
 
     rows = []
     base = (km.GEMV_CONFIG, km.GEMV_WIDE_CONFIG, km.GEMV_XWIDE_CONFIG, km.GEMM_CONFIG)
+    rule = km.flat_for
+    if args.flat != "rule":
+        km.flat_for = lambda T, N: T == 1 and args.flat == "on"
     try:
         for name, (N, K) in SHAPES.items():
             parts = quantize(rng.standard_normal((N, K), dtype=np.float32) * 0.02, TensorQuant("q4", 128))
@@ -70,13 +76,15 @@ def main(argv=None) -> int:
                     got = out.copy_to_host()
                     same = True if ref is None else bool(np.array_equal(got, ref))
                     ref = got if ref is None else ref
-                    row = {"shape": name, "T": T, "config": list(cfg), "used": list(used), "us": us,
+                    row = {"shape": name, "T": T, "config": list(cfg), "used": list(used),
+                           "flat": bool(km.flat_for(T, N)), "us": us,
                            "GB_per_s": nbytes / (us * 1e-6) / 1e9, "identical": same}
                     rows.append(row)
                     print(f"{name:22} T={T:<4} cfg={cfg} used={used}: {us:8.1f} us {row['GB_per_s']:6.0f} GB/s "
                           f"identical={same}", flush=True)
     finally:
         km.GEMV_CONFIG, km.GEMV_WIDE_CONFIG, km.GEMV_XWIDE_CONFIG, km.GEMM_CONFIG = base
+        km.flat_for = rule
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows}, indent=2))
     return 0
