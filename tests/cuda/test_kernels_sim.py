@@ -29,6 +29,7 @@ if not numba.config.ENABLE_CUDASIM and not cuda.is_available():
                 allow_module_level=True)
 
 from tinyloop.core.errors import BackendError  # noqa: E402
+from tinyloop.core.quant import unpack  # noqa: E402
 from tinyloop.core.speculative import DraftTree  # noqa: E402
 from tinyloop.cuda.kernels import (add, argmax, attention, cache_move, embed, matmul, rmsnorm,  # noqa: E402
                                    rope, sample, swiglu)
@@ -196,11 +197,7 @@ def emulate_fast_matmul(kind, x, arrays, group):
         W = arrays["w"].astype(np.float32)
         S = np.ones((W.shape[0], 1), np.float32)
     else:
-        bits = {"q8": 8, "q4": 4, "q2": 2}[kind]
-        per = 8 // bits
-        packed = arrays["w"]
-        q = np.stack([(packed >> (j * bits)) & (2 ** bits - 1) for j in range(per)], -1)
-        q = q.reshape(packed.shape[0], K).astype(np.float32)
+        q = unpack(arrays["w"], {"q8": 8, "q4": 4, "q2": 2}[kind], K).astype(np.float32)
         z = np.repeat(arrays["zeros"].astype(np.float32), group, 1)
         W = q - z                                           # exact: small integers
         S = arrays["scales"].astype(np.float32)

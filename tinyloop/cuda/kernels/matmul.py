@@ -733,7 +733,7 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
             raise BackendError(f"{op}: scales/zeros given for an unquantized {kind} weight")
         group = 0
     else:
-        bits = {"q8": 8, "q4": 4, "q2": 2}[kind]
+        bits = QBITS_OF[kind]
         check_array(op, "w", w, np.uint8, 2, (N, K * bits // 8))
         check_array(op, "scales", scales, np.float16, 2, (N, None))
         G = scales.shape[1]
@@ -770,7 +770,6 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
         qw = w.view(np.uint64)
         grid = (cdiv(N // 2, NW * R // 2) if pair else cdiv(N, NW * R), cdiv(T, TT))
         if kind.startswith("q"):
-            G = scales.shape[1]
             if flat:      # flat views, no copies
                 qw, scales, zeros = qw.reshape(N * nwords), scales.reshape(N * G), zeros.reshape(N * G)
             kern[grid, NW * 32, stream](out, x, nw, eps, qw, scales, zeros, N, nwords, G, group // E,
@@ -784,7 +783,7 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
     grid = (cdiv(N // 2 if pair else N, SIMPLE_WARPS), T)
     if kind.startswith("q"):
         _make_simple(True, norm, epilogue)[grid, SIMPLE_WARPS * 32, stream](
-            out, x, nw, eps, w, scales, zeros, {"q8": 8, "q4": 4, "q2": 2}[kind], group, acc_flag, ep)
+            out, x, nw, eps, w, scales, zeros, QBITS_OF[kind], group, acc_flag, ep)
     else:
         # float weights: the scales / zeros / bits / group parameters are unused; w stands in
         _make_simple(False, norm, epilogue)[grid, SIMPLE_WARPS * 32, stream](
