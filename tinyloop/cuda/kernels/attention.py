@@ -40,30 +40,31 @@ output acc_z[0:hd] (m_z = -inf, l_z = 0, acc_z = 0 for a block without chunks).
 Thread mapping within a block. Key jj of a chunk belongs to warp ``jj % NW`` as its
 ``(jj // NW)``-th key, so even a short chunk spreads over every warp. Per chunk:
 
-1. scores: a warp scores its keys U at a time (the U keys' loads are issued together); for one key
+1. scores: a warp scores its keys U at a time (the U keys' loads are issued together, and with
+   them the same keys' value rows, which stay in registers for step 4); for one key
    lane l forms ``fma`` chains over dims l, l+32, ... ascending (coalesced cache reads: the 32 lanes
    read consecutive dims), the 32 lane partials are added by the xor butterfly
    (`_common.warp_sum`) and the total times scale is the score, kept by the lane whose index is the
-   key's rank in the warp (with its cache slot);
+   key's rank in the warp;
 2. the chunk max (exact: warp butterflies of max, then the NW warp maxima) updates the running max:
    ``m_new = max(m, chunk max)``;
-3. each key's ``e = exp(s - m_new)`` and slot go to shared memory; the chunk sum of the e is the
+3. each key's ``e = exp(s - m_new)`` goes to shared memory; the chunk sum of the e is the
    warp butterfly sums added in warp order 0, 1, ..., NW-1 (as `_common.block_sum`), and the
    running denominator becomes ``l = fma(l, alpha, sum)`` with ``alpha = exp(m - m_new)`` (0 on
    the block's first chunk);
 4. values: warp w forms ``sum e_j V[slot_j, d]`` over its keys of the chunk (ascending, one fma
-   chain per dim from 0, lane l owning dims l, l+32, ...; U keys' loads in flight together),
+   chain per dim from 0, lane l owning dims l, l+32, ...; the rows loaded in step 1),
    stores the partials, and thread d adds the NW warp partials in warp order and updates
    ``acc_d = fma(acc_d, alpha, that)``.
 
-Three barriers per chunk (after the warp maxima, after the warp sums and e/slot stores, after the
+Three barriers per chunk (after the warp maxima, after the warp sums and e stores, after the
 value partials); each shared array is rewritten only past a barrier that every reader of its
-previous contents has reached. Every warp runs the same number of score steps (the butterflies stay
-in uniform control flow; a warp with fewer keys scores slot 0 and drops it).
+previous contents has reached. Every warp runs KPW / U score steps (the butterflies stay in
+uniform control flow; a warp with fewer keys scores slot 0 and drops it).
 
 Combine ("last block"). Every block, empty or not, writes its record (m_z, l_z, acc_z[0:hd]) to
-`work` at ``((t*H + h)*Z + z) * (hd + 2)`` (m, l, then acc); every thread executes a device-wide
-memory fence (`cuda.threadfence`), and after a barrier thread 0 adds 1 to ``counter[t*H + h]``
+`work` at ``((t*H + h)*Z + z) * (hd + 2)`` (m, l, then acc); every writing thread (tid < hd)
+executes a device-wide memory fence (`cuda.threadfence`), and after a barrier thread 0 adds 1 to ``counter[t*H + h]``
 atomically. The block whose thread 0 reads back Z - 1 arrived last (which z that is varies between
 launches); that thread fences, a barrier shares the verdict, and every thread of that block
 fences and reads the Z records from `work` (its own included), combining them in z order::
@@ -84,7 +85,7 @@ block's reduction and the combine order depend only on the row's key count (from
 tree tables), the cache contents, q and the build constants (CK, NW, Z, U), never on T, on the
 grid's other dimensions or on which block arrives last; a row of a T-row launch is bit-identical
 to the same row launched alone. Warp reductions: shuffles on the GPU, shared-memory twin under the
-simulator (same butterfly). Shared memory is fixed (CK scores and slots, NW x MAX_HD partials,
+simulator (same butterfly). Shared memory is fixed (CK weights, NW x MAX_HD partials,
 reduction scratch: about 9 KB on the GPU) whatever the context length. The kernel is compiled per
 ND = ceil(hd / 32) (dims per lane), so the per-lane arrays stay in registers. Cache elements are
 addressed through flat views with unsigned offsets (base + slot * row + d).
@@ -114,15 +115,15 @@ KPW = CK // NW
 #: Blocks (splits) per (row, head): the grid is (T, H, Z). 8 puts 128 blocks on the GPU for a
 #: 16-head one-token decode step (the H200 has 132 SMs).
 Z = 2 if SIM else 8
-#: Keys a warp handles per step (their cache loads in flight together). It only decides when loads
-#: are issued, not the arithmetic (each key's score is its own reduction; values are added in key
-#: order either way), so the simulator takes one key per step.
+#: Keys a warp handles per step (their key and value loads in flight together; KPW % U == 0). It
+#: only decides when loads are issued, not the arithmetic (each key's score is its own reduction;
+#: values are added in key order either way), so the simulator takes one key per step.
 U = 1 if SIM else 4
 MAX_HD = min(256, NT)   # thread d < hd of the block owns output dim d (128 under the simulator)
 REC = 2                 # floats ahead of acc in a split's record: m, l
 _JIT_OPTS = {} if SIM else {"max_registers": 128}   # 256 threads x 128 registers: 2 blocks per SM
 
-assert CK % NW == 0 and 0 < KPW <= 32, (CK, NW)
+assert CK % NW == 0 and 0 < KPW <= 32 and KPW % U == 0, (CK, NW, U)
 
 _kernels = {}
 
@@ -162,7 +163,6 @@ def _make_kernel(nd):
         warp = tid // 32
         lane = tid % 32
         sc = cuda.shared.array(CK, float32)
-        sl = cuda.shared.array(CK, int32)
         pv = cuda.shared.array((NW, MAX_HD), float32)
         scratch = cuda.shared.array((NW, 32), float32)
         pmax = cuda.shared.array(NW, float32)
@@ -170,8 +170,7 @@ def _make_kernel(nd):
         is_last = cuda.shared.array(1, int32)
         qv = cuda.local.array(nd, float32)
         kv = cuda.local.array((U, nd), float32)
-        ks = cuda.local.array(U, int32)
-        ke = cuda.local.array(U, float32)
+        vv = cuda.local.array((KPW, nd), float32)
         tv = cuda.local.array(nd, float32)
         for k in range(nd):
             d = lane + 32 * k
@@ -189,19 +188,20 @@ def _make_kernel(nd):
         for c in range(z, (n_slots + CK - 1) // CK, Z):
             c0 = c * CK
             cn = min(CK, n_slots - c0)
-            n_step = (cn + NW - 1) // NW        # keys of warp 0: the same loop count in every warp
             n_mine = (cn - warp + NW - 1) // NW  # keys of this warp
             s_mine = NEG_INF
-            slot_mine = 0
-            # 1. scores, U keys at a time
-            for i0 in range(0, n_step, U):
+            # 1. scores, U keys at a time; the same keys' value rows are requested with their key
+            # rows (step 4 reads them from registers). Every warp runs the KPW / U steps (the
+            # butterflies stay in uniform control flow); a key past n_mine reads slot 0, unused.
+            for i0 in range(0, KPW, U):
                 for u in range(U):
                     i = i0 + u
                     slot = 0
                     if i < n_mine:
                         slot = slot_of(c0 + warp + NW * i, p0, t, tree, path)
-                    ks[u] = slot
-                    load_row(kf, base + uint64(slot) * row, kv, u, lane, hd)
+                    off = base + uint64(slot) * row
+                    load_row(kf, off, kv, u, lane, hd)
+                    load_row(vf, off, vv, i, lane, hd)
                 for u in range(U):
                     pp = float32(0.0)
                     for k in range(nd):
@@ -209,7 +209,6 @@ def _make_kernel(nd):
                     tot = warp_sum(pp, scratch, warp, lane)
                     if lane == i0 + u and i0 + u < n_mine:
                         s_mine = tot * scale
-                        slot_mine = ks[u]
             # 2. running max
             m_new = max(m, block_max_once(s_mine, scratch, pmax, warp, lane, NW))
             # 3. weights and their sum
@@ -218,28 +217,18 @@ def _make_kernel(nd):
                 e = math.exp(s_mine - m_new)
             if lane < KPW:
                 sc[warp + NW * lane] = e
-                sl[warp + NW * lane] = slot_mine
-            # (the barrier inside also publishes every lane's sc[] and sl[] entries)
+            # (the barrier inside also publishes every lane's sc[] entries)
             csum = block_sum_once(e, scratch, psum, warp, lane, NW)
             alpha = math.exp(m - m_new)  # exp(-inf) = 0 on the block's first chunk
             l = cuda.fma(l, alpha, csum)
-            # 4. values, U keys at a time
+            # 4. values: the warp's keys in order, from the rows loaded in step 1
             for k in range(nd):
                 tv[k] = float32(0.0)
-            for i0 in range(0, n_mine, U):
-                for u in range(U):
-                    i = i0 + u
-                    slot = 0
-                    ew = float32(0.0)
-                    if i < n_mine:
-                        slot = sl[warp + NW * i]
-                        ew = sc[warp + NW * i]
-                    ke[u] = ew
-                    load_row(vf, base + uint64(slot) * row, kv, u, lane, hd)
-                for u in range(U):
-                    if i0 + u < n_mine:
-                        for k in range(nd):
-                            tv[k] = cuda.fma(ke[u], kv[u, k], tv[k])
+            for i in range(KPW):
+                if i < n_mine:
+                    ew = sc[warp + NW * i]
+                    for k in range(nd):
+                        tv[k] = cuda.fma(ew, vv[i, k], tv[k])
             for k in range(nd):
                 d = lane + 32 * k
                 if d < hd:
@@ -264,9 +253,10 @@ def _make_kernel(nd):
             work[rec + 1] = l
         if tid < hd:
             work[rec + REC + tid] = acc
-        # Release: every thread's part of the record is visible device-wide before the barrier,
-        # and so before the arrival is counted.
-        cuda.threadfence()
+        # Release: every writer's part of the record (threads tid < hd, thread 0 included) is
+        # visible device-wide before the barrier, and so before the arrival is counted.
+        if tid < hd:
+            cuda.threadfence()
         cuda.syncthreads()
         if tid == 0:
             last = cuda.atomic.add(counter, th, 1) == Z - 1
