@@ -160,6 +160,30 @@ def test_graph_is_replayed(pair):
     assert gpu.backend.step_nodes > 0
 
 
+def test_programmatic_edges_same_tokens(pair, monkeypatch):
+    """On compute capability >= 9.0 the captured step's kernel -> kernel edges are programmatic
+    (kernels/_pdl.py): a linear chain of kernels, so one edge fewer than nodes; TINYLOOP_CUDA_PDL=0
+    keeps default edges. Greedy tokens are the same either way, and the same as eager launches."""
+    from tinyloop.cuda.kernels import _pdl
+    _, _, gpu = pair
+    cfg = tl.GenerateConfig(max_tokens=24, loops=3)
+    base = tl.generate(gpu, PROMPTS[1], cfg)
+    if _pdl.enabled():
+        assert gpu.backend.pdl
+        assert gpu.backend.step_programmatic_edges == gpu.backend.step_nodes - 1 > 0
+    monkeypatch.setenv("TINYLOOP_CUDA_PDL", "0")
+    plain = tl.load_model(str(pair[0]), max_seq_len=128, backend="cuda")
+    try:
+        assert not plain.backend.pdl
+        assert tl.generate(plain, PROMPTS[1], cfg) == base
+        assert plain.backend.step_nodes == gpu.backend.step_nodes
+        assert plain.backend.step_programmatic_edges == 0
+    finally:
+        tl.free_model(plain)
+    monkeypatch.setattr(gpu.backend, "use_graphs", False)
+    assert tl.generate(gpu, PROMPTS[1], cfg) == base
+
+
 def test_sampling_same_seed_same_tokens_on_gpu(pair):
     _, _, gpu = pair
     cfg = tl.GenerateConfig(max_tokens=16, temperature=0.9, top_k=20, top_p=0.9, sample_seed=11)

@@ -31,7 +31,7 @@ _ERR = _toolchain_error()
 if _ERR:
     pytest.skip(f"NVVM/NVRTC not usable: {_ERR}", allow_module_level=True)
 
-from tinyloop.cuda.kernels import kernel_modules, matmul, ptx_signatures  # noqa: E402
+from tinyloop.cuda.kernels import _pdl, kernel_modules, matmul, ptx_signatures  # noqa: E402
 
 MODULES = kernel_modules()
 # every kernel, with matmul's plain variants and the pair epilogues that rope and swiglu fuse into it
@@ -40,6 +40,8 @@ SIGNATURES = ptx_signatures()
 
 @pytest.fixture
 def cc90_device(monkeypatch):
+    # compile as for a Hopper device: with the programmatic-launch wait (kernels/_pdl.py)
+    monkeypatch.setitem(_pdl._state, "enabled", True)
     if not cuda.is_available():
         import numba.cuda.dispatcher as dispatcher
         monkeypatch.setattr(dispatcher, "get_current_device",
@@ -51,6 +53,12 @@ def test_compiles_for_sm90(cc90_device, name, fn, sig):
     ptx, resty = cuda.compile_ptx(fn, sig, cc=(9, 0))
     assert ".target sm_90" in ptx
     assert ".entry" in ptx
+    # Every kernel waits for its predecessor grid before its first global memory access, so a
+    # programmatic graph edge (graphs.py) never lets it read or overwrite data still in use.
+    wait = ptx.find("griddepcontrol.wait;")
+    first = min((i for i in (ptx.find(op) for op in ("ld.global", "st.global", "atom.global",
+                                                       "red.global")) if i >= 0), default=len(ptx))
+    assert 0 <= wait < first, f"{name}: griddepcontrol.wait missing or after a global access"
     if name.startswith("matmul_fast"):
         # 8-byte weight loads, butterfly shuffles, and the register accumulators kept out of
         # local memory (a local-memory spill would multiply the GEMV's cost).

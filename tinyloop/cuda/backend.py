@@ -20,7 +20,9 @@ Decode steps run as captured CUDA graphs (``replay``): the first step of a (loop
 eagerly (compiling kernels), the second is captured on this backend's stream through the driver API
 and every later one replays it. Positions and token ids live in device buffers written before each
 replay. ``TINYLOOP_CUDA_GRAPHS=0`` runs every step eagerly (same tokens). Only the argmax token id
-(4 bytes) crosses to the host per greedy step.
+(4 bytes) crosses to the host per greedy step. On compute capability 9.0 and later the captured
+kernel -> kernel edges are programmatic (kernels/_pdl.py: a kernel is launched while its
+predecessor runs and waits for it on the device); ``TINYLOOP_CUDA_PDL=0`` keeps default edges.
 
 Fusion (``attn_half``, ``mlp_half``, ``final_logits`` overridden): the block's RMSNorm runs inside
 the following matmul (``matmul(norm_w=...)``); q|k|v is one matmul whose epilogue rotates q into
@@ -49,6 +51,7 @@ from ..core.errors import BackendError, OutOfMemoryError
 from .graphs import Graph
 from .kernels._common import no_tree
 from .kernels import add as k_add
+from .kernels import _pdl as k_pdl
 from .kernels import argmax as k_argmax
 from .kernels import attention as k_attention
 from .kernels import cache_move as k_cache_move
@@ -141,10 +144,13 @@ class CUDABackend(Backend):
         self._graphs: "OrderedDict[Any, tuple]" = OrderedDict()
         self.use_graphs = env_switch("TINYLOOP_CUDA_GRAPHS") and not numba.config.ENABLE_CUDASIM
         self.fuse = env_switch("TINYLOOP_CUDA_FUSE")
+        # programmatic kernel -> kernel edges in the captured steps (kernels/_pdl.py)
+        self.pdl = self.use_graphs and env_switch("TINYLOOP_CUDA_PDL") and k_pdl.enabled()
         self._glu = k_swiglu.glu_epilogue(cfg.d_ff)
         self.profile = os.environ.get("TINYLOOP_CUDA_PROFILE", "") not in ("", "0")
         self.graph_launches = 0
         self.step_nodes = 0
+        self.step_programmatic_edges = 0
         self._no_tree = no_tree()          # made here, never during a capture
         self._tree_layouts = {}
 
@@ -518,10 +524,12 @@ class CUDABackend(Backend):
 
     def _capture(self, fn) -> Graph:
         t0 = time.perf_counter()
-        g = Graph(self.stream, fn)
+        g = Graph(self.stream, fn, programmatic=self.pdl)
         self.step_nodes = g.nodes
+        self.step_programmatic_edges = g.programmatic_edges
         if self.profile:
-            print(f"[tinyloop cuda] captured a decode step: {g.nodes} graph nodes in "
+            print(f"[tinyloop cuda] captured a decode step: {g.nodes} graph nodes "
+                  f"({g.programmatic_edges} programmatic edges) in "
                   f"{(time.perf_counter() - t0) * 1e3:.1f} ms", file=sys.stderr)
         return g
 

@@ -16,6 +16,7 @@ from numba import cuda
 
 from ...core.errors import BackendError
 from ._common import cdiv, check_array
+from ._pdl import grid_dep_wait
 
 NT = 256
 MAX_BLOCKS = 1024
@@ -23,6 +24,7 @@ MAX_BLOCKS = 1024
 
 @cuda.jit
 def _add_kernel(x, y):
+    grid_dep_wait()
     D = x.shape[1]
     n = x.shape[0] * D
     for i in range(cuda.grid(1), n, cuda.gridsize(1)):

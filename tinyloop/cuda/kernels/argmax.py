@@ -34,6 +34,7 @@ from numba import cuda, float32, int32
 
 from ...core.errors import BackendError
 from ._common import NEG_INF, SIM, check_array, check_workspace
+from ._pdl import grid_dep_wait
 
 #: Threads per block (a power of two). Fewer under the simulator, where each thread is a
 #: Python thread; the result does not depend on it.
@@ -89,6 +90,7 @@ def _block_best(cv, ci, sv, si, tid, nt):
 
 @cuda.jit
 def _topk_kernel(out, logits):
+    grid_dep_wait()
     V = logits.shape[1]
     K = out.shape[1]
     t = cuda.blockIdx.x
@@ -127,6 +129,7 @@ def _topk_kernel(out, logits):
 
 @cuda.jit
 def _argmax_split_kernel(out, logits, cand_v, cand_i, counter):
+    grid_dep_wait()
     V = logits.shape[1]
     b = cuda.blockIdx.x
     t = cuda.blockIdx.y

@@ -101,6 +101,7 @@ from numba import cuda, float32, int32, uint64
 from ...core.errors import BackendError
 from ._common import (NEG_INF, SIM, block_max_once, block_sum_once, check_array, check_tree,
                       check_workspace, warp_sum)
+from ._pdl import grid_dep_wait
 
 #: Warps per block: 8 on the GPU; 4 under the simulator, where every thread is a Python thread.
 #: (H200, 360m decode step, attention us per token: NW 16 / CK 64: 86; NW 8 / CK 32: 78;
@@ -150,6 +151,7 @@ def _make_kernel(nd):
 
     @cuda.jit(**_JIT_OPTS)
     def kernel(out, q, kf, vf, S, Hk, hd, layer, pos, scale, depth, path, work, counter):
+        grid_dep_wait()
         H = q.shape[1] // hd
         t = cuda.blockIdx.x
         h = cuda.blockIdx.y

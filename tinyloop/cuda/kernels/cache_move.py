@@ -20,6 +20,7 @@ from numba import cuda
 
 from ...core.errors import BackendError
 from ._common import cdiv, check_array
+from ._pdl import grid_dep_wait
 
 NT = 256
 MAX_BLOCKS = 1024
@@ -27,6 +28,7 @@ MAX_BLOCKS = 1024
 
 @cuda.jit
 def _move_slots_kernel(k_cache, v_cache, moves, n_moves):
+    grid_dep_wait()
     L, S, Hk, hd = k_cache.shape
     per_layer = Hk * hd
     n = L * per_layer

@@ -22,12 +22,14 @@ from numba import cuda, float32, int32
 
 from ...core.errors import BackendError
 from ._common import cdiv, check_array
+from ._pdl import grid_dep_wait
 
 NT = 256
 
 
 @cuda.jit
 def _embed_f_kernel(out, ids, table):
+    grid_dep_wait()
     D = out.shape[1]
     V = table.shape[0]
     t = cuda.blockIdx.y
@@ -42,6 +44,7 @@ def _embed_f_kernel(out, ids, table):
 
 @cuda.jit
 def _embed_q_kernel(out, ids, q, scales, zeros, bits, group):
+    grid_dep_wait()
     D = out.shape[1]
     V = q.shape[0]
     t = cuda.blockIdx.y

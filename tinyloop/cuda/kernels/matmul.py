@@ -80,6 +80,7 @@ from numba import cuda, float32, int32, uint32
 
 from ...core.errors import BackendError
 from ._common import SIM, Epilogue, as_float, cdiv, check_array, device_pointer, warp_sum
+from ._pdl import grid_dep_wait
 from .rmsnorm import NT as NORM_NT
 from .rmsnorm import NW as NORM_NW
 from .rmsnorm import check_eps, inv_rms, sumsq_partial
@@ -454,6 +455,7 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
     if quant:
         @cuda.jit(**opts)
         def kernel(out, x, nw, eps, qw, scales, zeros, N, nwords, G, gw, accumulate, ep):
+            grid_dep_wait()
             T = x.shape[0]
             tid = cuda.threadIdx.x
             warp = tid // 32
@@ -517,6 +519,7 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
     else:
         @cuda.jit(**opts)
         def kernel(out, x, nw, eps, qw, N, nwords, accumulate, ep):
+            grid_dep_wait()
             T = x.shape[0]
             tid = cuda.threadIdx.x
             warp = tid // 32
@@ -625,6 +628,7 @@ def _make_simple(quant, norm=False, epi=None):
 
     @cuda.jit
     def kernel(out, x, nw, eps, w, scales, zeros, bits, group, accumulate, ep):
+        grid_dep_wait()
         N = w.shape[0]
         tid = cuda.threadIdx.x
         warp = tid // 32

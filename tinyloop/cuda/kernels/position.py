@@ -14,10 +14,12 @@ import numpy as np
 from numba import cuda
 
 from ._common import check_array
+from ._pdl import grid_dep_wait
 
 
 @cuda.jit
 def _advance_kernel(pos, n):
+    grid_dep_wait()
     if cuda.grid(1) == 0:
         pos[0] = pos[0] + n
 

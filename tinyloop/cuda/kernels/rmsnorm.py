@@ -27,6 +27,7 @@ from numba import cuda, float32
 
 from ...core.errors import BackendError
 from ._common import block_sum, check_array
+from ._pdl import grid_dep_wait
 
 NW = 8
 NT = NW * 32
@@ -51,6 +52,7 @@ def inv_rms(ss, D, eps):
 
 @cuda.jit
 def _rmsnorm_kernel(out, x, w, eps):
+    grid_dep_wait()
     D = x.shape[1]
     t = cuda.blockIdx.x
     tid = cuda.threadIdx.x

@@ -63,6 +63,7 @@ from numba import cuda
 
 from ...core.errors import BackendError
 from ._common import Epilogue, cdiv, check_array, check_tree
+from ._pdl import grid_dep_wait
 
 NT = 256
 MAX_BLOCKS = 4096
@@ -123,6 +124,7 @@ def _rotate(src, dst, t, scol, dcol, half, p, cs, i):
 
 @cuda.jit
 def _rope_kernel(q, k, pos, cs):
+    grid_dep_wait()
     half = cs.shape[1]
     hd = 2 * half
     T = q.shape[0]
@@ -147,6 +149,7 @@ def _rope_kernel(q, k, pos, cs):
 @cuda.jit
 def _rope_kv_append_kernel(q, q_out, k, v, qoff, koff, voff, k_cache, v_cache, layer, pos, cs,
                            depth, path):
+    grid_dep_wait()
     # q, k, v: source arrays, read at column offsets qoff, koff, voff; rotated q goes to q_out
     # (columns from 0), rotated k back into k and into the cache, v into the cache.
     half = cs.shape[1]

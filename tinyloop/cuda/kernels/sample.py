@@ -56,6 +56,7 @@ from numba import cuda, float32, float64, int32, int64, uint32, uint64
 
 from ...core.errors import BackendError
 from ._common import NEG_INF, SIM, as_bits, block_max, check_array
+from ._pdl import grid_dep_wait
 
 NT = 64 if SIM else 512
 #: 512 threads x 128 registers fill the register file; without the cap the compiler may use more
@@ -136,6 +137,7 @@ def _better(v, i, bv, bi):
 def _make_sample_kernel(write_u):
     @cuda.jit(**_JIT_OPTS)
     def kernel(out, logits, params, rng, u_out, advance):
+        grid_dep_wait()
         V = logits.shape[0]
         tid = cuda.threadIdx.x
         warp = tid // 32

@@ -25,6 +25,7 @@ from numba import cuda, float32
 
 from ...core.errors import BackendError
 from ._common import Epilogue, cdiv, check_array
+from ._pdl import grid_dep_wait
 
 NT = 256
 MAX_BLOCKS = 1024
@@ -37,6 +38,7 @@ def _silu_mul(g, u):
 
 @cuda.jit
 def _swiglu_kernel(out, g, u):
+    grid_dep_wait()
     F = out.shape[1]
     n = out.shape[0] * F
     for i in range(cuda.grid(1), n, cuda.gridsize(1)):
@@ -47,6 +49,7 @@ def _swiglu_kernel(out, g, u):
 
 @cuda.jit
 def _swiglu_fused_kernel(out, gu):
+    grid_dep_wait()
     F = out.shape[1]
     n = out.shape[0] * F
     for i in range(cuda.grid(1), n, cuda.gridsize(1)):
