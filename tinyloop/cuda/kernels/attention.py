@@ -41,7 +41,8 @@ Thread mapping within a block. Key jj of a chunk belongs to warp ``jj % NW`` as 
 ``(jj // NW)``-th key, so even a short chunk spreads over every warp. Per chunk:
 
 1. scores: a warp scores its keys U at a time (the U keys' loads are issued together, and with
-   them the same keys' value rows, which stay in registers for step 4); for one key
+   them the same keys' value rows, which stay in registers for step 4; a causal row's first
+   chunk, z, has its rows requested before pos[0] is read, at slots clamped to S - 1); for one key
    lane l forms ``fma`` chains over dims l, l+32, ... ascending (coalesced cache reads: the 32 lanes
    read consecutive dims), the 32 lane partials are added by the xor butterfly
    (`_common.warp_sum`) and the total times scale is the score, kept by the lane whose index is the
@@ -171,15 +172,24 @@ def _make_kernel(nd):
         psum = cuda.shared.array(NW, float32)
         is_last = cuda.shared.array(1, int32)
         qv = cuda.local.array(nd, float32)
-        kv = cuda.local.array((U, nd), float32)
+        kk = cuda.local.array((KPW, nd), float32)
         vv = cuda.local.array((KPW, nd), float32)
         tv = cuda.local.array(nd, float32)
         for k in range(nd):
             d = lane + 32 * k
             qv[k] = q[t, h * hd + d] if d < hd else float32(0.0)
 
-        p0 = pos[0]
         tree = depth.shape[0] > 0
+        # Causal rows: the first chunk's key and value rows are requested before pos[0] has
+        # arrived (their slots do not depend on it; clamped into the cache, a row past the key
+        # count is loaded but never used).
+        ahead = not tree
+        if ahead:
+            for i in range(KPW):
+                off = base + uint64(min(z * CK + warp + NW * i, S - 1)) * row
+                load_row(kf, off, kk, i, lane, hd)
+                load_row(vf, off, vv, i, lane, hd)
+        p0 = pos[0]
         if tree:
             n_slots = min(p0 + depth[t] + 1, S)
         else:
@@ -193,21 +203,23 @@ def _make_kernel(nd):
             n_mine = (cn - warp + NW - 1) // NW  # keys of this warp
             s_mine = NEG_INF
             # 1. scores, U keys at a time; the same keys' value rows are requested with their key
-            # rows (step 4 reads them from registers). Every warp runs the KPW / U steps (the
-            # butterflies stay in uniform control flow); a key past n_mine reads slot 0, unused.
+            # rows (step 4 reads them from registers), unless they came ahead. Every warp runs the
+            # KPW / U steps (the butterflies stay in uniform control flow); a key past n_mine
+            # reads slot 0, unused.
             for i0 in range(0, KPW, U):
-                for u in range(U):
-                    i = i0 + u
-                    slot = 0
-                    if i < n_mine:
-                        slot = slot_of(c0 + warp + NW * i, p0, t, tree, path)
-                    off = base + uint64(slot) * row
-                    load_row(kf, off, kv, u, lane, hd)
-                    load_row(vf, off, vv, i, lane, hd)
+                if not (ahead and c == z):
+                    for u in range(U):
+                        i = i0 + u
+                        slot = 0
+                        if i < n_mine:
+                            slot = slot_of(c0 + warp + NW * i, p0, t, tree, path)
+                        off = base + uint64(slot) * row
+                        load_row(kf, off, kk, i, lane, hd)
+                        load_row(vf, off, vv, i, lane, hd)
                 for u in range(U):
                     pp = float32(0.0)
                     for k in range(nd):
-                        pp = cuda.fma(qv[k], kv[u, k], pp)
+                        pp = cuda.fma(qv[k], kk[i0 + u, k], pp)
                     tot = warp_sum(pp, scratch, warp, lane)
                     if lane == i0 + u and i0 + u < n_mine:
                         s_mine = tot * scale
