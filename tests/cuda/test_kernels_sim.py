@@ -271,11 +271,11 @@ def test_matmul_batched_staging_is_batch_invariant(monkeypatch, batch):
 
 
 def test_flat_addressing_rule(monkeypatch):
-    """One-row launches address the weight as flat arrays, except the wide (GEMV_WIDE_CONFIG)
-    range; many-row launches use 2-D indexing. (The batch-invariance tests above compare the two
-    addressings bit for bit: a small-N row alone is flat, inside a multi-row launch 2-D.)"""
+    """One-row launches address the weight as flat arrays, whatever its width; many-row launches
+    use 2-D indexing. (The batch-invariance tests above compare the two addressings bit for bit: a
+    row alone is flat, inside a multi-row launch 2-D, also for the wide configurations.)"""
     assert matmul.flat_for(1, 2048) and matmul.flat_for(1, matmul.XWIDE_N)
-    assert not matmul.flat_for(1, matmul.WIDE_N) and not matmul.flat_for(1, matmul.XWIDE_N - 1)
+    assert matmul.flat_for(1, matmul.WIDE_N) and matmul.flat_for(1, matmul.XWIDE_N - 1)
     assert not matmul.flat_for(2, 2048) and not matmul.flat_for(64, matmul.XWIDE_N)
 
 

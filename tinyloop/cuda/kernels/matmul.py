@@ -95,11 +95,14 @@ QBITS_OF = {v: k for k, v in QBITS.items()}
 #: None of these changes the reduction order of an output element, so they are tuned freely
 #: (measured on an H200, see docs/KERNELS.md).
 GEMV_CONFIG = (1, 2, 8, 4096)
-#: T == 1 with at least WIDE_N output rows (gate|up, large heads): more rows per warp and fewer warps
-#: per block (bench/matmul_tune.py on the H200: q4 11264x2048 14.2 -> 11.7 us, 16384x4096 33.3 ->
-#: 28.6 us, while 2048x5632 is 50% slower with it, hence the threshold). Depends on the weight's
-#: shape only, never on T.
-GEMV_WIDE_CONFIG = (1, 8, 4, 4096)
+#: T == 1 with at least WIDE_N output rows (gate|up, large heads): more rows per warp (first tuned
+#: as (1, 8, 4) with 2-D addressing, bench/matmul_tune.py on the H200: q4 11264x2048 14.2 -> 11.7
+#: us against GEMV_CONFIG, while 2048x5632 is 50% slower with it, hence the threshold). With flat
+#: addressing (1, 4, 8) is faster: the norm-fused gate|up pair kernel of the 360m decode step
+#: 128.6 -> 125.4 and 129.8 -> 125.9 us per token in two sessions (bench/profile_decode.py; 2-D
+#: (1, 8, 4) against flat (1, 4, 8)), while flat (1, 8, 4) was 160.8, flat (1, 4, 4) 159.9,
+#: flat (1, 2, 8) 159.9, 2-D (1, 4, 8) 133.8. Depends on the weight's shape only, never on T.
+GEMV_WIDE_CONFIG = (1, 4, 8, 4096)
 WIDE_N = 8192
 #: T == 1 with at least XWIDE_N output rows (large heads, the 16384x4096 benchmark matrix): 8 warps
 #: of 8 rows, with registers capped at XWIDE_MAX_REGISTERS per thread so two 256-thread blocks fit
@@ -158,9 +161,11 @@ def flat_for(T: int, N: int) -> bool:
     32-bit row offsets computed once (True), or through 2-D indexing (False). Addressing only:
     the arithmetic is the same. H200 (bench/profile_decode.py, 360m, L = 8, us per token, 2-D ->
     flat): head 39.9 -> 35.4, q|k|v 107.3 -> 99.8, wo + down 141.7 -> 137.8, INT4 16384x4096
-    22.2 -> 19.9 us per launch; but the norm-fused gate|up pair kernel (GEMV_WIDE_CONFIG)
-    128.8 -> 160.8, so that configuration, and the unmeasured many-row one, keep 2-D indexing."""
-    return T == 1 and not WIDE_N <= N < XWIDE_N
+    22.2 -> 19.9 us per launch; the norm-fused gate|up pair kernel was slower flat with its old
+    (1, 8, 4) configuration (128.8 -> 160.8) and is faster with GEMV_WIDE_CONFIG's (1, 4, 8),
+    so every one-row launch is flat; the many-row ones (unmeasured) keep 2-D indexing. N is
+    accepted for the launcher's call, unused."""
+    return T == 1
 
 
 SIMPLE_WARPS = 4
