@@ -35,41 +35,72 @@ def _check(err, what: str) -> None:
         raise BackendError(f"{what} failed: {err}")
 
 
+def _edge_api(drv):
+    """(get, remove, add) graph-edge calls that carry edge data: the plain names in CUDA 13's
+    bindings, the ``_v2`` names in CUDA 12.3+'s; None where the bindings have neither."""
+    names = ("cuGraphGetEdges", "cuGraphRemoveDependencies", "cuGraphAddDependencies")
+    if all(hasattr(drv, n + "_v2") for n in names):
+        return tuple(getattr(drv, n + "_v2") for n in names)
+    if hasattr(drv, "CUgraphEdgeData") and all(hasattr(drv, n) for n in names):
+        return tuple(getattr(drv, n) for n in names)
+    return None
+
+
 def _make_programmatic(graph) -> int:
     """Turn every kernel -> kernel edge of `graph` into a programmatic dependency (port
     PROGRAMMATIC: the dependent may launch once every block of the upstream kernel has executed
     griddepcontrol.launch_dependents, which ours never do, or exited). Returns the number of
-    edges changed."""
+    edges changed. An optimisation only: where the bindings or the driver lack edge data, the
+    graph keeps its default edges (returns 0); a graph whose edges were removed but could not be
+    re-added as programmatic gets its default edges back."""
     drv = _drv()
-    err, _, _, _, n = drv.cuGraphGetEdges(graph)
-    _check(err, "cuGraphGetEdges")
-    if not n:
+    api = _edge_api(drv)
+    if api is None:
         return 0
-    err, frm, to, data, n = drv.cuGraphGetEdges(graph, n)
-    _check(err, "cuGraphGetEdges")
-    kernel = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
-    types = {}
+    get_edges, remove, add = api
+    ok = drv.CUresult.CUDA_SUCCESS
+    try:
+        res = get_edges(graph)
+        if len(res) != 5 or res[0] != ok or not res[4]:
+            return 0
+        err, frm, to, data, n = get_edges(graph, res[4])
+        if err != ok:
+            return 0
+        kernel = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
+        types = {}
 
-    def is_kernel(node) -> bool:
-        key = int(node)
-        if key not in types:
-            e, t = drv.cuGraphNodeGetType(node)
-            _check(e, "cuGraphNodeGetType")
-            types[key] = t == kernel
-        return types[key]
+        def is_kernel(node) -> bool:
+            key = int(node)
+            if key not in types:
+                e, t = drv.cuGraphNodeGetType(node)
+                types[key] = e == ok and t == kernel
+            return types[key]
 
-    pairs = [(f, t) for f, t in zip(frm[:n], to[:n]) if is_kernel(f) and is_kernel(t)]
-    if not pairs:
+        def default(d) -> bool:
+            return d is None or (int(d.from_port) == 0 and int(d.to_port) == 0 and int(d.type) == 0)
+
+        pairs = [(f, t) for f, t, d in zip(frm[:n], to[:n], data[:n])
+                 if default(d) and is_kernel(f) and is_kernel(t)]
+        if not pairs:
+            return 0
+        a, b = [f for f, _ in pairs], [t for _, t in pairs]
+        edge = drv.CUgraphEdgeData()
+        edge.from_port = drv.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
+        edge.type = drv.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+    except (AttributeError, TypeError, ValueError):    # bindings without edge data
         return 0
-    a, b = [f for f, _ in pairs], [t for _, t in pairs]
-    (err,) = drv.cuGraphRemoveDependencies(graph, a, b, None, len(pairs))
-    _check(err, "cuGraphRemoveDependencies")
-    edge = drv.CUgraphEdgeData()
-    edge.from_port = drv.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
-    edge.type = drv.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
-    (err,) = drv.cuGraphAddDependencies(graph, a, b, [edge] * len(pairs), len(pairs))
-    _check(err, "cuGraphAddDependencies")
-    return len(pairs)
+    (err,) = remove(graph, a, b, None, len(pairs))
+    if err != ok:
+        return 0
+    try:
+        (err,) = add(graph, a, b, [edge] * len(pairs), len(pairs))
+    except (TypeError, ValueError):
+        err = None
+    if err == ok:
+        return len(pairs)
+    (err,) = add(graph, a, b, None, len(pairs))
+    _check(err, "cuGraphAddDependencies (restoring default edges)")
+    return 0
 
 
 class Graph:
