@@ -21,8 +21,9 @@ eagerly (compiling kernels), the second is captured on this backend's stream thr
 and every later one replays it. Positions and token ids live in device buffers written before each
 replay. ``TINYLOOP_CUDA_GRAPHS=0`` runs every step eagerly (same tokens). Only the argmax token id
 (4 bytes) crosses to the host per greedy step. On compute capability 9.0 and later the captured
-kernel -> kernel edges are programmatic (kernels/_pdl.py: a kernel is launched while its
-predecessor runs and waits for it on the device); ``TINYLOOP_CUDA_PDL=0`` keeps default edges.
+kernel -> kernel edges are programmatic (kernels/_pdl.py: a kernel may be launched before its
+predecessor's completion has been fully processed, and waits for it on the device);
+``TINYLOOP_CUDA_PDL=0`` keeps default edges.
 
 Fusion (``attn_half``, ``mlp_half``, ``final_logits`` overridden): the block's RMSNorm runs inside
 the following matmul (``matmul(norm_w=...)``); q|k|v is one matmul whose epilogue rotates q into
@@ -50,8 +51,8 @@ from ..core.config import env_switch
 from ..core.errors import BackendError, OutOfMemoryError
 from .graphs import Graph
 from .kernels._common import no_tree
-from .kernels import add as k_add
 from .kernels import _pdl as k_pdl
+from .kernels import add as k_add
 from .kernels import argmax as k_argmax
 from .kernels import attention as k_attention
 from .kernels import cache_move as k_cache_move

@@ -65,8 +65,8 @@ uniform control flow; a warp with fewer keys scores slot 0 and drops it).
 
 Combine ("last block"). Every block, empty or not, writes its record (m_z, l_z, acc_z[0:hd]) to
 `work` at ``((t*H + h)*Z + z) * (hd + 2)`` (m, l, then acc); every writing thread (tid < hd)
-executes a device-wide memory fence (`cuda.threadfence`), and after a barrier thread 0 adds 1 to ``counter[t*H + h]``
-atomically. The block whose thread 0 reads back Z - 1 arrived last (which z that is varies between
+executes a device-wide memory fence (`cuda.threadfence`), and after a barrier thread 0 adds 1 to
+``counter[t*H + h]`` atomically. The block whose thread 0 reads back Z - 1 arrived last (which z that is varies between
 launches); that thread fences, a barrier shares the verdict, and every thread of that block
 fences and reads the Z records from `work` (its own included), combining them in z order::
 
@@ -248,7 +248,7 @@ def _make_kernel(nd):
                 if d < hd:
                     pv[warp, d] = tv[k]
             # Every warp's partials must be stored before thread d adds them up. (No barrier at the
-            # chunk's end: the next chunk writes pmax after this barrier, sc/sl/psum after its
+            # chunk's end: the next chunk writes pmax after this barrier, sc/psum after its
             # first and pv after its second, when every thread is done reading the old values.)
             cuda.syncthreads()
             if tid < hd:

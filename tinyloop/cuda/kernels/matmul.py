@@ -99,7 +99,7 @@ GEMV_CONFIG = (1, 2, 8, 4096)
 #: as (1, 8, 4) with 2-D addressing, bench/matmul_tune.py on the H200: q4 11264x2048 14.2 -> 11.7
 #: us against GEMV_CONFIG, while 2048x5632 is 50% slower with it, hence the threshold). With flat
 #: addressing (1, 4, 8) is faster: the norm-fused gate|up pair kernel of the 360m decode step
-#: 128.6 -> 125.4 and 129.8 -> 125.9 us per token in two sessions (bench/profile_decode.py; 2-D
+#: 128.6 -> 125.4 and 129.8 -> 125.9 us per token in two device calls (bench/profile_decode.py; 2-D
 #: (1, 8, 4) against flat (1, 4, 8)), while flat (1, 8, 4) was 160.8, flat (1, 4, 4) 159.9,
 #: flat (1, 2, 8) 159.9, 2-D (1, 4, 8) 133.8. Depends on the weight's shape only, never on T.
 GEMV_WIDE_CONFIG = (1, 4, 8, 4096)
