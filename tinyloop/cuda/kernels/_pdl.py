@@ -49,18 +49,22 @@ def enabled() -> bool:
     return bool(_state["enabled"])
 
 
-if SIM:
+try:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+except ImportError:        # a numba-cuda without CUDA intrinsics: no programmatic launch
+    intrinsic = None
+    _state["enabled"] = False
+
+if SIM or intrinsic is None:
     from numba import cuda
 
     @cuda.jit(device=True)
     def grid_dep_wait():
-        """No-op under the simulator."""
+        """No-op (the simulator, or a numba-cuda that cannot emit the instruction)."""
 
 else:
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-
     def _wait_codegen(context, builder, sig, args):
         if enabled():
             fnty = ir.FunctionType(ir.VoidType(), [])
