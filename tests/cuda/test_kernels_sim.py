@@ -28,6 +28,7 @@ if not numba.config.ENABLE_CUDASIM and not cuda.is_available():
     pytest.skip("needs NUMBA_ENABLE_CUDASIM=1 (set before numba is imported) or a CUDA GPU",
                 allow_module_level=True)
 
+from tinyloop.core.arch import QUANT_BITS  # noqa: E402
 from tinyloop.core.errors import BackendError  # noqa: E402
 from tinyloop.core.quant import unpack  # noqa: E402
 from tinyloop.core.speculative import DraftTree  # noqa: E402
@@ -54,7 +55,7 @@ def make_weight(rng, kind, N, K, group=0):
     if kind == "f16":
         w = rng.standard_normal((N, K)).astype(np.float16)
         return {"w": w}, w.astype(np.float64)
-    bits = {"q8": 8, "q4": 4, "q2": 2}[kind]
+    bits = QUANT_BITS[kind]
     G = K // group
     q = rng.integers(0, 2 ** bits, (N, K)).astype(np.uint8)
     s = (rng.random((N, G)) * 0.2 + 0.01).astype(np.float16)
@@ -197,7 +198,7 @@ def emulate_fast_matmul(kind, x, arrays, group):
         W = arrays["w"].astype(np.float32)
         S = np.ones((W.shape[0], 1), np.float32)
     else:
-        q = unpack(arrays["w"], {"q8": 8, "q4": 4, "q2": 2}[kind], K).astype(np.float32)
+        q = unpack(arrays["w"], QUANT_BITS[kind], K).astype(np.float32)
         z = np.repeat(arrays["zeros"].astype(np.float32), group, 1)
         W = q - z                                           # exact: small integers
         S = arrays["scales"].astype(np.float32)
@@ -234,7 +235,7 @@ def test_matmul_fast_kernel_bits_equal_its_defined_order(kind, N, K, group, zmax
     assert matmul.uses_fast_path(kind, K, group)
     rng = np.random.default_rng(K + N)
     arrays, _ = make_weight(rng, kind, N, K, group)
-    if zmax > 2 ** {"q8": 8, "q4": 4, "q2": 2}.get(kind, 0):
+    if zmax > 2 ** QUANT_BITS.get(kind, 0):
         arrays["zeros"] = rng.integers(0, zmax, arrays["zeros"].shape).astype(np.uint8)
     x = (rng.standard_normal((2, K)) * np.exp2(rng.integers(-60, 60, (2, K)))).astype(np.float32)
     dev = {k: D(v) for k, v in arrays.items()}
@@ -274,9 +275,8 @@ def test_flat_addressing_rule(monkeypatch):
     """One-row launches address the weight as flat arrays, whatever its width; many-row launches
     use 2-D indexing. (The batch-invariance tests above compare the two addressings bit for bit: a
     row alone is flat, inside a multi-row launch 2-D, also for the wide configurations.)"""
-    assert matmul.flat_for(1, 2048) and matmul.flat_for(1, matmul.XWIDE_N)
-    assert matmul.flat_for(1, matmul.WIDE_N) and matmul.flat_for(1, matmul.XWIDE_N - 1)
-    assert not matmul.flat_for(2, 2048) and not matmul.flat_for(64, matmul.XWIDE_N)
+    assert matmul.flat_for(1)
+    assert not matmul.flat_for(2) and not matmul.flat_for(64)
 
 
 def test_group_shift_rule():

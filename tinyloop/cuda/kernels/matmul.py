@@ -78,6 +78,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
+from ...core.arch import QUANT_BITS
 from ...core.errors import BackendError
 from ._common import SIM, Epilogue, as_float, cdiv, check_array, device_pointer, warp_sum
 from ._pdl import grid_dep_wait
@@ -87,8 +88,8 @@ from .rmsnorm import check_eps, inv_rms, sumsq_partial
 
 #: Elements per 8-byte word for each storage kind.
 WORD_ELEMS = {"f32": 2, "f16": 4, "q8": 8, "q4": 16, "q2": 32}
-QBITS = {8: "q8", 4: "q4", 2: "q2"}
-QBITS_OF = {v: k for k, v in QBITS.items()}
+#: Storage kind of each quantized width (the inverse of core.arch.QUANT_BITS).
+QBITS = {b: k for k, b in QUANT_BITS.items()}
 
 #: (TT token rows per block, R output rows per warp, NW warps per block, KC x elements staged per
 #: chunk) for T == 1 and for T > 1. KC must be a multiple of 32 * 32 (the largest warp step, q2).
@@ -156,15 +157,14 @@ def stage_batch_for(T: int, N: int, norm: bool) -> int:
     return STAGE_BATCH if T == 1 and N < WIDE_N and not norm else 1
 
 
-def flat_for(T: int, N: int) -> bool:
+def flat_for(T: int) -> bool:
     """Whether the fast kernel addresses the weight (and its scales and zeros) as flat arrays with
     32-bit row offsets computed once (True), or through 2-D indexing (False). Addressing only:
     the arithmetic is the same. H200 (bench/profile_decode.py, 360m, L = 8, us per token, 2-D ->
     flat): head 39.9 -> 35.4, q|k|v 107.3 -> 99.8, wo + down 141.7 -> 137.8, INT4 16384x4096
     22.2 -> 19.9 us per launch; the norm-fused gate|up pair kernel was slower flat with its old
     (1, 8, 4) configuration (128.8 -> 160.8) and is faster with GEMV_WIDE_CONFIG's (1, 4, 8),
-    so every one-row launch is flat; the many-row ones (unmeasured) keep 2-D indexing. N is
-    accepted for the launcher's call, unused."""
+    so every one-row launch is flat; the many-row ones (unmeasured) keep 2-D indexing."""
     return T == 1
 
 
@@ -183,7 +183,7 @@ _F16_SCALE = float32(2.0 ** 112)
 def in_place_elems(kind: str) -> int:
     """Quantized elements of one segment of a 32-bit half that the decoder masks in place: every
     bit of the segment must lie below the float32 exponent (bit 23). q8: 2, q4: 5, q2: 11."""
-    return 23 // QBITS_OF[kind]
+    return 23 // QUANT_BITS[kind]
 
 
 def in_place_pos(kind: str, i: int) -> int:
@@ -227,7 +227,7 @@ def _make_decoder(kind):
             wv[3] = half_to_float(uint32(hi >> uint32(16)))
         return decode
 
-    bits = QBITS_OF[kind]
+    bits = QUANT_BITS[kind]
     mask = np.uint32((1 << bits) - 1)
     S = in_place_elems(kind)
 
@@ -250,7 +250,7 @@ def _make_decoder(kind):
             src = f"h{half}" if j == 0 else f"h{half}s{j}"
             lines.append(f"    wv[{e + half * EH}] = as_float(({src} & uint32({m})) | magic) - c{p}")
     ns = {"cuda": cuda, "float32": float32, "uint32": uint32, "as_float": as_float,
-          "_TWO23": _TWO23, "_U32_MASK": _U32_MASK, "_SH32": _SH32, "_MAGIC": _MAGIC}
+          "_TWO23": _TWO23, "_U32_MASK": _U32_MASK, "_SH32": _SH32}
     exec("\n".join(lines), ns)
     decode = cuda.jit(device=True)(ns["decode"])
     return decode
@@ -340,7 +340,8 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
     `norm` compiles in the fused-RMSNorm prologue and staging, `epi` (an `Epilogue`) the pair
     row map and store; `max_registers` > 0 caps the registers per thread (ptxas);
     `stage_batch` > 1 stages x that many elements per thread at a time (plain staging only);
-    `gshift` >= 0 takes a word's group index as ``w >> gshift`` (quantized kinds)."""
+    `gshift` >= 0 takes a word's group index as ``w >> gshift`` (quantized kinds); `flat`
+    takes the weight (and scales, zeros) as 1-D views addressed by 32-bit row offsets."""
     name = None if epi is None else epi.name
     key = (kind, TT, R, NW, KC, bool(norm), name, int(max_registers), int(stage_batch), int(gshift),
            bool(flat))
@@ -367,7 +368,7 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
     quant = kind.startswith("q")
     decode = _make_decoder(kind)
     assert KC % (32 * 32) == 0
-    QB = QBITS_OF.get(kind, 0)
+    QB = QUANT_BITS.get(kind, 0)
     QS = in_place_elems(kind) if quant else 1
     EH = E // 2
 
@@ -742,7 +743,7 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
             raise BackendError(f"{op}: scales/zeros given for an unquantized {kind} weight")
         group = 0
     else:
-        bits = QBITS_OF[kind]
+        bits = QUANT_BITS[kind]
         check_array(op, "w", w, np.uint8, 2, (N, K * bits // 8))
         check_array(op, "scales", scales, np.float16, 2, (N, None))
         G = scales.shape[1]
@@ -768,7 +769,7 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
 
     if uses_fast_path(kind, K, group, w):
         TT, R, NW, KC = config_for(kind, T, N, pair)
-        flat = flat_for(T, N)
+        flat = flat_for(T)
         kern = _make_fast(kind, TT, R, NW, KC, norm, epilogue, max_registers_for(T, N),
                           stage_batch_for(T, N, norm), group_shift_for(kind, group, pair), flat)
         E = WORD_ELEMS[kind]
@@ -792,7 +793,7 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
     grid = (cdiv(N // 2 if pair else N, SIMPLE_WARPS), T)
     if kind.startswith("q"):
         _make_simple(True, norm, epilogue)[grid, SIMPLE_WARPS * 32, stream](
-            out, x, nw, eps, w, scales, zeros, QBITS_OF[kind], group, acc_flag, ep)
+            out, x, nw, eps, w, scales, zeros, QUANT_BITS[kind], group, acc_flag, ep)
     else:
         # float weights: the scales / zeros / bits / group parameters are unused; w stands in
         _make_simple(False, norm, epilogue)[grid, SIMPLE_WARPS * 32, stream](
@@ -813,7 +814,7 @@ def ptx_signatures(epilogues=()):
             for T, n in ((1, 0), (1, WIDE_N), (1, XWIDE_N), (2, 0)):
                 cfg = config_for(kind, T, n, epi is not None)
                 # (group 128, the presets' group size, for the group-index shift)
-                flat = flat_for(T, n)
+                flat = flat_for(T)
                 k = _make_fast(kind, *cfg, norm, epi, 0, stage_batch_for(T, n, norm),
                                group_shift_for(kind, 128, epi is not None), flat)
                 a = "[::1]" if flat else "[:, ::1]"
