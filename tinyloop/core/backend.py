@@ -126,8 +126,14 @@ class Backend(ABC):
         """Activation buffers for launches of up to `rows` rows."""
 
     @abstractmethod
-    def alloc_cache(self, n_layers: int, n_slots: int, kv_dtype: str) -> Any:
-        """A KV cache of n_layers x n_slots x n_kv_heads x head_dim for K and V, stored as kv_dtype."""
+    def alloc_cache(self, spec) -> Any:
+        """A zeroed KV cache laid out as `spec` (tinyloop.core.cache.CacheSpec): one K and one V
+        storage per layer group, in the group's codec, with spec.n_slots slots per layer. The
+        returned object has ``spec`` (the spec it was made for, possibly with more slots: the
+        attribute is authoritative), ``n_slots`` and ``nbytes``. Ops that take a global `layer`
+        resolve it with ``cache.spec.group_of(layer)``; the slot map ``cache.spec.slots`` says
+        where position p lives (slot p, or p % n_slots with attention over the last `window`
+        positions)."""
 
     def report(self, stats) -> None:
         """Called with a request's GenerateStats when it ends (a backend may print a profile)."""
@@ -169,7 +175,7 @@ class Backend(ABC):
     @abstractmethod
     def copy_cache(self, dst, src, n_slots: int) -> None:
         """Make `dst` hold `src`'s K/V in slots 0..n_slots-1 of every layer (forking a decode state,
-        e.g. a beam). Both caches come from :meth:`alloc_cache` with the same shape and dtype; a
+        e.g. a beam). Both caches come from :meth:`alloc_cache` with the same spec; a
         backend may copy more slots than asked (the whole cache), never fewer. Ordered after every
         op queued before it."""
 
@@ -188,11 +194,13 @@ class Backend(ABC):
 
     @abstractmethod
     def rope_kv_append(self, q, k, v, cache, layer: int, pos, T: int) -> None:
-        """RoPE on q and k rows at positions pos+t (in place), then K/V rows into cache slots pos+t."""
+        """RoPE on q and k rows at positions pos+t (in place), then K/V rows stored (in the layer
+        group's codec) at the slots of positions pos+t (the cache's slot map)."""
 
     @abstractmethod
     def attention(self, q, cache, layer: int, pos, T: int, out) -> None:
-        """Causal GQA attention of query rows (positions pos+t) over cache slots 0..pos+t."""
+        """Causal GQA attention of query rows (positions pos+t) over positions 0..pos+t, or the
+        last `window` of them for a ring slot map; keys are reduced in position order."""
 
     @abstractmethod
     def swiglu(self, g, u, out, T: int) -> None:

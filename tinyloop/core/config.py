@@ -181,9 +181,13 @@ class SpeculativeConfig:
     """Token-id sequences that end decoding when they match the tail of the output (included)."""
     cache_mode: str = "fp16"
     """KV-cache storage mode (a registered cache-mode plugin)."""
+    cache_window: int = 0
+    """Sliding-window cap on the KV cache (as GenerateConfig.cache_window); 0 means unlimited.
+    Chain speculation only (trees are rejected)."""
 
     def __post_init__(self) -> None:
         _int("max_tokens", self.max_tokens, 0)
+        _int("cache_window", self.cache_window, 0)
         if not isinstance(self.cache_mode, str) or not self.cache_mode:
             raise ConfigError(f"cache_mode must be a plugin name, got {self.cache_mode!r}")
         if not isinstance(self.verify_resume, bool):

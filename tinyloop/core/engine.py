@@ -26,6 +26,7 @@ import numpy as np
 
 from .arch import ModelConfig
 from .backend import BACKENDS, Backend
+from .cache import build_spec, linear_slots
 from .compat import check_request
 from .config import GenerateConfig, GenerateStats, StopReason, env_switch
 from .errors import (BackendError, ConfigError, InvalidInputError, ModelBusyError,
@@ -186,12 +187,23 @@ class _Plan:
             raise PluginError(f"decoder {self.decoder_cls.name!r} does not run in {context} decoding "
                               f"(it declares {sorted(self.decoder_cls.contexts)})")
         self.cache_mode = pm.cache_mode_for(config)
+        self.slot_mode = pm.slot_map_for(config)
+        self._check_codecs(model, pm)
         self.config = config
         self.loops = resolve_loops(model, config.loops)
         self.processor_factory = lambda: ProcessorChain(pm.processors_for(config))
         self.decoder_config = config      # what the decoder is built from (a SpeculativeConfig for
         self.session_cls = Session        # speculative contexts, which also bring their own session)
         self.model, self.context = model, context
+
+    def _check_codecs(self, model: Model, pm) -> None:
+        """Every layer group's codec is registered and implemented by the model's backend, and the
+        slot map fits the model (before anything is allocated)."""
+        for group in ("pre", "post", "draft_post", "loop"):
+            codec = pm.codec(self.cache_mode.group_codec(group))
+            codec.impl(model.backend.name)
+        if self.slot_mode is not None:
+            self.slot_mode.validate(model.max_seq_len)
 
     def delegate(self) -> None:
         """Let a resolving decoder (Decoder.resolve) hand the request to another decoder; call after
@@ -226,7 +238,7 @@ class Session:
     The workspace is shared, so the pending logits are those of the lane started or advanced last."""
 
     def __init__(self, model: Model, prompt: List[int], plan: _Plan, chain: ProcessorChain,
-                 stats: GenerateStats, extra_layers: int = 0, extra_slots: int = 0):
+                 stats: GenerateStats, extra_groups: tuple = (), extra_slots: int = 0):
         self.model, self.config, self.loops = model, plan.config, plan.loops
         self.vocab_size = model.cfg.vocab_size
         self.eos_id = model.cfg.eos_id
@@ -235,9 +247,16 @@ class Session:
         self.chain = chain
         self.stats = stats
         self.uncached = os.environ.get("TINYLOOP_DISABLE_KV_CACHE", "") not in ("", "0")
-        n_slots = len(prompt) + plan.config.max_tokens + extra_slots
-        self._cache_shape = (model.cfg.n_layers(self.loops) + extra_layers, n_slots, plan.cache_mode.kv_dtype)
-        self.cache = model.backend.alloc_cache(*self._cache_shape)
+        n_positions = len(prompt) + plan.config.max_tokens + extra_slots
+        # rows per forward launch: the workspace's, or fewer where the slot map asks (a window)
+        self.launch_rows = model.ws.rows
+        if plan.slot_mode is not None:
+            self.launch_rows = plan.slot_mode.launch_rows(model.ws.rows)
+            slots = plan.slot_mode.slot_map(n_positions, max(self.launch_rows, extra_slots))
+        else:
+            slots = linear_slots(n_positions)
+        self.spec = build_spec(model.cfg, self.loops, plan.cache_mode, slots, extra_groups)
+        self.cache = model.backend.alloc_cache(self.spec)
         model._live_cache_bytes += self.cache_bytes
         self._buf = np.zeros(self.vocab_size, np.float32)
         self._prompt_len = len(prompt)
@@ -276,10 +295,9 @@ class Session:
         if self.cache is None:
             raise PluginError("fork_pool on a closed session")
         self._settle()
-        layers, slots, kv_dtype = self._cache_shape
-        slots = int(getattr(self.cache, "n_slots", slots))    # a reused cache may hold more slots
+        spec = self.cache.spec        # a reused cache may hold more slots: lanes match it
         while len(self._parked) < n:
-            cache = self.model.backend.alloc_cache(layers, slots, kv_dtype)
+            cache = self.model.backend.alloc_cache(spec)
             self.model._live_cache_bytes += _nbytes(cache)
             self._parked.append([cache, self.tokens[:self._prompt_len], 0])
 
@@ -335,7 +353,7 @@ class Session:
         the device) are pending in ws.logits[0]. A one-token step is a fixed op sequence that the
         backend may capture once and replay (positions and ids live in backend buffers)."""
         be, fwd, ws = self.model.backend, self.model.fwd, self.model.ws
-        rows = ws.rows
+        rows = self.launch_rows
         for a in range(start, stop, rows):
             T = min(rows, stop - a)
             ids = be.set_ids(ws, self.tokens[a:a + T])

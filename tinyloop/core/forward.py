@@ -5,7 +5,7 @@ the cache. It is split into three pieces so that later modes can resume in the m
 
     prefix(ids)                     embed + pre blocks (+ keep the loop-inject residual e)
     run_loop_iters_range(a, b)      loop iterations a .. b-1 on the residual x
-    suffix(loops)                   post blocks (their cache layers sit after `loops` iterations)
+    suffix()                        post blocks (their cache layers: the cache spec's post group)
     logits(row0, n)                 final norm + head on n rows of x
 
 ``forward(...)`` composes them. Warm-start and speculative verify-resume call
@@ -14,7 +14,7 @@ the cache. It is split into three pieces so that later modes can resume in the m
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from .arch import ModelConfig
 from .backend import Backend, ModelWeights, Workspace
@@ -34,27 +34,28 @@ class Forward:
         """x = pre_blocks(embed(ids)) for T rows; e = x when the model injects it into the loop."""
         b, ws = self.b, self.ws
         b.embed(self.w.embed, ids, ws.x, T)
+        spec = cache.spec
         for i, blk in enumerate(self.w.pre):
-            self._block(blk, cache, self.cfg.cache_layer("pre", i), pos, T)
+            self._block(blk, cache, spec.layer("pre", i), pos, T)
         if self.cfg.loop_inject == "add":
             b.copy(ws.e, ws.x, T)
 
     def run_loop_iters_range(self, pos: Any, T: int, cache, start_iter: int, end_iter: int) -> None:
         """Loop iterations start_iter .. end_iter-1 on the residual x (cache layers of those iterations)."""
-        cfg = self.cfg
+        cfg, spec = self.cfg, cache.spec
         for it in range(start_iter, end_iter):
             if it > 0 and cfg.loop_inject == "add":
                 self.b.add(self.ws.x, self.ws.e, T)
             for j, blk in enumerate(self.w.loop):
-                self._block(blk, cache, cfg.cache_layer("loop", j, iteration=it), pos, T)
+                self._block(blk, cache, spec.layer("loop", j, iteration=it), pos, T)
 
-    def suffix(self, pos: Any, T: int, cache, loops: int, post_layer0: Optional[int] = None) -> None:
-        """Post blocks after `loops` loop iterations. Their cache layers start after the loop's
-        (``cache_layer("post", 0, loops=loops)``) unless `post_layer0` places them elsewhere (a
-        speculative draft keeps its post layers apart from the verify depth's)."""
+    def suffix(self, pos: Any, T: int, cache, part: str = "post") -> None:
+        """Post blocks. Their cache layers are the spec's `part` group: ``post``, or another group
+        of n_post layers (a speculative draft keeps its post layers apart from the verify depth's
+        in ``draft_post``)."""
+        spec = cache.spec
         for i, blk in enumerate(self.w.post):
-            layer = self.cfg.cache_layer("post", i, loops=loops) if post_layer0 is None else post_layer0 + i
-            self._block(blk, cache, layer, pos, T)
+            self._block(blk, cache, spec.layer(part, i), pos, T)
 
     def logits(self, row0: int, n: int) -> None:
         """ws.logits[0:n] = head(final_norm(x[row0:row0+n]))."""
@@ -64,4 +65,4 @@ class Forward:
         """Full forward of T rows at `loops` iterations; leaves the final residual in ws.x."""
         self.prefix(ids, pos, T, cache)
         self.run_loop_iters_range(pos, T, cache, 0, loops)
-        self.suffix(pos, T, cache, loops)
+        self.suffix(pos, T, cache)

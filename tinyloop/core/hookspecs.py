@@ -27,8 +27,24 @@ def tinyloop_decoders():
 def tinyloop_cache_modes():
     """Return a list of CacheMode subclasses (tinyloop.core.cache.CacheMode).
 
-    A cache mode names a KV storage format (GenerateConfig.cache_mode) and the backend storage it
-    needs. Result: all implementations' lists, concatenated."""
+    A cache mode (GenerateConfig.cache_mode) says which KV codec each layer group of the cache
+    uses. Result: all implementations' lists, concatenated."""
+
+
+@hookspec
+def tinyloop_kv_codecs():
+    """Return a list of KVCodec subclasses (tinyloop.core.cache.KVCodec).
+
+    A codec defines how one K or V row is stored (codes, scale, zero point) with a numpy reference,
+    and names each backend's implementation (``backend_impls``). Result: all lists, concatenated."""
+
+
+@hookspec
+def tinyloop_slot_maps():
+    """Return a list of SlotMapMode subclasses (tinyloop.core.cache.SlotMapMode).
+
+    ``from_config(config)`` returns an instance when the request enables the slot map (at most one
+    may); it sizes the cache's ring (tinyloop.core.cache.SlotMap). Result: all lists, concatenated."""
 
 
 @hookspec

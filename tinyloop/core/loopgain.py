@@ -131,11 +131,12 @@ def trace_loop(model: Model, token_ids: Sequence[int], max_loops: Optional[int] 
     T_all = len(ids)
     residuals = np.empty((Lmax + 1, T_all, c.d_model), np.float32)
     logits = np.empty((Lmax, T_all, c.vocab_size), np.float32)
-    loop_end = c.n_pre + Lmax * c.n_loop                 # post blocks of depth L: loop_end + (L-1)*n_post
+    # the post blocks of depth k + 1 write their own layer group (depth Lmax: the spec's post group)
+    post_parts = [f"post@{k + 1}" for k in range(Lmax - 1)] + ["post"]
     lock = _locked(model)
     try:
         s = Session(model, ids, plan, ProcessorChain([]), GenerateStats(),
-                    extra_layers=(Lmax - 1) * c.n_post)
+                    extra_groups=tuple(post_parts[:-1]))
         try:
             be, fwd, ws = model.backend, model.fwd, model.ws
             for a in range(0, T_all, ws.rows):
@@ -147,7 +148,7 @@ def trace_loop(model: Model, token_ids: Sequence[int], max_loops: Optional[int] 
                     fwd.run_loop_iters_range(pos, T, s.cache, k, k + 1)
                     residuals[k + 1, a:a + T] = be.rows_to_host(ws.x, T)
                     be.copy(ws.snap_x, ws.x, T)        # the post blocks overwrite x
-                    fwd.suffix(pos, T, s.cache, k + 1, post_layer0=loop_end + k * c.n_post)
+                    fwd.suffix(pos, T, s.cache, part=post_parts[k])
                     fwd.logits(0, T)
                     logits[k, a:a + T] = be.logits_block_to_host(ws, T)
                     be.copy(ws.x, ws.snap_x, T)

@@ -14,7 +14,7 @@ from typing import Dict, Iterable, List, Optional, Type
 import pluggy
 
 from . import hookspecs
-from .cache import CacheMode
+from .cache import CacheMode, KVCodec, SlotMapMode
 from .decoding import Decoder
 from .errors import PluginError
 from .processors import LogitProcessor
@@ -27,7 +27,10 @@ DEFAULT_PLUGINS = (
     "tinyloop.plugins.decoders.speculative",
     "tinyloop.plugins.decoders.tree_speculative",
     "tinyloop.plugins.decoders.auto",
+    "tinyloop.plugins.caches.codecs",
     "tinyloop.plugins.caches.float_cache",
+    "tinyloop.plugins.caches.quant_cache",
+    "tinyloop.plugins.caches.window",
     "tinyloop.plugins.processors.repetition",
 )
 
@@ -85,10 +88,17 @@ class PluginManager:
     def processors(self) -> Dict[str, Type[LogitProcessor]]:
         return self._registry("tinyloop_processors", LogitProcessor)
 
+    def kv_codecs(self) -> Dict[str, Type[KVCodec]]:
+        return self._registry("tinyloop_kv_codecs", KVCodec)
+
+    def slot_maps(self) -> Dict[str, Type[SlotMapMode]]:
+        return self._registry("tinyloop_slot_maps", SlotMapMode)
+
     def all_plugin_classes(self) -> Iterable[type]:
         yield from self.decoders().values()
         yield from self.cache_modes().values()
         yield from self.processors().values()
+        yield from self.slot_maps().values()
 
     # ------------------------------------------------------------------ per-request lookups
     def decoder_for(self, config) -> Type[Decoder]:
@@ -108,6 +118,20 @@ class PluginManager:
         if config.cache_mode not in modes:
             raise PluginError(f"cache_mode={config.cache_mode!r} is not registered; available: {sorted(modes)}")
         return modes[config.cache_mode]
+
+    def codec(self, name: str) -> Type[KVCodec]:
+        codecs = self.kv_codecs()
+        if name not in codecs:
+            raise PluginError(f"KV codec {name!r} is not registered; available: {sorted(codecs)}")
+        return codecs[name]
+
+    def slot_map_for(self, config) -> Optional[SlotMapMode]:
+        """The slot-map plugin the request switches on (None: the linear map)."""
+        found = [m for m in (cls.from_config(config) for cls in self.slot_maps().values()) if m is not None]
+        if len(found) > 1:
+            raise PluginError(f"{len(found)} slot maps match this request ({[m.name for m in found]}); "
+                              f"a cache has one slot map")
+        return found[0] if found else None
 
     def processors_for(self, config) -> List[LogitProcessor]:
         out = []

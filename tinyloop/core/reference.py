@@ -28,22 +28,35 @@ def _rope(x: np.ndarray, n_heads: int, D: int, theta: float) -> np.ndarray:
     return np.concatenate([a * c - b * s, a * s + b * c], axis=-1).reshape(T, n_heads * D)
 
 
+def _kv_model(kv_round, kv_codec):
+    """The cache's effect on K/V rows (T, Hkv, D): None (exact), a float dtype to round through
+    (kv_round, e.g. np.float16), or a KVCodec class whose roundtrip models the stored rows."""
+    if kv_codec is not None:
+        return kv_codec.roundtrip
+    if kv_round is not None:
+        return lambda r: r.astype(kv_round).astype(np.float64)
+    return None
+
+
 def _block(cfg: ModelConfig, W: Mapping[str, np.ndarray], p: str, x: np.ndarray,
-           kv_round: Optional[type]) -> np.ndarray:
+           kv, window: int = 0) -> np.ndarray:
     T, D = x.shape[0], cfg.head_dim
     h = _rmsnorm(x, W[p + "attn_norm"], cfg.norm_eps)
     q = _rope(h @ W[p + "wq"].T, cfg.n_heads, D, cfg.rope_theta)
     k = _rope(h @ W[p + "wk"].T, cfg.n_kv_heads, D, cfg.rope_theta)
     v = h @ W[p + "wv"].T
-    if kv_round is not None:   # model a reduced-precision KV cache
-        k = k.astype(kv_round).astype(np.float64)
-        v = v.astype(kv_round).astype(np.float64)
+    if kv is not None:   # model what the KV cache stores, per (position, kv head) row
+        k = kv(k.reshape(T, cfg.n_kv_heads, D)).reshape(T, cfg.n_kv_heads * D)
+        v = kv(v.reshape(T, cfg.n_kv_heads, D)).reshape(T, cfg.n_kv_heads * D)
     group = cfg.n_heads // cfg.n_kv_heads
     qh = q.reshape(T, cfg.n_heads, D).transpose(1, 0, 2)                        # (H, T, D)
     kh = np.repeat(k.reshape(T, cfg.n_kv_heads, D).transpose(1, 0, 2), group, 0)
     vh = np.repeat(v.reshape(T, cfg.n_kv_heads, D).transpose(1, 0, 2), group, 0)
     s = qh @ kh.transpose(0, 2, 1) / np.sqrt(D)                                 # (H, T, T)
-    s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+    mask = np.tril(np.ones((T, T), bool))
+    if window > 0:   # a sliding window: position i sees positions i - window + 1 .. i
+        mask &= ~np.tril(np.ones((T, T), bool), -window)
+    s = np.where(mask, s, -np.inf)
     s = np.exp(s - s.max(-1, keepdims=True))
     s /= s.sum(-1, keepdims=True)
     att = (s @ vh).transpose(1, 0, 2).reshape(T, cfg.q_dim)
@@ -54,29 +67,34 @@ def _block(cfg: ModelConfig, W: Mapping[str, np.ndarray], p: str, x: np.ndarray,
 
 
 def reference_hidden(cfg: ModelConfig, weights: Mapping[str, np.ndarray], ids: Sequence[int],
-                     loops: int, kv_round: Optional[type] = None) -> np.ndarray:
+                     loops: int, kv_round: Optional[type] = None, kv_codec=None,
+                     window: int = 0) -> np.ndarray:
     """Final residual (T, d_model) in float64 before the final norm."""
     W = {k: np.asarray(v, dtype=np.float64) for k, v in weights.items()}
+    kv_round = _kv_model(kv_round, kv_codec)
     x = W["embed"][np.asarray(ids, dtype=np.int64)]
     for i in range(cfg.n_pre):
-        x = _block(cfg, W, f"pre.{i}.", x, kv_round)
+        x = _block(cfg, W, f"pre.{i}.", x, kv_round, window)
     e = x
     for it in range(loops):
         if it > 0 and cfg.loop_inject == "add":
             x = x + e
         for j in range(cfg.n_loop):
-            x = _block(cfg, W, f"loop.{j}.", x, kv_round)
+            x = _block(cfg, W, f"loop.{j}.", x, kv_round, window)
     for i in range(cfg.n_post):
-        x = _block(cfg, W, f"post.{i}.", x, kv_round)
+        x = _block(cfg, W, f"post.{i}.", x, kv_round, window)
     return x
 
 
 def reference_logits(cfg: ModelConfig, weights: Mapping[str, np.ndarray], ids: Sequence[int],
-                     loops: int, kv_round: Optional[type] = None) -> np.ndarray:
+                     loops: int, kv_round: Optional[type] = None, kv_codec=None,
+                     window: int = 0) -> np.ndarray:
     """Logits (T, vocab_size) in float64 for every position of `ids` at `loops` iterations.
 
-    kv_round=np.float16 rounds K and V through half precision, modelling an fp16 KV cache."""
-    x = reference_hidden(cfg, weights, ids, loops, kv_round)
+    kv_round=np.float16 rounds K and V through half precision, modelling an fp16 KV cache;
+    kv_codec (a KVCodec class) models any cache codec (its encode + decode per row); window > 0
+    masks attention to the last `window` positions (a sliding-window cache)."""
+    x = reference_hidden(cfg, weights, ids, loops, kv_round, kv_codec, window)
     head = weights["embed"] if cfg.tied_embeddings else weights["head"]
     return _rmsnorm(x, np.asarray(weights["final_norm"], np.float64), cfg.norm_eps) @ \
         np.asarray(head, np.float64).T
@@ -87,6 +105,7 @@ def reference_loop_residuals(cfg: ModelConfig, weights: Mapping[str, np.ndarray]
     """Residuals (loops + 1, T, d_model) in float64: [0] enters the loop (after the pre blocks),
     [k] is the residual after loop iteration k (before the next iteration's input injection)."""
     W = {k: np.asarray(v, dtype=np.float64) for k, v in weights.items()}
+    kv_round = _kv_model(kv_round, None)
     x = W["embed"][np.asarray(ids, dtype=np.int64)]
     for i in range(cfg.n_pre):
         x = _block(cfg, W, f"pre.{i}.", x, kv_round)

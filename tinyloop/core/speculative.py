@@ -43,11 +43,10 @@ class SpeculativeSession(Session):
         spec: SpeculativeConfig = plan.decoder_config
         cfg = model.cfg
         # extra layers: the draft's post blocks; extra slots: drafts past the last emitted token
-        super().__init__(model, prompt, plan, chain, stats, extra_layers=cfg.n_post,
+        super().__init__(model, prompt, plan, chain, stats, extra_groups=("draft_post",),
                          extra_slots=spec.draft_ahead + 1 if extra_slots is None else extra_slots)
         self.spec = spec
         self.draft_loops, self.verify_loops = spec.draft_loops, spec.verify_loops
-        self.draft_post0 = cfg.n_layers(spec.verify_loops)
         self.inject = cfg.loop_inject == "add"
 
     def _stash(self, row0: int, n: int = 1) -> None:
@@ -65,7 +64,7 @@ class SpeculativeSession(Session):
         fwd.run_loop_iters_range(pos, n, cache, 0, Ld)
         self._stash(row0, n)
         if head:
-            fwd.suffix(pos, n, cache, Ld, post_layer0=self.draft_post0)
+            fwd.suffix(pos, n, cache, part="draft_post")
             fwd.logits(0, n)
 
     def _resume(self, pos, n: int) -> None:
@@ -76,7 +75,7 @@ class SpeculativeSession(Session):
         if self.inject:
             be.copy(ws.e, ws.snap_e, n)
         fwd.run_loop_iters_range(pos, n, cache, self.draft_loops, self.verify_loops)
-        fwd.suffix(pos, n, cache, self.verify_loops)
+        fwd.suffix(pos, n, cache)
         fwd.logits(0, n)
         be.launch_argmax_rows(ws, n)
 
@@ -342,7 +341,8 @@ def _speculative_plan(model: Model, prompt, config, cls, context: str):
     gc = GenerateConfig(max_tokens=config.max_tokens, loops=config.verify_loops,
                         temperature=config.temperature, sample_seed=config.seed, top_k=config.top_k,
                         top_p=config.top_p,
-                        stop_sequences=config.stop_sequences, cache_mode=config.cache_mode, decoder=context)
+                        stop_sequences=config.stop_sequences, cache_mode=config.cache_mode,
+                        cache_window=config.cache_window, decoder=context)
     plan = _Plan(model, gc, context)
     ids = validate_request(model, prompt, gc)
     resolve_loops(model, config.draft_loops)

@@ -3,7 +3,8 @@
 Weights: float32 tensors stay memory-mapped from the file (no copy); f16 and quantized tensors are
 dequantized once at load into float32 (measured in docs/BENCHMARKS.md: the float32 GEMV in
 tinyloop.cpu.ops runs at ~23 GB/s on one core, faster than unpacking INT4 per token in numba).
-Activations are float32; the KV cache is float32 or IEEE fp16 (stored as uint16 bit patterns).
+Activations are float32; the KV cache is stored per layer group in its codec (tinyloop/cpu/kv_codecs.py:
+float32, IEEE fp16 as uint16 bit patterns, int8 or int4 codes with per-row scales).
 """
 
 from __future__ import annotations
@@ -30,29 +31,29 @@ def _layout(pos, T):
 
 
 class CPUCache:
-    """K and V of shape (n_layers, n_slots, n_kv_heads, head_dim); fp16 stored as uint16 bits."""
+    """A cache laid out as its spec: per layer group, the codec class, its CPU implementation and
+    the K and V storage (tinyloop.cpu.kv_codecs.CPUStorage)."""
 
-    def __init__(self, n_layers: int, n_slots: int, n_kv: int, D: int, kv_dtype: str):
-        if kv_dtype not in ("fp32", "fp16"):
-            raise BackendError(f"cpu backend stores KV as fp32 or fp16, not {kv_dtype!r}")
-        self.kv_dtype = kv_dtype
-        self.n_layers, self.n_slots = n_layers, n_slots
-        dt = np.float32 if kv_dtype == "fp32" else np.uint16
-        shape = (n_layers, n_slots, n_kv, D)
-        try:
-            self.k = np.zeros(shape, dt)
-            self.v = np.zeros(shape, dt)
-        except MemoryError as exc:
-            raise OutOfMemoryError(
-                f"KV cache of {2 * np.prod(shape) * np.dtype(dt).itemsize} bytes does not fit") from exc
-        # numpy views with the storage's real element type, for casting writes
-        self.k_w = self.k if kv_dtype == "fp32" else self.k.view(np.float16)
-        self.v_w = self.v if kv_dtype == "fp32" else self.v.view(np.float16)
-        self.lut = ops.HALF_TO_FLOAT if kv_dtype == "fp16" else np.zeros(0, np.float32)
+    def __init__(self, spec, n_kv: int, D: int):
+        from ..core.plugins import get_plugin_manager
+        pm = get_plugin_manager()
+        self.spec = spec
+        self.n_layers, self.n_slots = spec.n_layers, spec.n_slots
+        self.groups = []
+        for g in spec.groups:
+            codec = pm.codec(g.codec)
+            impl = codec.impl("cpu")
+            self.groups.append((codec, impl, impl.alloc(codec, g.n_layers, spec.n_slots, n_kv, D),
+                                impl.alloc(codec, g.n_layers, spec.n_slots, n_kv, D)))
+
+    def storages(self):
+        for _, _, k, v in self.groups:
+            yield k
+            yield v
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(st.nbytes for st in self.storages())
 
 
 class CPUBackend(Backend):
@@ -101,16 +102,18 @@ class CPUBackend(Backend):
                                             ws.logits, ws.snap_x, ws.snap_e, self._scores))
         return ws
 
-    def alloc_cache(self, n_layers: int, n_slots: int, kv_dtype: str) -> CPUCache:
-        return CPUCache(n_layers, n_slots, self.cfg.n_kv_heads, self.cfg.head_dim, kv_dtype)
+    def alloc_cache(self, spec) -> CPUCache:
+        return CPUCache(spec, self.cfg.n_kv_heads, self.cfg.head_dim)
 
     def copy_cache(self, dst: CPUCache, src: CPUCache, n_slots: int) -> None:
-        if dst.k.shape != src.k.shape or dst.kv_dtype != src.kv_dtype:
-            raise BackendError(f"copy_cache: a {src.kv_dtype} cache of shape {src.k.shape} does not fit a "
-                               f"{dst.kv_dtype} cache of shape {dst.k.shape}")
+        if dst.spec != src.spec:
+            raise BackendError(f"copy_cache: a cache of spec {src.spec} does not fit one of spec {dst.spec}")
         if dst is not src:
-            np.copyto(dst.k[:, :n_slots], src.k[:, :n_slots])
-            np.copyto(dst.v[:, :n_slots], src.v[:, :n_slots])
+            n = n_slots if not src.spec.slots.ring else src.n_slots   # a ring: every slot
+            for d, s_ in zip(dst.storages(), src.storages()):
+                for da, sa in zip(d.arrays, s_.arrays):
+                    if sa.size:
+                        np.copyto(da[:, :n], sa[:, :n])
 
     def memory_bytes(self) -> int:
         return self._held
@@ -153,27 +156,39 @@ class CPUBackend(Backend):
 
     def rope_kv_append(self, q, k, v, cache: CPUCache, layer: int, pos, T: int) -> None:
         c = self.cfg
+        ring = cache.spec.slots
         p0, depth, _, slots = _layout(pos, T)
-        last = (int(slots.max()) if isinstance(slots, np.ndarray) and T else p0 + T - 1)
-        if last >= cache.n_slots:
-            raise BackendError(f"cache slot {last} is past the cache's {cache.n_slots} slots")
+        if ring.ring:
+            if depth.shape[0]:
+                raise BackendError("a draft tree's rows cannot be stored in a sliding-window cache")
+            slots = np.arange(p0, p0 + T) % cache.n_slots
+        else:
+            last = (int(slots.max()) if isinstance(slots, np.ndarray) and T else p0 + T - 1)
+            if last >= cache.n_slots:
+                raise BackendError(f"cache slot {last} is past the cache's {cache.n_slots} slots")
         ops.rope(q, p0, T, c.n_heads, c.head_dim, self.cos, self.sin, depth)
         ops.rope(k, p0, T, c.n_kv_heads, c.head_dim, self.cos, self.sin, depth)
         shape = (T, c.n_kv_heads, c.head_dim)
-        cache.k_w[layer, slots] = k[:T].reshape(shape)
-        cache.v_w[layer, slots] = v[:T].reshape(shape)
+        gi, local = cache.spec.group_of(layer)
+        codec, impl, kst, vst = cache.groups[gi]
+        impl.store(codec, kst, local, slots, k[:T].reshape(shape))
+        impl.store(codec, vst, local, slots, v[:T].reshape(shape))
 
     def attention(self, q, cache: CPUCache, layer: int, pos, T: int, out) -> None:
         c = self.cfg
         p0, depth, path, _ = _layout(pos, T)
-        kernel = ops.attention_f16 if cache.kv_dtype == "fp16" else ops.attention_f32
-        kernel(q, cache.k, cache.v, layer, p0, T, c.n_heads, c.n_kv_heads, c.head_dim, out,
-               self._scores, cache.lut, depth, path)
+        gi, local = cache.spec.group_of(layer)
+        _, impl, kst, vst = cache.groups[gi]
+        kernel = ops.attention_for(impl.load)
+        kernel(q, *kst.arrays, *vst.arrays, local, p0, T, c.n_heads, c.n_kv_heads, c.head_dim, out,
+               self._scores, impl.lut, depth, path, cache.spec.slots.window, cache.n_slots)
 
     def move_cache_slots(self, cache: CPUCache, moves) -> None:
-        for src, dst in moves:
-            cache.k[:, dst] = cache.k[:, src]
-            cache.v[:, dst] = cache.v[:, src]
+        for st in cache.storages():
+            for a in st.arrays:
+                if a.size:
+                    for src, dst in moves:
+                        a[:, dst] = a[:, src]
 
     def swiglu(self, g, u, out, T: int) -> None:
         ops.swiglu(g, u, out, T)

@@ -10,8 +10,9 @@ thread computes the element, or on how many threads run, so row t of a T-row lau
 row computed alone (prefill == decode == uncached, bit for bit). fastmath stays off: reassociation
 would let LLVM change the order.
 
-The fp16 KV cache is stored as uint16 bit patterns (numba has no float16 on the CPU); reads convert
-through a 65536-entry float32 table, which is exact.
+KV caches are read through a codec's inline load function (tinyloop.cpu.kv_codecs); the fp16
+cache is stored as uint16 bit patterns (numba has no float16 on the CPU) and read through a
+65536-entry float32 table, which is exact.
 """
 
 from __future__ import annotations
@@ -115,28 +116,21 @@ def rope(x, pos, T, n_heads, D, cos_t, sin_t, depth):
                 x[t, base + half + i] = a * s + b * c
 
 
-@njit(inline="always", **_SEQ)
-def _load_f32(c, layer, s, h, d, lut):
-    return c[layer, s, h, d]
-
-
-@njit(inline="always", **_SEQ)
-def _load_f16(c, layer, s, h, d, lut):
-    return lut[c[layer, s, h, d]]
-
-
 def _make_attention(_load):
     @njit(**_PAR)
-    def attention(q, kc, vc, layer, pos, T, n_heads, n_kv, D, out, scores, lut, depth, path):
+    def attention(q, kd, ks, kz, vd, vs, vz, layer, pos, T, n_heads, n_kv, D, out, scores, lut, depth,
+                  path, window, ring):
         """GQA attention: out[t, head h] = softmax_j(q[t,h] . k[slot_j] / sqrt(D)) . v[slot_j].
 
-        Causal (depth empty): keys j = 0 .. pos + t at slot j. Tree layout: keys j = 0 .. pos +
-        depth[t], slot j for j < pos (the committed context), then slot pos + path[t, j - pos] (the
-        row's tree path, root first). Either way the keys reduce in j order, so a tree row equals
-        the causal row of the same token sequence bit for bit.
+        Causal (depth empty): keys j = 0 .. pos + t at slot j; with a window W > 0 only the last W
+        of them, j = max(0, pos + t - W + 1) .. pos + t, at slot j % ring. Tree layout: keys j = 0
+        .. pos + depth[t], slot j for j < pos (the committed context), then slot pos + path[t, j -
+        pos] (the row's tree path, root first). Either way the keys reduce in j order, so a tree
+        row equals the causal row of the same token sequence bit for bit.
 
-        kc/vc: (L, S, Hkv, D) float32, or uint16 fp16 bit patterns with lut = HALF_TO_FLOAT (else an
-        empty lut). scores: (T*H, S) float32 scratch. Each (t, h) is one task."""
+        (kd, ks, kz) / (vd, vs, vz): a layer group's K / V codes, scales and zero points, read
+        through the codec's `_load` (tinyloop.cpu.kv_codecs). scores: (T*H, S) float32 scratch.
+        Each (t, h) is one task."""
         group = n_heads // n_kv
         scale = float32(1.0) / np.sqrt(float32(D))
         tree = depth.shape[0] > 0
@@ -145,44 +139,63 @@ def _make_attention(_load):
             h = th % n_heads
             kvh = h // group
             n = pos + (depth[t] if tree else t) + 1
+            j0 = n - window if window > 0 and n > window else 0
             sc = scores[th]
             m = float32(-np.inf)
-            for j in range(n):
-                s = pos + path[t, j - pos] if tree and j >= pos else j
+            for j in range(j0, n):
+                if tree and j >= pos:
+                    s = pos + path[t, j - pos]
+                elif window > 0:
+                    s = j % ring
+                else:
+                    s = j
                 p0 = float32(0.0); p1 = float32(0.0); p2 = float32(0.0); p3 = float32(0.0)
                 d = 0
                 while d + 4 <= D:
-                    p0 += q[t, h * D + d] * _load(kc, layer, s, kvh, d, lut)
-                    p1 += q[t, h * D + d + 1] * _load(kc, layer, s, kvh, d + 1, lut)
-                    p2 += q[t, h * D + d + 2] * _load(kc, layer, s, kvh, d + 2, lut)
-                    p3 += q[t, h * D + d + 3] * _load(kc, layer, s, kvh, d + 3, lut)
+                    p0 += q[t, h * D + d] * _load(kd, ks, kz, layer, s, kvh, d, lut)
+                    p1 += q[t, h * D + d + 1] * _load(kd, ks, kz, layer, s, kvh, d + 1, lut)
+                    p2 += q[t, h * D + d + 2] * _load(kd, ks, kz, layer, s, kvh, d + 2, lut)
+                    p3 += q[t, h * D + d + 3] * _load(kd, ks, kz, layer, s, kvh, d + 3, lut)
                     d += 4
                 a = (p0 + p1) + (p2 + p3)
                 while d < D:
-                    a += q[t, h * D + d] * _load(kc, layer, s, kvh, d, lut)
+                    a += q[t, h * D + d] * _load(kd, ks, kz, layer, s, kvh, d, lut)
                     d += 1
                 a *= scale
-                sc[j] = a
+                sc[j - j0] = a
                 if a > m:
                     m = a
             total = float32(0.0)
-            for j in range(n):
-                e = np.exp(sc[j] - m)
-                sc[j] = e
+            for j in range(j0, n):
+                e = np.exp(sc[j - j0] - m)
+                sc[j - j0] = e
                 total += e
             inv = float32(1.0) / total
             for d in range(D):
                 out[t, h * D + d] = float32(0.0)
-            for j in range(n):
-                s = pos + path[t, j - pos] if tree and j >= pos else j
-                w = sc[j] * inv
+            for j in range(j0, n):
+                if tree and j >= pos:
+                    s = pos + path[t, j - pos]
+                elif window > 0:
+                    s = j % ring
+                else:
+                    s = j
+                w = sc[j - j0] * inv
                 for d in range(D):
-                    out[t, h * D + d] += w * _load(vc, layer, s, kvh, d, lut)
+                    out[t, h * D + d] += w * _load(vd, vs, vz, layer, s, kvh, d, lut)
     return attention
 
 
-attention_f32 = _make_attention(_load_f32)
-attention_f16 = _make_attention(_load_f16)
+_ATTENTION = {}
+
+
+def attention_for(load):
+    """The attention kernel reading the cache through `load` (a codec's inline load function),
+    compiled once per load function."""
+    fn = _ATTENTION.get(load)
+    if fn is None:
+        fn = _ATTENTION[load] = _make_attention(load)
+    return fn
 
 
 @njit(**_SEQ)

@@ -8,21 +8,18 @@ from ...core.hookspecs import hookimpl
 from .. import ALL_CONTEXTS_OK
 
 
-
 class FP16Cache(CacheMode):
     name = "fp16"
     mode = "fp16_cache"
     compat = ALL_CONTEXTS_OK
-    kv_dtype = "fp16"
-    kv_bytes_per_element = 2.0
+    codec = "fp16"
 
 
 class FP32Cache(CacheMode):
     name = "fp32"
     mode = "fp32_cache"
     compat = ALL_CONTEXTS_OK
-    kv_dtype = "fp32"
-    kv_bytes_per_element = 4.0
+    codec = "fp32"
 
 
 @hookimpl
