@@ -281,7 +281,11 @@ def test_memory_returns_to_base(flat):
     assert tl.vram_usage_bytes(flat) == base
     it = tl.generate_iter(flat, p, GenerateConfig(max_tokens=6, beam_size=4))
     next(it)
-    one_cache = flat.backend.alloc_cache(flat.cfg.n_layers(flat.cfg.default_loops), len(p) + 6, "fp16").nbytes
+    from tinyloop.core.cache import build_spec, linear_slots
+    from tinyloop.core.plugins import get_plugin_manager
+    spec = build_spec(flat.cfg, flat.cfg.default_loops, get_plugin_manager().cache_modes()["fp16"],
+                      linear_slots(len(p) + 6))
+    one_cache = flat.backend.alloc_cache(spec).nbytes
     assert tl.vram_usage_bytes(flat) == base + 4 * one_cache     # four lanes held while decoding
     it.close()
     assert tl.vram_usage_bytes(flat) == base
@@ -390,17 +394,23 @@ def test_session_lanes_fork_and_copy(flat, cache_mode):
 
 
 def test_copy_cache_backend_op(flat):
-    be = flat.backend
-    a = be.alloc_cache(2, 5, "fp32")
-    b = be.alloc_cache(2, 5, "fp32")
-    a.k[:] = np.arange(a.k.size, dtype=np.float32).reshape(a.k.shape)
-    a.v[:] = -a.k
+    from tinyloop.core.cache import build_spec, linear_slots
+    from tinyloop.core.plugins import get_plugin_manager
+    be, modes = flat.backend, get_plugin_manager().cache_modes()
+
+    def spec(slots, mode="fp32"):
+        return build_spec(flat.cfg, 1, modes[mode], linear_slots(slots))
+    a = be.alloc_cache(spec(5))
+    b = be.alloc_cache(spec(5))
+    for st in a.storages():
+        st.data[:] = np.arange(st.data.size, dtype=np.float32).reshape(st.data.shape)
     be.copy_cache(b, a, 3)
-    assert np.array_equal(b.k[:, :3], a.k[:, :3]) and np.array_equal(b.v[:, :3], a.v[:, :3])
+    for sa, sb in zip(a.storages(), b.storages()):
+        assert np.array_equal(sb.data[:, :3], sa.data[:, :3]) and not sb.data[:, 3:].any()
     with pytest.raises(tl.BackendError, match="does not fit"):
-        be.copy_cache(be.alloc_cache(2, 6, "fp32"), a, 3)
+        be.copy_cache(be.alloc_cache(spec(6)), a, 3)
     with pytest.raises(tl.BackendError, match="does not fit"):
-        be.copy_cache(be.alloc_cache(2, 5, "fp16"), a, 3)
+        be.copy_cache(be.alloc_cache(spec(5, "fp16")), a, 3)
 
 
 # =============================================================================== tie-breaking

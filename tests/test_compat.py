@@ -108,8 +108,9 @@ def test_random_mode_combinations(tiny_model, prompt, monkeypatch, knobs, contex
 
 
 def test_rejection_names_the_rule(tiny_model, prompt):
-    with pytest.raises(tl.NotImplementedModeError, match=r"cache_window \(cache_window=8\) is not implemented yet"):
-        tl.generate(tiny_model, prompt, tl.GenerateConfig(cache_window=8))
+    with pytest.raises(tl.NotImplementedModeError,
+                       match=r"early_exit \(early_exit_patience=2\) is not implemented yet"):
+        tl.generate(tiny_model, prompt, tl.GenerateConfig(early_exit_patience=2))
     with pytest.raises(tl.IncompatibleModesError, match=r"beam_search \(beam_size=4\) is rejected in batched"):
         tl.generate_batch(tiny_model, [prompt], tl.GenerateConfig(beam_size=4))
     with pytest.raises(tl.IncompatibleModesError, match=r"repetition_penalty.*rejected in speculative"):

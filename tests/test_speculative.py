@@ -83,7 +83,7 @@ def test_demo_model_exact(prompt):
     (dict(draft_ahead=0), tl.ConfigError, "draft_ahead=0"),
     (dict(temperature=0.9, top_k=0), tl.ConfigError, "top_k=0"),
     (dict(temperature=0.9, top_p=0.0), tl.ConfigError, "top_p=0.0"),
-    (dict(cache_mode="int8"), tl.NotImplementedModeError, "int8_cache"),
+    (dict(cache_mode="int3"), tl.PluginError, "cache_mode=.int3. is not registered"),
     (dict(verify_resume="yes"), tl.ConfigError, "verify_resume"),
 ])
 def test_errors_before_work(model, prompt, monkeypatch, kw, exc, match):

@@ -121,7 +121,7 @@ def test_demo_model_exact_over_many_prompts():
     (dict(verify_loops=9), tl.ConfigError, "verify_loops=9"),
     (dict(K_branches=4, draft_ahead=5), tl.ConfigError, "draft tree of 1365 nodes"),
     (dict(temperature=0.9, top_k=0), tl.ConfigError, "top_k=0"),
-    (dict(cache_mode="int4"), tl.NotImplementedModeError, "int4_cache"),
+    (dict(cache_mode="int3"), tl.PluginError, "cache_mode=.int3. is not registered"),
 ])
 def test_errors_before_work(model, prompt, monkeypatch, kw, exc, match):
     calls = []

@@ -22,6 +22,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-windows", type=int, default=None, help="score at most this many windows")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: embedded)")
     p.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--cache-mode", default="fp16",
+                   help="KV cache mode(s), comma-separated (fp16, fp32, int8, int4, ...; default fp16)")
     p.add_argument("--json", default=None, help="write the results as JSON to this file")
     return p
 
@@ -40,12 +42,17 @@ def run(args) -> int:
         tok = resolve_tokenizer(model.header.tokenizer, args.tokenizer, model.vocab_size)
         ids = tok.encode(text)
         results = []
-        print(f"{'loops':>5} {'ppl':>10} {'nll':>8} {'tokens':>8}")
+        modes = [m.strip() for m in args.cache_mode.split(",") if m.strip()]
+        if not modes:
+            raise ConfigError(f"--cache-mode={args.cache_mode!r} names no cache mode")
+        print(f"{'loops':>5} {'cache':>6} {'ppl':>10} {'nll':>8} {'tokens':>8}")
         for L in loops or [None]:
-            r = perplexity(model, ids, loops=L, window=args.window, max_windows=args.max_windows)
-            results.append(r)
-            print(f"{r['loops']:>5} {r['ppl']:>10.3f} {r['nll']:>8.4f} {r['tokens']:>8}")
-            sys.stdout.flush()
+            for mode in modes:
+                r = perplexity(model, ids, loops=L, window=args.window, max_windows=args.max_windows,
+                               cache_mode=mode)
+                results.append(r)
+                print(f"{r['loops']:>5} {mode:>6} {r['ppl']:>10.3f} {r['nll']:>8.4f} {r['tokens']:>8}")
+                sys.stdout.flush()
         if args.json:
             Path(args.json).write_text(json.dumps({"model": args.model, "text": args.text,
                                                    "window": args.window, "results": results}, indent=2))

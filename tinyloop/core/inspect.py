@@ -20,10 +20,19 @@ BACKEND_NOTES = {"cpu": "weights dequantized to float32",
 N_LARGEST = 5
 
 
-def cache_modes() -> Dict[str, float]:
-    """{cache mode: KV bytes per element} of every registered cache-mode plugin."""
+def cache_modes(head_dim: int) -> Dict[str, float]:
+    """{cache mode: KV bytes per element} of every registered cache-mode plugin whose codecs are
+    registered, for rows of `head_dim` values (scales and zero points included): the loop group's
+    codec, which holds all but the pre and post layers."""
     from .plugins import get_plugin_manager
-    return {name: float(cls.kv_bytes_per_element) for name, cls in get_plugin_manager().cache_modes().items()}
+    pm = get_plugin_manager()
+    codecs = pm.kv_codecs()
+    out = {}
+    for name, cls in pm.cache_modes().items():
+        codec = codecs.get(cls.group_codec("loop"))
+        if codec is not None:
+            out[name] = codec.row_bytes(head_dim) / head_dim
+    return out
 
 
 def _part_of(name: str) -> str:
@@ -88,7 +97,7 @@ def inspect(path: str, max_seq_len: int = 2048, loops: Optional[int] = None, mea
         tok_info = {"embedded": False}
 
     loops = cfg.default_loops if loops is None else loops
-    modes = cache_modes()
+    modes = cache_modes(cfg.head_dim)
     memory = {}
     for backend in BACKENDS:
         memory[backend] = {"note": BACKEND_NOTES[backend], "cache_modes": {}}
