@@ -39,27 +39,34 @@ def kv_bytes_per_token(model, loops: int, mode: str) -> int:
                for g, n in groups)
 
 
+def cache_bytes(model, n_positions: int, loops: int, mode: str, window: int) -> int:
+    """Bytes of the K/V storage a plain request of `n_positions` positions allocates (before a
+    backend rounds its slots up): the spec the session builds."""
+    import tinyloop as tl
+    from tinyloop.core.cache import build_spec, linear_slots
+    from tinyloop.core.plugins import get_plugin_manager
+    pm = get_plugin_manager()
+    sm = pm.slot_map_for(tl.GenerateConfig(cache_window=window))
+    slots = (sm.slot_map(n_positions, sm.launch_rows(model.ws.rows)) if sm is not None
+             else linear_slots(n_positions))
+    spec = build_spec(model.cfg, loops, pm.cache_modes()[mode], slots)
+    return spec.nbytes(model.cfg.n_kv_heads, model.cfg.head_dim, pm.kv_codecs())
+
+
 def run_mode(model, prompt, new: int, loops: int, mode: str, window: int, repeats: int) -> dict:
     import tinyloop as tl
 
     cfg = tl.GenerateConfig(max_tokens=new, loops=loops, cache_mode=mode, cache_window=window)
     tl.generate(model, prompt, cfg.replace(max_tokens=4))            # compile, warm, capture
-    dec, pre, cache_bytes, toks = [], [], 0, None
+    dec, pre, toks = [], [], None
     for _ in range(repeats):
         st = tl.GenerateStats()
-        base = tl.vram_usage_bytes(model)
-        it = tl.generate_iter(model, prompt, cfg, stats=st)
-        out = []
-        for t in it:
-            if not out:
-                cache_bytes = tl.vram_usage_bytes(model) - base
-            out.append(t)
-        toks = out
+        toks = list(tl.generate_iter(model, prompt, cfg, stats=st))
         dec.append(st.decode_ms / max(1, st.tokens_emitted - 1))
         pre.append(st.prefill_ms)
     return {"cache_mode": mode, "window": window, "decode_ms_per_token": _median(dec),
             "prefill_ms": _median(pre), "kv_bytes_per_token": kv_bytes_per_token(model, loops, mode),
-            "cache_bytes": int(cache_bytes), "tokens": toks}
+            "cache_bytes": cache_bytes(model, len(prompt) + new, loops, mode, window), "tokens": toks}
 
 
 def main(argv=None) -> int:

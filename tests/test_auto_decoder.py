@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import tinyloop as tl
-from tinyloop.core import autotune
+from tinyloop.plugins.decoders import autotune
 
 from conftest import write_tiny
 

@@ -5,6 +5,7 @@ policy, memory accounting and the compat rules."""
 from __future__ import annotations
 
 import zlib
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,9 +15,10 @@ from hypothesis import strategies as st
 import tinyloop as tl
 from tinyloop import GenerateConfig, GenerateStats, StopReason
 from tinyloop.core.arch import ModelConfig, TensorQuant
-from tinyloop.core.engine import Session, _Plan
+from tinyloop.core.engine import Plan, Session
 from tinyloop.core.format import write_model
 from tinyloop.core.processors import ProcessorChain
+from tinyloop.core.stopping import StopperChain
 from tinyloop.plugins.decoders.beam import BeamSearchDecoder
 
 from conftest import TINY, random_weights
@@ -158,11 +160,23 @@ def test_exhaustive_when_every_token_is_a_beam(flat):
     assert out == p + [best[1], best[2]]
 
 
+def beam_of_one(model, prompt, max_tokens):
+    """The beam search algorithm with one beam, on an engine session (a request cannot ask for it:
+    beam_size 0 or 1 means ordinary decoding, and decoder='beam' with it is refused)."""
+    cfg = GenerateConfig(max_tokens=max_tokens, length_penalty=0.0)
+    s = _session(model, prompt, max_tokens)
+    s.stoppers = request_stoppers(cfg, model.cfg, prompt)
+    try:
+        return list(prompt) + list(BeamSearchDecoder(cfg).decode(s))
+    finally:
+        s.close()
+
+
 def test_beam_of_one_is_greedy(tmp_path, flat):
-    """decoder='beam' with beam_size 1 and length_penalty 0 is greedy decoding, EOS included."""
+    """Beam search with one beam and length_penalty 0 is greedy decoding, EOS included."""
     for p in PROMPTS:
         g = tl.generate(flat, p, GenerateConfig(max_tokens=8))
-        assert beam(flat, p, max_tokens=8, decoder="beam", beam_size=1, length_penalty=0.0) == g
+        assert beam_of_one(flat, p, 8) == g
     p = PROMPTS[0]
     eos = tl.generate(flat, p, GenerateConfig(max_tokens=8))[len(p) + 3]
     path = tmp_path / "eos.tinyloop"
@@ -171,9 +185,19 @@ def test_beam_of_one_is_greedy(tmp_path, flat):
     try:
         g = tl.generate(m, p, GenerateConfig(max_tokens=8))
         assert g[-1] == eos
-        assert beam(m, p, max_tokens=8, decoder="beam", beam_size=1, length_penalty=0.0) == g
+        assert beam_of_one(m, p, 8) == g
     finally:
         tl.free_model(m)
+
+
+@pytest.mark.parametrize("beam_size", [0, 1])
+def test_beam_decoder_needs_two_beams(flat, monkeypatch, beam_size):
+    """decoder='beam' with beam_size 0 or 1 (ordinary decoding) contradicts itself: refused before work."""
+    calls = []
+    monkeypatch.setattr(flat.backend, "alloc_cache", lambda *a: calls.append(a))
+    with pytest.raises(tl.IncompatibleModesError, match=rf"beam_size={beam_size} asks for ordinary decoding"):
+        tl.generate(flat, PROMPTS[0], GenerateConfig(decoder="beam", beam_size=beam_size))
+    assert calls == []
 
 
 def test_uncached_path_and_prefill_chunk_agree(flat_path, flat, monkeypatch):
@@ -351,7 +375,7 @@ def test_processors_are_refused_not_ignored(flat, prompt):
 # =============================================================================== engine lanes
 def _session(model, prompt, max_tokens, cache_mode="fp16"):
     cfg = GenerateConfig(max_tokens=max_tokens, cache_mode=cache_mode)
-    plan = _Plan(model, cfg, "single")
+    plan = Plan(model, cfg, "single")
     return Session(model, list(prompt), plan, ProcessorChain([]), GenerateStats())
 
 
@@ -414,12 +438,21 @@ def test_copy_cache_backend_op(flat):
 
 
 # =============================================================================== tie-breaking
+def request_stoppers(config, model_config, prompt):
+    """The request's per-sequence stop rules, as the engine hands them to a session."""
+    from tinyloop.core.plugins import get_plugin_manager
+    chain = StopperChain(get_plugin_manager().stoppers_for(config, model_config))
+    chain.reset(prompt)
+    return chain
+
+
 class ScriptedSession:
     """A DecodeSession whose logits are a function of each lane's tokens (small integers, so ties
     are everywhere); lanes are plain token lists, so a lane mix-up changes the logits."""
 
     def __init__(self, prompt, config, V, f, eos=None):
         self.config, self.vocab_size, self.eos_id, self.f = config, V, eos, f
+        self.stoppers = request_stoppers(config, SimpleNamespace(eos_id=eos, vocab_size=V), prompt)
         self.chain = ProcessorChain([])
         self.stats = GenerateStats()
         self.prompt = list(prompt)

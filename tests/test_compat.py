@@ -70,7 +70,8 @@ def expected_outcome(matrix, context, cfg):
 @given(knobs=MODE_KNOBS, context=st.sampled_from(["single", "batched", "speculative", "tree_speculative"]))
 def test_random_mode_combinations(tiny_model, prompt, monkeypatch, knobs, context):
     matrix = load_matrix()
-    cfg = tl.GenerateConfig(max_tokens=3, sample_seed=1, **knobs)
+    # the seed only where it is used: a seed on a greedy or beam request is a field the decoder ignores
+    cfg = tl.GenerateConfig(max_tokens=3, sample_seed=1 if knobs["temperature"] > 0.01 else 0, **knobs)
     if context in ("speculative", "tree_speculative"):
         # the speculative entry points take temperature and cache_mode; the other knobs do not exist there
         cfg = tl.GenerateConfig(max_tokens=3, temperature=knobs["temperature"], cache_mode=knobs["cache_mode"])

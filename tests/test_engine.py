@@ -225,8 +225,11 @@ def test_config_validation(kw, match):
         GenerateConfig(**kw)
 
 
-def test_top_k_ignored_when_greedy():
+def test_top_k_validated_only_while_sampling(tiny_model, prompt):
     assert GenerateConfig(top_k=0).top_k == 0
+    # but a greedy request that sets it asks for something the greedy decoder would ignore
+    with pytest.raises(tl.IncompatibleModesError, match="top_k=0 is set, but decoder 'greedy' ignores it"):
+        tl.generate(tiny_model, prompt, GenerateConfig(top_k=0))
 
 
 @pytest.mark.parametrize("prompt_,kw,match", [

@@ -57,6 +57,49 @@ def test_every_hook_is_prefixed_and_documented():
             assert impl_name.startswith("tinyloop_")
 
 
+def test_a_hook_without_a_docstring_fails():
+    """Every hookspec in hookspecs.py (whatever its name) is a documented tinyloop_* registry hook
+    that says what it returns and how results combine; the manager knows exactly those hooks."""
+    specs = {n: f for n, f in vars(hookspecs).items()
+             if pyinspect.isfunction(f) and hasattr(f, "tinyloop_spec")}
+    assert {"tinyloop_decoders", "tinyloop_processors", "tinyloop_stoppers", "tinyloop_cache_modes",
+            "tinyloop_kv_codecs", "tinyloop_slot_maps"} <= set(specs)
+    for name, f in specs.items():
+        doc = pyinspect.getdoc(f) or ""
+        assert name.startswith("tinyloop_"), name
+        assert doc.startswith("Return a list of") and "Result:" in doc and len(doc) > 80, \
+            f"hook {name} needs a docstring: what it returns and its result mode"
+    pm = PluginManager(load_entrypoints=False)
+    declared = {n for n in vars(pm.pm.hook) if not n.startswith("_")}
+    assert declared == set(specs)
+
+
+def test_plugin_author_api_is_exported():
+    for name in ("hookimpl", "Decoder", "DecodeSession", "Session", "LogitProcessor", "Stopper", "StopOrder",
+                 "CacheMode", "KVCodec", "SlotMapMode", "Stage"):
+        obj = getattr(tl, name)
+        assert name in tl.__all__ and (name == "hookimpl" or obj.__doc__), name
+    assert tl.hookimpl is hookimpl and tl.Decoder is Decoder
+    for meth in ("start", "logits", "greedy", "advance", "fork_pool", "copy_state", "lane_tokens"):
+        assert getattr(tl.DecodeSession, meth).__doc__, meth
+        assert callable(getattr(tl.Session, meth))
+
+
+def test_core_imports_no_plugin_module():
+    """Core names no plugin: the only way in is DEFAULT_PLUGINS, registered like a third party."""
+    import ast
+    import pathlib
+    core = pathlib.Path(tl.__file__).parent / "core"
+    for path in core.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                mod = ("." * node.level) + (node.module or "")
+                assert "plugins." not in mod and not mod.startswith(".."), f"{path.name} imports {mod}"
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith("tinyloop.plugins") for a in node.names), path.name
+
+
 def test_builtins_registered_as_ordinary_plugins():
     pm = PluginManager(load_entrypoints=False)
     names = {n for n, _ in pm.pm.list_name_plugin()}

@@ -33,6 +33,9 @@ def write(tmp_path, data) -> str:
     ({"prompts": ["x"], "mode": "speculative"}, "needs a `speculative:` section"),
     ({"prompts": ["x"], "speculative": {"draft_loops": 1}}, "only used with mode: speculative"),
     ({"prompts": ["x"], "mode": "speculative", "speculative": {"draft_ahed": 3}}, "unknown key 'draft_ahed'"),
+    ({"prompts": ["x"], "mode": "speculative", "speculative": {"draft_loops": 1}, "generate": {"temperature": 0.7}},
+     r"`generate:` section would be ignored \(it sets temperature\)"),
+    ({"prompts": ["x"], "generate": {"decoder": "speculative", "options": [1]}}, "options must be a mapping"),
     ({"prompts": "x"}, "prompts must be a list of strings"),
     ({"prompts": ["x"], "backend": "tpu"}, "backend='tpu'"),
 ])
@@ -47,13 +50,22 @@ def test_shipped_configs_parse():
             load_run_config(str(p))
 
 
-@pytest.mark.parametrize("mode,extra", [("speculative", {}), ("tree_speculative", {"K_branches": 3})])
-def test_speculative_mode_equals_greedy(tmp_path, mode, extra):
+SPEC = {"draft_loops": 2, "verify_loops": 6, "draft_ahead": 3}
+
+
+@pytest.mark.parametrize("section", [
+    {"mode": "speculative", "speculative": {"max_tokens": 24, **SPEC}},
+    {"mode": "tree_speculative", "speculative": {"max_tokens": 24, "K_branches": 3, **SPEC}},
+    # the same decoders as a generate section with the decoder's options
+    {"generate": {"max_tokens": 24, "decoder": "speculative", "options": SPEC}},
+    {"generate": {"max_tokens": 24, "decoder": "tree_speculative", "options": {"K_branches": 3, **SPEC}}},
+])
+def test_speculative_mode_equals_greedy(tmp_path, section):
     out = tmp_path / "o.jsonl"
     path = write(tmp_path, {"backend": "cpu", "max_seq_len": 256, "prompts": ["def fibonacci(n):"],
-                            "stream": False, "output_jsonl": str(out), "mode": mode,
-                            "speculative": {"max_tokens": 24, "draft_loops": 2, "verify_loops": 6,
-                                            "draft_ahead": 3, **extra}})
+                            "stream": False, "output_jsonl": str(out), **section})
+    if "generate" in section:
+        assert dict(load_run_config(path).generate.options) == section["generate"]["options"]
     assert main(["run", path]) == 0
     rec = json.loads(out.read_text().splitlines()[0])
     m = tl.load_model(demo_model_path(), max_seq_len=256, backend="cpu")

@@ -9,7 +9,7 @@ import pytest
 
 import tinyloop as tl
 from tinyloop import SpeculativeConfig, TreeSpeculativeConfig
-from tinyloop.core.speculative import DraftTree, tree_nodes
+from tinyloop.plugins.decoders.spec_session import DraftTree, tree_nodes
 
 from conftest import write_tiny
 from test_speculative import _chi2, _chi2_critical, _exact_marginals

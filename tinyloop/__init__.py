@@ -1,6 +1,7 @@
 """TinyLoop: an inference runtime for weight-shared looped transformers.
 
-Public API (and nothing else): model lifecycle, generation, scoring, configs, stats and errors.
+Public API (and nothing else): model lifecycle, generation, scoring, configs, stats and errors, and
+the plugin author's API (hooks, base classes and the decode-session contract; docs/PLUGINS.md).
 """
 
 from .core.config import (GenerateConfig, GenerateStats, RunConfig, SpeculativeConfig, StopReason,
@@ -10,9 +11,17 @@ from .core.engine import (Model, free_model, generate, generate_batch, generate_
 from .core.errors import (BackendError, ConfigError, IncompatibleModesError, InvalidInputError,
                           ModelBusyError, ModelFormatError, ModelFreedError, NotImplementedModeError,
                           OutOfMemoryError, PluginError, TinyLoopError, TokenizerError)
-from .core.speculative import generate_speculative, generate_tree_speculative
 from .core.inspect import inspect
-from .core.autotune import DecoderChoice, calibrate
+from .api import generate_speculative, generate_tree_speculative
+from .plugins.decoders.autotune import DecoderChoice, calibrate
+# the plugin author's API
+from .core.cache import CacheMode, KVCodec, SlotMap, SlotMapMode
+from .core.decoding import DecodeSession, Decoder
+from .core.engine import Plan, Session
+from .core.hookspecs import hookimpl
+from .core.processors import LogitProcessor, ProcessorChain, Stage
+from .core.stopping import Stopper, StopperChain, StopOrder
+from .plugins.decoders.spec_session import SpeculativeOptions, TreeSpeculativeOptions
 
 __version__ = "0.1.0"
 
@@ -22,8 +31,11 @@ __all__ = [
     "generate_speculative", "generate_tree_speculative", "calibrate", "DecoderChoice", "score",
     "score_last_token",
     "GenerateConfig", "GenerateStats", "SpeculativeConfig", "TreeSpeculativeConfig", "StopReason",
-    "RunConfig",
+    "RunConfig", "SpeculativeOptions", "TreeSpeculativeOptions",
     "TinyLoopError", "ModelFormatError", "ConfigError", "InvalidInputError", "IncompatibleModesError",
     "NotImplementedModeError", "PluginError", "BackendError", "OutOfMemoryError", "TokenizerError",
     "ModelFreedError", "ModelBusyError",
+    # plugin author's API
+    "hookimpl", "Decoder", "DecodeSession", "Session", "Plan", "LogitProcessor", "ProcessorChain", "Stage",
+    "Stopper", "StopperChain", "StopOrder", "CacheMode", "KVCodec", "SlotMapMode", "SlotMap",
 ]

@@ -1,7 +1,9 @@
 """``tinyloop run CFG.yaml``: load a model, tokenize prompts, decode, stream to the terminal.
 
 The YAML maps onto tinyloop.core.config.RunConfig (unknown keys are errors naming the key); its
-``generate`` section onto GenerateConfig. Relative paths are relative to the YAML file.
+``generate`` section onto GenerateConfig (a decoder's own settings under ``options``). Relative
+paths are relative to the YAML file. Every mode streams through generate_iter (a ``speculative:``
+section becomes the request of the speculative decoder plugin, as tl.generate_speculative does).
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ from typing import List, Optional
 
 from ..core.config import GenerateStats, RunConfig, load_run_config
 from ..core.engine import free_model, generate_batch, generate_iter, load_model
-from ..core.speculative import generate_speculative, generate_tree_speculative
 from ..core.errors import ConfigError
 from ..core.models import demo_model_path
 from ..core.tokenizer import resolve_tokenizer
+from ..plugins.decoders.spec_session import speculative_request
 
 
 def _resolve(base: Path, p: Optional[str]) -> Optional[str]:
@@ -86,8 +88,17 @@ def run(args) -> int:
         eos = model.cfg.eos_id
         records = []
         out = sys.stdout
-        depth = (f"draft loops {cfg.speculative.draft_loops}, verify loops {cfg.speculative.verify_loops}"
-                 if cfg.speculative is not None else f"loops={cfg.generate.loops or model.cfg.default_loops}")
+        request = (cfg.generate if cfg.speculative is None else
+                   speculative_request(cfg.speculative, tree=cfg.mode == "tree_speculative"))
+        if cfg.speculative is not None:
+            depth = f"draft loops {cfg.speculative.draft_loops}, verify loops {cfg.speculative.verify_loops}"
+        else:
+            depth = f"loops={cfg.generate.loops or model.cfg.default_loops}"
+            if cfg.generate.decoder:
+                o = cfg.generate.options
+                opts = "".join(f", {k}={v}" for k, v in (dataclasses.asdict(o) if dataclasses.is_dataclass(o)
+                                                         else dict(o)).items())
+                depth = f"decoder {cfg.generate.decoder}{opts}" if opts else f"decoder {cfg.generate.decoder}, {depth}"
         print(f"[tinyloop] {Path(model_path).name} on {model.backend_name}, {depth}, tokenizer {tok.name}",
               file=sys.stderr)
         if cfg.mode == "batch":
@@ -106,11 +117,7 @@ def run(args) -> int:
                 if cfg.stream:
                     out.write(prompt)
                     out.flush()
-                if cfg.speculative is not None:
-                    fn = generate_tree_speculative if cfg.mode == "tree_speculative" else generate_speculative
-                    tokens = fn(model, ids, cfg.speculative, stats=st)[len(ids):]
-                else:
-                    tokens = generate_iter(model, ids, cfg.generate, st)
+                tokens = generate_iter(model, ids, request, st)
                 for t in tokens:
                     gen.append(t)
                     if cfg.stream and t != eos:

@@ -7,11 +7,10 @@ parsed into these classes here and nowhere else; an unknown key is an error nami
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence, Tuple, Type, TypeVar
+from typing import Any, ClassVar, Dict, Mapping, Optional, Sequence, Tuple, Type, TypeVar
 
 from .errors import ConfigError
 
@@ -28,7 +27,11 @@ MAX_SEED = (1 << 64) - 1
 T = TypeVar("T")
 
 
-def _int(name: str, v: Any, lo: int, hi: Optional[int] = None) -> None:
+# --------------------------------------------------------------------------- field validators
+# Public: plugin option classes (Decoder.options_class) validate their fields with these, so every
+# config error in the project reads the same way.
+def check_int(name: str, v: Any, lo: int, hi: Optional[int] = None) -> None:
+    """ConfigError unless `v` is an int (not a bool) in [lo, hi] (hi None: no upper bound)."""
     if isinstance(v, bool) or not isinstance(v, int):
         raise ConfigError(f"{name} must be an integer, got {v!r}")
     if v < lo or (hi is not None and v > hi):
@@ -36,10 +39,20 @@ def _int(name: str, v: Any, lo: int, hi: Optional[int] = None) -> None:
         raise ConfigError(f"{name}={v} is outside the allowed range {rng}")
 
 
-def _float(name: str, v: Any) -> float:
+def check_float(name: str, v: Any) -> float:
+    """`v` as a float; ConfigError unless it is a finite int or float (not a bool)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
         raise ConfigError(f"{name} must be a finite number, got {v!r}")
     return float(v)
+
+
+def check_bool(name: str, v: Any) -> None:
+    """ConfigError unless `v` is True or False."""
+    if not isinstance(v, bool):
+        raise ConfigError(f"{name} must be true or false, got {v!r}")
+
+
+_int, _float = check_int, check_float
 
 
 def _stop_sequences(v: Any) -> Tuple[Tuple[int, ...], ...]:
@@ -73,12 +86,41 @@ def _check_sampling(cfg) -> None:
     object.__setattr__(cfg, "top_p", p)
 
 
+class FrozenOptions(dict):
+    """A read-only dict: GenerateConfig.options once validated (a frozen config stays frozen)."""
+
+    def _read_only(self, *args, **kwargs):
+        raise TypeError("GenerateConfig.options is read-only; use config.replace(options={...})")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _read_only  # type: ignore
+
+    def __reduce__(self):
+        return (type(self), (dict(self),))
+
+
+def _options(v: Any) -> Any:
+    """GenerateConfig.options: a mapping with string keys (frozen here), or an instance of a
+    decoder's options dataclass (kept as it is). Parsed into the decoder's class by the engine."""
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return v
+    if v is None:
+        return FrozenOptions()
+    if not isinstance(v, Mapping):
+        raise ConfigError(f"options must be a mapping of the decoder's option names to values (or an "
+                          f"instance of its options class), got {v!r}")
+    for key in v:
+        if not isinstance(key, str):
+            raise ConfigError(f"options keys must be option names (strings), got {key!r}")
+    return FrozenOptions(v)
+
+
 @dataclass(frozen=True)
 class GenerateConfig:
     """Decode configuration shared by generate, generate_stream, generate_iter and generate_batch.
 
-    Fields follow the original spec's GenerateConfig; ``cache_mode`` and ``decoder`` are the
-    Python runtime's plugin selectors.
+    Fields follow the original spec's GenerateConfig; ``cache_mode``, ``decoder`` and ``options``
+    are the Python runtime's plugin selectors. A field the chosen decoder does not use must stay at
+    its default (see :meth:`requested_fields` and docs/ARCHITECTURE.md, "Honoured fields").
     """
 
     max_tokens: int = 64
@@ -88,9 +130,10 @@ class GenerateConfig:
     temperature: float = 0.0
     """Softmax temperature, >= 0. At or below 0.01 decoding is greedy argmax."""
     top_k: int = 50
-    """Keep the k most likely tokens before sampling; >= 1 when sampling. Ignored when greedy."""
+    """Keep the k most likely tokens before sampling; >= 1 when sampling (validated only then). A
+    sampling knob: set on a greedy request it is an error (the decoder would ignore it)."""
     top_p: float = 1.0
-    """Nucleus threshold in (0, 1], applied after top_k; 1.0 disables."""
+    """Nucleus threshold in (0, 1], applied after top_k; 1.0 disables. A sampling knob."""
     cache_window: int = 0
     """Sliding-window cap on the KV cache; 0 means unlimited."""
     repetition_penalty: float = 1.0
@@ -100,7 +143,7 @@ class GenerateConfig:
     beam_size: int = 0
     """0 or 1: ordinary decoding; >= 2: deterministic beam search."""
     length_penalty: float = 1.0
-    """Beam search only: beams rank by log_prob / max(1, len) ** length_penalty."""
+    """Beam search only (elsewhere an error): beams rank by log_prob / max(1, len) ** length_penalty."""
     early_exit_patience: int = 0
     """0 disables adaptive-depth early exit; > 0 exits after that many stable probes past min_L."""
     early_exit_min_L: int = 2
@@ -110,13 +153,25 @@ class GenerateConfig:
     early_exit_logit_margin: float = 0.0
     """> 0 switches early exit from hidden-state L2 stability to logit-margin stability."""
     sample_seed: int = 0
-    """RNG seed for sampling in [0, 2**64 - 1]; same seed + config + model -> same tokens."""
+    """RNG seed for sampling in [0, 2**64 - 1]; same seed + config + model -> same tokens. A
+    sampling knob (an error on greedy and beam requests)."""
     grammar: Any = None
     """Optional constrained-decoding grammar."""
     cache_mode: str = "fp16"
     """KV-cache storage mode: the name of a registered cache-mode plugin (fp16, fp32, ...)."""
     decoder: Optional[str] = None
     """Name of a registered decoder plugin; None picks the built-in one the settings imply."""
+    options: Mapping[str, Any] = field(default_factory=FrozenOptions, hash=False)
+    """The decoder's own settings: a mapping parsed into the chosen decoder's options class
+    (Decoder.options_class) before any work, or an instance of that class. Empty: the decoder's
+    defaults; non-empty for a decoder without options is an error."""
+
+    #: Values that mean the same as a field's default (the spec's "temperature <= 0.01 is greedy";
+    #: beam_size 0 and 1 are both ordinary decoding).
+    _AS_DEFAULT: ClassVar[Dict[str, Any]] = {
+        "temperature": lambda v: v <= GREEDY_TEMPERATURE,
+        "beam_size": lambda v: v <= 1,
+    }
 
     def __post_init__(self) -> None:
         _int("max_tokens", self.max_tokens, 0)
@@ -143,11 +198,26 @@ class GenerateConfig:
             raise ConfigError(f"cache_mode must be a plugin name, got {self.cache_mode!r}")
         if self.decoder is not None and (not isinstance(self.decoder, str) or not self.decoder):
             raise ConfigError(f"decoder must be a plugin name or None, got {self.decoder!r}")
+        object.__setattr__(self, "options", _options(self.options))
 
     @property
     def sampling(self) -> bool:
         """True when tokens are drawn stochastically (temperature above the greedy threshold)."""
         return self.temperature > GREEDY_TEMPERATURE
+
+    def requested_fields(self) -> Tuple[str, ...]:
+        """Names of the fields that ask for something: set to a value whose meaning differs from
+        the default's (temperature <= 0.01 reads as the default 0.0, beam_size 1 as 0; empty
+        options as none). The engine checks each against what the chosen decoder honours."""
+        out = []
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            same = self._AS_DEFAULT.get(f.name)
+            if (same(v) if same is not None else v == default):
+                continue
+            out.append(f.name)
+        return tuple(out)
 
     def replace(self, **changes) -> "GenerateConfig":
         return dataclasses.replace(self, **changes)
@@ -216,14 +286,53 @@ class TreeSpeculativeConfig(SpeculativeConfig):
 RUN_MODES = ("generate", "batch", "speculative", "tree_speculative")
 
 
-class StopReason(str, enum.Enum):
-    """Why a generation ended."""
+class StopReason(str):
+    """Why a generation ended: a name. The built-in reasons are class attributes (``EOS``,
+    ``STOP_SEQUENCE``, ``MAX_TOKENS``, ``CALLBACK_ABORT``, ``GRAMMAR_DEAD_END``); a plugin's stopper
+    (tinyloop.core.stopping.Stopper) may end a request with its own, ``StopReason("MY_RULE")``.
+    One object per name (``StopReason("EOS") is StopReason.EOS``); a reason compares equal to its
+    name and ``.value`` / ``.name`` give the name, as the former enum did."""
 
-    EOS = "EOS"
-    STOP_SEQUENCE = "STOP_SEQUENCE"
-    MAX_TOKENS = "MAX_TOKENS"
-    CALLBACK_ABORT = "CALLBACK_ABORT"
-    GRAMMAR_DEAD_END = "GRAMMAR_DEAD_END"
+    __slots__ = ()
+    _known: ClassVar[Dict[str, "StopReason"]] = {}
+
+    def __new__(cls, name: Any) -> "StopReason":
+        if isinstance(name, StopReason):
+            return name
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ConfigError(f"a stop reason is a name (a Python identifier such as 'MY_RULE'), got {name!r}")
+        known = cls._known.get(name)
+        if known is None:
+            known = cls._known[name] = str.__new__(cls, name)
+        return known
+
+    @property
+    def value(self) -> str:
+        return str.__str__(self)
+
+    @property
+    def name(self) -> str:
+        return str.__str__(self)
+
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __repr__(self) -> str:
+        return f"StopReason({str.__str__(self)!r})"
+
+    def __reduce__(self):
+        return (StopReason, (str.__str__(self),))
+
+    EOS: ClassVar["StopReason"]
+    STOP_SEQUENCE: ClassVar["StopReason"]
+    MAX_TOKENS: ClassVar["StopReason"]
+    CALLBACK_ABORT: ClassVar["StopReason"]
+    GRAMMAR_DEAD_END: ClassVar["StopReason"]
+
+
+for _name in ("EOS", "STOP_SEQUENCE", "MAX_TOKENS", "CALLBACK_ABORT", "GRAMMAR_DEAD_END"):
+    setattr(StopReason, _name, StopReason(_name))
+del _name
 
 
 @dataclass
@@ -314,7 +423,8 @@ class RunConfig:
     mode: str = "generate"
     """generate (one prompt after another), batch (generate_batch over all prompts), speculative
     (generate_speculative per prompt, with the `speculative` section) or tree_speculative
-    (generate_tree_speculative; the `speculative` section then also takes K_branches)."""
+    (generate_tree_speculative; the `speculative` section then also takes K_branches). A decoder
+    with options also runs in mode generate: ``generate: {decoder: speculative, options: {...}}``."""
     stream: bool = True
     """Print tokens to the terminal as they are produced."""
     output_jsonl: Optional[str] = None
@@ -358,6 +468,11 @@ class RunConfig:
                                from_mapping(GenerateConfig, self.generate, "generate"))
         elif not isinstance(self.generate, GenerateConfig):
             raise ConfigError(f"generate must be a mapping of GenerateConfig fields, got {self.generate!r}")
+        if spec_mode and self.generate.requested_fields():
+            raise ConfigError(f"mode: {self.mode} takes its settings from the `speculative:` section; the "
+                              f"`generate:` section would be ignored (it sets "
+                              f"{', '.join(self.generate.requested_fields())}). Use mode: generate with "
+                              f"generate: {{decoder: {self.mode}, options: {{...}}}} to combine them")
 
 
 def load_run_config(path: str) -> RunConfig:

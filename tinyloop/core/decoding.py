@@ -2,43 +2,103 @@
 
 A decoder is a generator of tokens over a :class:`DecodeSession` that the engine hands it. The
 engine owns everything else: validation, the compat check, cache allocation, processors'
-``accept``, the stop policy (EOS, stop sequences, callback abort, max_tokens) and statistics. When
-the engine stops consuming, it closes the generator; decoders hold no resources of their own.
+``accept``, the stop rules (tinyloop.core.stopping: EOS, stop sequences, max_tokens, callback
+abort, plugins' own) and statistics. When the engine stops consuming, it closes the generator;
+decoders hold no resources of their own.
 
-DecodeSession (implemented by tinyloop.core.engine.Session):
+What a decoder class declares (all class attributes, read once per request):
 
-* ``start()``          prefill the prompt; next-token logits become pending.
-* ``logits()``         the pending logits row after the processor chain (float32, host; valid until
-                       the next advance).
-* ``greedy()``         argmax of the processed pending logits (on the device when every processor
-                       is argmax-invariant, so only a token id crosses to the host).
-                       ``greedy(ahead=True)`` promises that the next call is ``advance(that token)``
-                       (or nothing): the engine may then queue that token's decode step before the
-                       token reaches the host (``logits()`` before the advance raises).
-* ``advance(token)``   append `token` at the next position and run the decode forward.
-* ``config``           the request's GenerateConfig; ``vocab_size``; ``eos_id`` (None: no EOS);
-                       ``position`` (tokens so far).
+* ``name`` / ``matches(config)``  how it is selected (GenerateConfig.decoder, or automatically).
+* ``options_class``  a frozen dataclass of its own settings, parsed from GenerateConfig.options
+  (:func:`parse_options`; unknown keys and bad values are errors before any work). None: the
+  decoder takes no options.
+* ``session_class``  the session it drives: a subclass of tinyloop.core.engine.Session, or any
+  factory ``(model, prompt, plan, chain, stats) -> session``; None: the engine's Session.
+* ``honours``  the GenerateConfig fields it reads besides the engine's own (:data:`ENGINE_FIELDS`,
+  and :data:`PROCESSOR_FIELDS` when ``applies_processors``). A request that sets any other field
+  (GenerateConfig.requested_fields) is an IncompatibleModesError naming the field and the decoder.
+* ``applies_processors``  False when the decoder's tokens do not come through the processor chain
+  (beam search, speculative verify): a request with active processors is refused before work.
+* ``compat_context``  the configs/compat.yaml column its requests are checked against
+  (speculative, tree_speculative); None: the entry point's (single, batched).
+* ``validate(model, config, options)`` / ``depth(config, options)``  model-dependent checks, and
+  the loop depth the session runs at (GenerateConfig.loops unless the options say otherwise).
+* ``resolve(model, config, context)``  a decoder may hand a request to another one (the auto
+  decoder), returning the new GenerateConfig.
 
-Several decode states (lanes), for decoders that follow more than one sequence (beam search):
-
-* ``fork_pool(n)``          hold n lanes; their caches are allocated here, up front, and released
-                            with the session. Lane 0 is the one start() prefills.
-* ``copy_state(dst, src)``  lane dst becomes a copy of lane src (KV cache, tokens, position).
-* ``advance(token, lane)``, ``logits(lane)``, ``greedy(lane)``  as above on one lane. The forward
-                            workspace is shared: only the lane started or advanced last has pending
-                            logits (reading another lane's raises PluginError).
-* ``lane_tokens(lane)``     a copy of a lane's tokens (prompt + generated).
-
-The engine's stop policy applies to the tokens a decoder yields, whatever it explored before.
+DecodeSession (implemented by tinyloop.core.engine.Session): see :class:`DecodeSession`.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, FrozenSet, Iterator, Mapping, Optional
+import dataclasses
+from typing import Any, ClassVar, FrozenSet, Iterator, List, Mapping, Optional, Protocol
+
+from .config import GenerateConfig
+from .errors import ConfigError, IncompatibleModesError
+
+#: GenerateConfig fields every decoder honours: the engine applies them whatever the decoder
+#: (cache allocation and layout, the loop depth, the stop rules, plugin selection).
+ENGINE_FIELDS = frozenset({"max_tokens", "loops", "stop_sequences", "cache_mode", "cache_window",
+                           "decoder", "options"})
+#: Fields the logit processors read: honoured by every decoder whose tokens come through the
+#: processor chain (``applies_processors``).
+PROCESSOR_FIELDS = frozenset({"repetition_penalty", "grammar"})
+#: The sampling knobs.
+SAMPLING_FIELDS = frozenset({"temperature", "top_k", "top_p", "sample_seed"})
+
+
+class DecodeSession(Protocol):
+    """What a decoder may call on the session the engine hands it (tinyloop.core.engine.Session;
+    a decoder's ``session_class`` adds its own operations on top).
+
+    Several decode states (lanes) exist for decoders that follow more than one sequence (beam
+    search): ``fork_pool(n)`` first, then ``lane=`` on advance / logits / greedy. The forward
+    workspace is shared: only the lane started or advanced last has pending logits."""
+
+    config: GenerateConfig
+    """The request's configuration."""
+    options: Any
+    """The decoder's parsed options (an instance of its options_class), None without."""
+    vocab_size: int
+    """Logits per row."""
+    eos_id: Optional[int]
+    """The model's EOS id (None: no EOS)."""
+    position: int
+    """Tokens of the lane in use whose K/V are in the cache."""
+    stoppers: Any
+    """The request's per-sequence stop rules (a tinyloop.core.stopping.StopperChain, reset with the
+    prompt). The engine applies them to what the decoder yields; a decoder that explores candidate
+    sequences checks *clones* of it (``clone().check(tokens)``), never the chain itself."""
+
+    def start(self) -> None:
+        """Prefill the prompt; the next-token logits become pending."""
+
+    def logits(self, lane: int = 0):
+        """The pending logits row after the processor chain (float32, host; valid until the next
+        advance)."""
+
+    def greedy(self, lane: int = 0, ahead: bool = False) -> int:
+        """Argmax of the processed pending logits (on the device when every processor is
+        argmax-invariant, so only a token id crosses to the host). ``ahead=True`` promises that
+        the next call is ``advance(that token)`` (or nothing): the engine may then queue that
+        token's decode step before the token reaches the host."""
+
+    def advance(self, token: int, lane: int = 0) -> None:
+        """Append `token` at the next position and run the decode forward."""
+
+    def fork_pool(self, n: int) -> None:
+        """Hold n lanes; their caches are allocated here, up front, and released with the session."""
+
+    def copy_state(self, dst: int, src: int) -> None:
+        """Lane dst becomes a copy of lane src (KV cache, tokens, position)."""
+
+    def lane_tokens(self, lane: int = 0) -> List[int]:
+        """A copy of a lane's tokens (prompt + generated)."""
 
 
 class Decoder:
-    """Base class of decoder plugins."""
+    """Base class of decoder plugins (see the module docstring for what a subclass declares)."""
 
     name: ClassVar[str] = ""
     """Unique plugin name; GenerateConfig.decoder selects it explicitly."""
@@ -47,22 +107,107 @@ class Decoder:
     compat: ClassVar[Mapping[str, str]] = {}
     """Declared compat cells; must equal the YAML row when `mode` is set."""
     contexts: ClassVar[FrozenSet[str]] = frozenset({"single", "batched"})
-    """Decode contexts the decoder can run in (checked for decoders outside the matrix)."""
+    """Entry-point contexts the decoder can run in (checked for decoders outside the matrix)."""
+    compat_context: ClassVar[Optional[str]] = None
+    """The compat.yaml column its requests are checked against; None: the entry point's context."""
+    options_class: ClassVar[Optional[type]] = None
+    """Frozen dataclass of the decoder's own settings (GenerateConfig.options); None: none."""
+    session_class: ClassVar[Optional[Any]] = None
+    """The session the decoder drives (an engine Session subclass or a factory with its
+    signature); None: the engine's Session."""
+    honours: ClassVar[FrozenSet[str]] = frozenset()
+    """GenerateConfig fields the decoder reads, besides ENGINE_FIELDS (and PROCESSOR_FIELDS when
+    applies_processors)."""
+    applies_processors: ClassVar[bool] = True
+    """The decoder's tokens come through the processor chain (session.logits() / greedy())."""
 
     @classmethod
     def matches(cls, config) -> bool:
         """True when this decoder is the automatic choice for `config` (built-ins only)."""
         return False
 
-    # A decoder may also define ``resolve(model, config, context) -> (name, decoder_config) | None``
-    # (a classmethod): called once per request after validation, it may hand the request to the
-    # registered decoder `name`, built from `decoder_config` (the request's GenerateConfig, or a
-    # SpeculativeConfig / TreeSpeculativeConfig, which also selects the speculative session).
-    # The engine's stop policy still follows the request's GenerateConfig.
+    @classmethod
+    def honoured(cls, config) -> FrozenSet[str]:
+        """Every GenerateConfig field this decoder honours for `config` (override when that
+        depends on the request, e.g. sampling knobs only while sampling)."""
+        return ENGINE_FIELDS | cls.honours | (PROCESSOR_FIELDS if cls.applies_processors else frozenset())
 
-    def __init__(self, config):
+    @classmethod
+    def validate(cls, model, config, options) -> None:
+        """Checks of the request that need the decoder's own rules or the model, before any
+        allocation; raise a TinyLoopError subclass naming the value and what is allowed."""
+
+    @classmethod
+    def depth(cls, config, options) -> Optional[int]:
+        """The loop depth the request decodes at (None: the model's default_loops)."""
+        return config.loops
+
+    @classmethod
+    def resolve(cls, model, config, context: str) -> Optional[GenerateConfig]:
+        """Hand the request to another decoder: return the GenerateConfig to run instead (its
+        ``decoder`` names a registered decoder, which is then checked like a request of its own;
+        one hand-over per request), or None to decode it here. Called once, after validation."""
+        return None
+
+    def __init__(self, config, options=None):
         self.config = config
+        """The request's GenerateConfig."""
+        self.options = options
+        """The parsed options (an instance of options_class), None for decoders without."""
 
     def decode(self, session) -> Iterator[int]:
         """Yield tokens one at a time, calling session.advance(token) before producing the next."""
         raise NotImplementedError
+
+
+# --------------------------------------------------------------------------- per-request checks
+def parse_options(decoder: type, raw: Any, registry: Mapping[str, type]) -> Any:
+    """GenerateConfig.options parsed into ``decoder.options_class`` (None when it has none).
+
+    Unknown keys are a ConfigError naming the key and the decoder; a key or an options object
+    of another registered decoder, and options for a decoder that takes none, are an
+    IncompatibleModesError; field validation errors are the options class's ConfigError."""
+    cls = decoder.options_class
+    if dataclasses.is_dataclass(raw) and not isinstance(raw, type):
+        if cls is not None and type(raw) is cls:
+            return raw
+        theirs = [n for n, d in registry.items() if d.options_class is not None and type(raw) is d.options_class]
+        whose = f" (the options of decoder {theirs[0]!r})" if theirs else ""
+        wants = f"a {cls.__name__} or a mapping" if cls is not None else "none"
+        raise IncompatibleModesError(f"options={raw!r}{whose} do not belong to decoder {decoder.name!r}, "
+                                     f"which takes {wants}")
+    if not raw:
+        return cls() if cls is not None else None
+    if cls is None:
+        raise IncompatibleModesError(f"decoder {decoder.name!r} takes no options, got options={dict(raw)!r}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        if key in names:
+            continue
+        others = sorted(n for n, d in registry.items() if d is not decoder and d.options_class is not None
+                        and key in {f.name for f in dataclasses.fields(d.options_class)})
+        if others:
+            raise IncompatibleModesError(f"options key {key!r} is an option of decoder {others[0]!r}, not of "
+                                         f"decoder {decoder.name!r} (which takes: {', '.join(names)})")
+        raise ConfigError(f"unknown key {key!r} in options of decoder {decoder.name!r}; allowed keys: "
+                          f"{', '.join(names)}")
+    try:
+        return cls(**dict(raw))
+    except ConfigError as exc:
+        raise ConfigError(f"options of decoder {decoder.name!r}: {exc}") from None
+    except TypeError as exc:
+        raise ConfigError(f"options of decoder {decoder.name!r}: {exc}") from None
+
+
+def check_honoured(decoder: type, config) -> None:
+    """IncompatibleModesError for the first field `config` sets that `decoder` would ignore."""
+    honoured = decoder.honoured(config)
+    for name in config.requested_fields():
+        if name not in honoured:
+            own = sorted(honoured - ENGINE_FIELDS)
+            default = GenerateConfig.__dataclass_fields__[name].default
+            raise IncompatibleModesError(
+                f"{name}={getattr(config, name)!r} is set, but decoder {decoder.name!r} ignores it "
+                f"(it honours {', '.join(own) if own else 'no fields'} besides the engine's "
+                f"{', '.join(sorted(ENGINE_FIELDS))}); leave {name} at its default ({default!r}) or "
+                f"choose a decoder that uses it")

@@ -1,16 +1,23 @@
-"""The engine: model lifecycle, request validation, the decode session and the stop policy.
+"""The engine: model lifecycle, request validation, the decode session and the stop loop.
 
 Canonical decode state machine (generate / generate_stream / generate_iter):
 
 1. Validate the request (ids, lengths, loops) and check it against configs/compat.yaml; resolve
-   the decoder, cache mode and processors. Nothing is allocated before this passes.
-2. Allocate a KV cache for prompt_len + max_tokens slots at the request's loop depth.
+   the decoder (its options, session and honoured fields), cache mode and processors
+   (:class:`Plan`). Nothing is allocated before this passes.
+2. Allocate a KV cache for prompt_len + max_tokens slots at the request's loop depth (the
+   decoder's session may ask for more: ``extra_slots`` / ``extra_groups``).
 3. The decoder drives the session: prefill, then per token: processors (penalty, mask) -> pick ->
-   emit -> stop checks -> advance the cache with a one-token forward.
-4. Stop policy, checked after each emitted token in this order: EOS, stop-sequence tail match,
-   max_tokens; a consumer that stops iterating (generate_stream's callback returning False) is
-   CALLBACK_ABORT. The emitted token that triggers a stop is included in the output.
+   emit -> stop rules -> advance the cache with a one-token forward.
+4. Stop rules, asked after each emitted token (tinyloop.core.stopping gives their order: the
+   consumer's callback, EOS, stop sequences, plugins' own rules, max_tokens). The emitted token
+   that triggers a stop is included in the output; a consumer that stops reading early is
+   CALLBACK_ABORT.
 5. The cache is released on every path.
+
+Seams for decoder plugins (public, documented; nothing else in here is for other modules):
+:class:`Plan` (what the session is built from), :class:`Session` (the base of a decoder's own
+session: its constructor's ``extra_groups`` / ``extra_slots`` and the attributes it documents).
 """
 
 from __future__ import annotations
@@ -33,8 +40,10 @@ from .errors import (BackendError, ConfigError, InvalidInputError, ModelBusyErro
                      ModelFreedError, PluginError)
 from .format import open_model
 from .forward import Forward
+from .decoding import check_honoured, parse_options
 from .plugins import get_plugin_manager
 from .processors import ProcessorChain
+from .stopping import CallbackStopper, Stopper, StopperChain
 
 DEFAULT_PREFILL_CHUNK = 512
 
@@ -72,7 +81,7 @@ class Model:
         self._lock = threading.Lock()
         self._freed = False
         self._live_cache_bytes = 0
-        self.decoder_choices = {}           # loop depth -> autotune.DecoderChoice (the auto decoder)
+        self.decoder_choices = {}           # loop depth -> the auto decoder's calibration (its own record)
         try:
             self.header = self.file.header
             self.cfg: ModelConfig = self.header.config
@@ -175,26 +184,51 @@ def resolve_loops(model: Model, loops: Optional[int]) -> int:
     return L
 
 
-class _Plan:
-    """Everything a request needs, resolved before any work."""
+class Plan:
+    """Everything one request needs, resolved before any work: the seam between the engine and a
+    decoder's session, which is built from it.
+
+    Attributes a session may read: ``model``; ``context`` (the entry point's: single, batched);
+    ``config`` (the request's GenerateConfig, after any hand-over by ``Decoder.resolve``);
+    ``decoder_cls`` and ``options`` (its parsed options, None for decoders without); ``loops``
+    (the loop depth the cache is laid out for); ``cache_mode`` (the CacheMode class) and
+    ``slot_mode`` (the slot-map plugin instance, None: linear).
+
+    Checks, in order (each raises a TinyLoopError subclass): the decoder is registered; the
+    request against its compat column (the decoder's ``compat_context`` or the entry point's);
+    the decoder runs in this entry point; its options parse; every field the request sets is one
+    the decoder honours; no processor is active under a decoder that does not apply them; the
+    decoder's own ``validate``; the cache mode, codecs and slot map; the loop depth."""
 
     def __init__(self, model: Model, config: GenerateConfig, context: str):
         model._check_live()
-        check_request(context, config)
+        self.model, self.context = model, context
+        self._resolve(config)
+
+    def _resolve(self, config: GenerateConfig) -> None:
+        model, context = self.model, self.context
         pm = get_plugin_manager()
-        self.decoder_cls = pm.decoder_for(config)
-        if self.decoder_cls.mode is None and context not in self.decoder_cls.contexts:
-            raise PluginError(f"decoder {self.decoder_cls.name!r} does not run in {context} decoding "
-                              f"(it declares {sorted(self.decoder_cls.contexts)})")
+        dec = pm.decoder_for(config)
+        check_request(dec.compat_context or context, config)
+        if dec.mode is None and context not in dec.contexts:
+            raise PluginError(f"decoder {dec.name!r} does not run in {context} decoding "
+                              f"(it declares {sorted(dec.contexts)})")
+        options = parse_options(dec, config.options, pm.decoders())
+        check_honoured(dec, config)
+        if not dec.applies_processors:
+            active = [p.name for p in pm.processors_for(config)]
+            if active:
+                raise PluginError(f"decoder {dec.name!r} does not run logit processors (active: {active}); "
+                                  f"its tokens do not come through the processor chain, so they would be "
+                                  f"silently skipped")
+        dec.validate(model, config, options)
         self.cache_mode = pm.cache_mode_for(config)
         self.slot_mode = pm.slot_map_for(config)
         self._check_codecs(model, pm)
-        self.config = config
-        self.loops = resolve_loops(model, config.loops)
-        self.processor_factory = lambda: ProcessorChain(pm.processors_for(config))
-        self.decoder_config = config      # what the decoder is built from (a SpeculativeConfig for
-        self.session_cls = Session        # speculative contexts, which also bring their own session)
-        self.model, self.context = model, context
+        self.loops = resolve_loops(model, dec.depth(config, options))
+        self.config, self.decoder_cls, self.options = config, dec, options
+        self.session_factory = dec.session_class or Session
+        self._pm = pm
 
     def _check_codecs(self, model: Model, pm) -> None:
         """Every layer group's codec is registered and implemented by the model's backend, and the
@@ -207,21 +241,37 @@ class _Plan:
 
     def delegate(self) -> None:
         """Let a resolving decoder (Decoder.resolve) hand the request to another decoder; call after
-        the request is validated. A speculative delegation brings its session kind along."""
-        resolve = getattr(self.decoder_cls, "resolve", None)
-        if resolve is None:
-            return
-        target = resolve(self.model, self.config, self.context)
+        the request is validated. The new request is checked like one of its own."""
+        target = self.decoder_cls.resolve(self.model, self.config, self.context)
         if target is None:
             return
-        name, dconfig = target
+        if not isinstance(target, GenerateConfig):
+            raise PluginError(f"decoder {self.decoder_cls.name!r}.resolve returned {target!r}, not a GenerateConfig")
         decs = get_plugin_manager().decoders()
-        if name not in decs:
-            raise PluginError(f"decoder {self.decoder_cls.name!r} delegated to {name!r}, which is not registered")
-        self.decoder_cls, self.decoder_config = decs[name], dconfig
-        if not isinstance(dconfig, GenerateConfig):
-            from .speculative import session_class
-            self.session_cls = session_class(dconfig)
+        if target.decoder not in decs:
+            raise PluginError(f"decoder {self.decoder_cls.name!r} delegated to {target.decoder!r}, which is not "
+                              f"registered")
+        self._resolve(target)
+
+    def new_processors(self) -> ProcessorChain:
+        """A fresh processor chain for one sequence of this request."""
+        return ProcessorChain(self._pm.processors_for(self.config))
+
+    def new_stoppers(self, prompt: Sequence[int], chain: ProcessorChain,
+                     consumer: Sequence[Stopper] = ()) -> StopperChain:
+        """The stop rules of one sequence: the registered ones the request needs and the
+        consumer's (reset here with `prompt`), and the processors of `chain` that are also
+        stoppers (reset with the chain)."""
+        rules = self._pm.stoppers_for(self.config, self.model.cfg) + list(consumer)
+        for r in rules:
+            r.reset(prompt)
+        return StopperChain(rules + [p for p in chain.processors if isinstance(p, Stopper)])
+
+    def new_decoder(self):
+        """The decoder instance for one sequence."""
+        return self.decoder_cls(self.config, self.options)
+
+
 
 
 # --------------------------------------------------------------------------- session
@@ -230,16 +280,26 @@ def _nbytes(cache) -> int:
 
 
 class Session:
-    """The decode session a decoder drives (see tinyloop.core.decoding).
+    """The decode session a decoder drives (tinyloop.core.decoding.DecodeSession).
 
     Lanes: a session holds one decode state (lane 0) unless a decoder asks for more with
     fork_pool(n). Each lane has its own KV cache, token list and position; the lane in use keeps its
     state in ``cache`` / ``tokens`` / ``position`` (what ``_run`` reads), the others are parked.
-    The workspace is shared, so the pending logits are those of the lane started or advanced last."""
+    The workspace is shared, so the pending logits are those of the lane started or advanced last.
 
-    def __init__(self, model: Model, prompt: List[int], plan: _Plan, chain: ProcessorChain,
+    Subclassing (a decoder's ``session_class``): the constructor is called as
+    ``cls(model, prompt, plan, chain, stats)``; a subclass passes ``extra_groups`` (cache layer
+    groups of n_post layers besides pre | post | loop, e.g. a draft's post blocks) and
+    ``extra_slots`` (positions past prompt + max_tokens) up. It may use ``model`` (its
+    ``backend``, ``fwd`` and ``ws``), ``plan``, ``options``, ``loops``, ``cache`` (the lane in
+    use's), ``tokens``, ``position``, ``stats`` and ``chain``, and must leave the position at the
+    number of tokens whose K/V are final."""
+
+    def __init__(self, model: Model, prompt: List[int], plan: Plan, chain: ProcessorChain,
                  stats: GenerateStats, extra_groups: tuple = (), extra_slots: int = 0):
         self.model, self.config, self.loops = model, plan.config, plan.loops
+        self.plan, self.options = plan, plan.options
+        self.stoppers = StopperChain([])        # the engine sets the request's per-sequence rules
         self.vocab_size = model.cfg.vocab_size
         self.eos_id = model.cfg.eos_id
         self.tokens = list(prompt)
@@ -450,17 +510,10 @@ class Session:
         return _nbytes(self.cache)
 
 
-def tail_match(out: Sequence[int], seqs) -> bool:
-    """True when one of the token sequences `seqs` ends `out` (the stop-sequence rule)."""
-    for s in seqs:
-        n = len(s)
-        if n <= len(out) and tuple(out[-n:]) == s:
-            return True
-    return False
-
-
-def _decode(model: Model, prompt: List[int], plan: _Plan, stats: GenerateStats) -> Iterator[int]:
-    """The stop policy around a decoder; the caller has validated everything and holds the lock."""
+def _decode(model: Model, prompt: List[int], plan: Plan, stats: GenerateStats,
+            consumer: Sequence[Stopper] = ()) -> Iterator[int]:
+    """The stop loop around a decoder; the caller has validated everything and holds the lock.
+    `consumer`: the entry point's own stop rules (generate_stream's callback)."""
     config = plan.config
     t0 = time.perf_counter()
     stats.loops_used = plan.loops
@@ -468,20 +521,21 @@ def _decode(model: Model, prompt: List[int], plan: _Plan, stats: GenerateStats) 
     if config.max_tokens == 0:
         stats.stop_reason = StopReason.MAX_TOKENS
         return
-    chain = plan.processor_factory()
+    chain = plan.new_processors()
     chain.reset(prompt)
+    stoppers = plan.new_stoppers(prompt, chain, consumer)
     out: List[int] = []
-    eos = model.cfg.eos_id
+    V = model.cfg.vocab_size
     t_first = None
-    session = plan.session_cls(model, prompt, plan, chain, stats)
+    session = plan.session_factory(model, prompt, plan, chain, stats)
+    session.stoppers = stoppers.per_sequence_rules()
     gen = None
     try:
-        gen = plan.decoder_cls(plan.decoder_config).decode(session)
+        gen = plan.new_decoder().decode(session)
         for tok in gen:
-            if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, (int, np.integer)) \
-                    or not 0 <= int(tok) < model.cfg.vocab_size:
+            if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, (int, np.integer)) or not 0 <= int(tok) < V:
                 raise PluginError(f"decoder {plan.decoder_cls.name!r} produced {tok!r}, not a token id in "
-                                  f"[0, {model.cfg.vocab_size})")
+                                  f"[0, {V})")
             tok = int(tok)
             out.append(tok)
             chain.accept(tok)
@@ -489,14 +543,11 @@ def _decode(model: Model, prompt: List[int], plan: _Plan, stats: GenerateStats) 
             if t_first is None:
                 t_first = time.perf_counter()
                 stats.first_token_ms = (t_first - t0) * 1e3
+            reason = stoppers.check(out)
+            if reason is not None:
+                stats.stop_reason = reason
             yield tok
-            if eos is not None and tok == eos:
-                stats.stop_reason = StopReason.EOS
-            elif tail_match(out, config.stop_sequences):
-                stats.stop_reason = StopReason.STOP_SEQUENCE
-            elif len(out) >= config.max_tokens:
-                stats.stop_reason = StopReason.MAX_TOKENS
-            if stats.stop_reason is not None:
+            if reason is not None:
                 break
         else:
             stats.stop_reason = stats.stop_reason or StopReason.MAX_TOKENS
@@ -519,24 +570,30 @@ def _locked(model: Model):
     return model._lock
 
 
+def _prepare(model: Model, prompt: Sequence[int], config: Optional[GenerateConfig], context: str):
+    """Every check of a single request, before any work: (validated ids, plan)."""
+    config = config or GenerateConfig()
+    plan = Plan(model, config, context)
+    ids = validate_request(model, prompt, config)
+    plan.delegate()
+    return ids, plan
+
+
 def generate_iter(model: Model, prompt: Sequence[int], config: Optional[GenerateConfig] = None,
                   stats: Optional[GenerateStats] = None) -> Iterator[int]:
     """Yield generated token ids one at a time (the prompt is not repeated).
 
     Validation and the compat check run immediately, before the first ``next()``; closing the
     generator early stops decoding (stop_reason CALLBACK_ABORT) and frees the cache."""
-    config = config or GenerateConfig()
-    plan = _Plan(model, config, "single")
-    ids = validate_request(model, prompt, config)
-    plan.delegate()
+    ids, plan = _prepare(model, prompt, config, "single")
     stats = stats if stats is not None else GenerateStats()
     return _iter_locked(model, ids, plan, stats)
 
 
-def _iter_locked(model, ids, plan, stats):
+def _iter_locked(model, ids, plan, stats, consumer=()):
     lock = _locked(model)
     try:
-        yield from _decode(model, ids, plan, stats)
+        yield from _decode(model, ids, plan, stats, consumer)
     finally:
         lock.release()
 
@@ -545,18 +602,12 @@ def generate_stream(model: Model, prompt: Sequence[int], config: Optional[Genera
                     on_token: Optional[Callable[[int, int], Any]] = None,
                     stats: Optional[GenerateStats] = None) -> List[int]:
     """Decode with a per-token callback ``on_token(token, position) -> bool``; returning False aborts
-    after that token (it is still included). Returns prompt + generated tokens; fills `stats`."""
+    after that token (it is still included; stop_reason CALLBACK_ABORT). Returns prompt +
+    generated tokens; fills `stats`."""
+    ids, plan = _prepare(model, prompt, config, "single")
     stats = stats if stats is not None else GenerateStats()
-    it = generate_iter(model, prompt, config, stats)
-    out = [int(t) for t in prompt]
-    try:
-        for tok in it:
-            out.append(tok)
-            if on_token is not None and on_token(tok, len(out) - 1) is False:
-                break
-    finally:
-        it.close()
-    return out
+    consumer = [CallbackStopper(on_token)] if on_token is not None else []
+    return ids + list(_iter_locked(model, ids, plan, stats, consumer))
 
 
 def generate(model: Model, prompt: Sequence[int], config: Optional[GenerateConfig] = None) -> List[int]:
@@ -571,7 +622,7 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], config: Optio
     Every prompt is validated before any work. Lanes are decoded one after another on the same
     model (the spec's sequential batch); `stats`, if given, receives one GenerateStats per prompt."""
     config = config or GenerateConfig()
-    plan = _Plan(model, config, "batched")
+    plan = Plan(model, config, "batched")
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise InvalidInputError("prompts must be a non-empty list of token-id lists")
     all_ids = [validate_request(model, p, config, what=f"prompts[{i}]") for i, p in enumerate(prompts)]
@@ -595,7 +646,7 @@ def _scoring(model: Model, tokens: Sequence[int], loops: Optional[int], cache_mo
     """Validated ids and a live session (cache allocated, model locked) for a scoring call."""
     model._check_live()
     cfg = GenerateConfig(max_tokens=0, loops=loops, cache_mode=cache_mode)
-    plan = _Plan(model, cfg, "single")
+    plan = Plan(model, cfg, "single")
     ids = validate_request(model, tokens, cfg, what="tokens")
     lock = _locked(model)
     try:

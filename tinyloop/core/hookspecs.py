@@ -19,7 +19,9 @@ def tinyloop_decoders():
 
     A decoder turns a decode session (prefill / logits / greedy / advance) into a stream of tokens.
     Its ``name`` selects it (GenerateConfig.decoder); ``matches(config)`` lets it be picked
-    automatically; ``mode`` and ``compat`` tie it to a row of configs/compat.yaml.
+    automatically; ``mode`` and ``compat`` tie it to a row of configs/compat.yaml. It may bring
+    its own session (``session_class``) and options (``options_class``, GenerateConfig.options)
+    and declares the GenerateConfig fields it honours (``honours``).
     Result: all implementations' lists, concatenated."""
 
 
@@ -53,3 +55,12 @@ def tinyloop_processors():
 
     ``from_config(config)`` builds an instance when the request enables it; the chain orders
     processors by ``stage``. Result: all implementations' lists, concatenated."""
+
+
+@hookspec
+def tinyloop_stoppers():
+    """Return a list of Stopper subclasses (tinyloop.core.stopping.Stopper).
+
+    ``from_config(config, model_config)`` builds an instance when the request needs the rule; the
+    decode loop asks the chain (ordered by ``order``) after every emitted token, and the first
+    StopReason returned ends the request. Result: all implementations' lists, concatenated."""

@@ -40,7 +40,7 @@ import numpy as np
 
 from .arch import ModelConfig
 from .config import GenerateConfig, GenerateStats
-from .engine import Model, Session, _locked, _Plan, resolve_loops, validate_request
+from .engine import Model, Plan, Session, _locked, resolve_loops, validate_request
 from .errors import InvalidInputError
 from .processors import ProcessorChain
 
@@ -126,7 +126,7 @@ def trace_loop(model: Model, token_ids: Sequence[int], max_loops: Optional[int] 
     c = model.cfg
     Lmax = default_max_loops(c) if max_loops is None else max_loops
     config = GenerateConfig(max_tokens=0, loops=Lmax, cache_mode=cache_mode)
-    plan = _Plan(model, config, "single")              # compat check; validates Lmax in [1, max_loops]
+    plan = Plan(model, config, "single")               # compat check; validates Lmax in [1, max_loops]
     ids = validate_request(model, token_ids, config, what="tokens")
     T_all = len(ids)
     residuals = np.empty((Lmax + 1, T_all, c.d_model), np.float32)

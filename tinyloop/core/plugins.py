@@ -18,6 +18,7 @@ from .cache import CacheMode, KVCodec, SlotMapMode
 from .decoding import Decoder
 from .errors import PluginError
 from .processors import LogitProcessor
+from .stopping import Stopper
 
 #: Built-in plugin modules, registered like any third-party plugin.
 DEFAULT_PLUGINS = (
@@ -32,13 +33,14 @@ DEFAULT_PLUGINS = (
     "tinyloop.plugins.caches.quant_cache",
     "tinyloop.plugins.caches.window",
     "tinyloop.plugins.processors.repetition",
+    "tinyloop.plugins.stoppers.standard",
 )
 
 ENTRY_POINT_GROUP = "tinyloop"
 
 
 class PluginManager:
-    """Wraps pluggy's manager and the three registries built from the hooks."""
+    """Wraps pluggy's manager and the registries built from the hooks."""
 
     def __init__(self, load_entrypoints: bool = True):
         self.pm = pluggy.PluginManager("tinyloop")
@@ -94,6 +96,9 @@ class PluginManager:
     def slot_maps(self) -> Dict[str, Type[SlotMapMode]]:
         return self._registry("tinyloop_slot_maps", SlotMapMode)
 
+    def stoppers(self) -> Dict[str, Type[Stopper]]:
+        return self._registry("tinyloop_stoppers", Stopper)
+
     def all_plugin_classes(self) -> Iterable[type]:
         yield from self.decoders().values()
         yield from self.cache_modes().values()
@@ -139,6 +144,17 @@ class PluginManager:
             p = cls.from_config(config)
             if p is not None:
                 out.append(p)
+        return out
+
+    def stoppers_for(self, config, model_config) -> List[Stopper]:
+        """The registered stop rules the request needs (not yet reset), in registration order."""
+        out = []
+        for cls in self.stoppers().values():
+            s = cls.from_config(config, model_config)
+            if s is not None:
+                if not isinstance(s, Stopper):
+                    raise PluginError(f"{cls.__qualname__}.from_config returned {s!r}, not a Stopper")
+                out.append(s)
         return out
 
 

@@ -3,8 +3,10 @@
 Processing order, written once (the chain sorts processors by ``stage``):
 
 1. ``Stage.PENALTY`` - history-based rescaling (repetition penalty), on raw logits.
-2. ``Stage.MASK``    - constraint masks (grammar); a row with nothing allowed ends decoding with
-   GRAMMAR_DEAD_END.
+2. ``Stage.MASK``    - constraint masks (grammar). A mask that would leave nothing allowed ends
+   the request through the stop rules instead: the processor also derives from
+   tinyloop.core.stopping.Stopper and returns GRAMMAR_DEAD_END (or a reason of its own) from
+   ``check`` once its ``accept`` has seen the token that leads there.
 3. The decoder's own selection, which is not a processor: greedy argmax, or
    temperature -> top-k -> top-p -> draw for sampling.
 
@@ -23,6 +25,8 @@ import numpy as np
 
 
 class Stage(enum.IntEnum):
+    """Where a processor runs in the chain (see the module docstring)."""
+
     PENALTY = 10
     MASK = 20
 

@@ -6,10 +6,11 @@ counted as -inf); its score is ``log_prob / max(1, n) ** length_penalty`` with n
 
 Step n. Every live beam is expanded by every token. Candidates rank by score (higher first), then
 lower token id, then lower parent index (a parent's index is its rank among the live beams). The
-ranking is walked in order: a candidate whose token is EOS, or completes a stop sequence over the
-generated tokens (the engine's stop rules), finishes and keeps its score; a candidate reaching
-max_tokens finishes too; the others become the next live beams, until beam_size are live. The rest
-of the ranking is dropped.
+ranking is walked in order: a candidate that one of the request's stop rules ends
+(session.stoppers: EOS, a stop sequence over the generated tokens, a plugin's own rule) finishes
+and keeps its score; a candidate reaching max_tokens finishes too; the others become the next live
+beams, until beam_size are live. The rest of the ranking is dropped. Each beam checks its own clone
+of the stop rules, so a rule that keeps state follows each sequence.
 
 Stop. The search ends when no beam is live (max_tokens included), or when beam_size beams have
 finished and no live beam can beat the best finished one: log_prob never rises, so a live beam's
@@ -18,8 +19,8 @@ it can still end at (max_tokens when length_penalty > 0, else n + 1). This early
 the result.
 
 Output. The finished beam with the best score (among equal scores, the one that finished first),
-yielded token by token after the search, so the engine's stop policy (EOS, stop sequences,
-max_tokens, callback abort) ends the stream exactly at its last token.
+yielded token by token after the search, so the engine's stop rules (the same ones, and the
+consumer's callback) end the stream exactly at its last token.
 
 Lanes. One lane (KV cache) per live beam, allocated up front with ``fork_pool(beam_size)``. A
 parent's first child advances in the parent's lane; further children are copied into lanes whose
@@ -32,9 +33,9 @@ from typing import List, Tuple
 
 import numpy as np
 
+from ...core.config import StopReason
 from ...core.decoding import Decoder
-from ...core.engine import tail_match
-from ...core.errors import PluginError
+from ...core.errors import IncompatibleModesError
 from ...core.hookspecs import hookimpl
 
 BEAM_COMPAT = {"single": "ok", "batched": "rejected", "speculative": "rejected", "tree_speculative": "rejected",
@@ -66,16 +67,11 @@ def top_tokens(scores: np.ndarray, m: int) -> np.ndarray:
     return idx[np.lexsort((idx, -scores[idx]))][:m]
 
 
-def ends(tokens: Tuple[int, ...], eos, stop_sequences) -> bool:
-    """The engine's stop rules over a beam's generated tokens (EOS, stop-sequence tail)."""
-    return (eos is not None and tokens[-1] == eos) or tail_match(tokens, stop_sequences)
-
-
 class _Beam:
-    __slots__ = ("tokens", "logprob", "lane")
+    __slots__ = ("tokens", "logprob", "lane", "stops")
 
-    def __init__(self, tokens: Tuple[int, ...], logprob: float, lane: int):
-        self.tokens, self.logprob, self.lane = tokens, logprob, lane
+    def __init__(self, tokens: Tuple[int, ...], logprob: float, lane: int, stops):
+        self.tokens, self.logprob, self.lane, self.stops = tokens, logprob, lane, stops
 
 
 class BeamSearchDecoder(Decoder):
@@ -83,28 +79,32 @@ class BeamSearchDecoder(Decoder):
     mode = "beam_search"
     compat = BEAM_COMPAT
     contexts = frozenset({"single"})
+    honours = frozenset({"beam_size", "length_penalty"})
+    applies_processors = False          # processors are per sequence: the beams would share one
 
     @classmethod
     def matches(cls, config) -> bool:
         return config.beam_size >= 2
+
+    @classmethod
+    def validate(cls, model, config, options) -> None:
+        if config.beam_size < 2:
+            raise IncompatibleModesError(f"beam_size={config.beam_size} asks for ordinary decoding (0 or 1), but "
+                                         f"decoder 'beam' was chosen; beam search needs beam_size >= 2")
 
     def decode(self, session):
         c = self.config
         K = max(1, c.beam_size)
         N = c.max_tokens
         alpha = c.length_penalty
-        eos = session.eos_id
-        stops = c.stop_sequences
-        chain = getattr(session, "chain", ())
-        if len(chain):
-            names = [p.name for p in getattr(chain, "processors", chain)]
-            raise PluginError(f"beam search does not run logit processors (active: {names}); "
-                              f"they are per-sequence and the beams would share one")
+        stops = session.stoppers
         # per beam, the walk takes at most K continuing candidates plus the ending ones before them
-        m = K + (eos is not None) + len(stops)
+        # (every token when a stop rule gives no bound on how many tokens can end a sequence)
+        bound = stops.ending_tokens
+        m = session.vocab_size if bound is None else K + bound
         session.fork_pool(K if N > 1 else 1)
         session.start()
-        live: List[_Beam] = [_Beam((), 0.0, 0)]
+        live: List[_Beam] = [_Beam((), 0.0, 0, stops.clone())]
         rows = [log_softmax(session.logits(0))]
         finished: List[Tuple[float, Tuple[int, ...]]] = []      # (score, tokens), in finishing order
         n = 0
@@ -122,14 +122,16 @@ class BeamSearchDecoder(Decoder):
             kept = 0
             for neg_score, t, b, total in cands:
                 toks = live[b].tokens + (t,)
-                if ends(toks, eos, stops):
+                rules = live[b].stops.clone()
+                reason = rules.check(toks)
+                if reason is not None and reason != StopReason.MAX_TOKENS:
                     finished.append((-neg_score, toks))
                     continue
                 kept += 1
-                if n >= N:                          # ends by max_tokens
+                if reason is not None or n >= N:    # ends by max_tokens
                     finished.append((-neg_score, toks))
                 else:
-                    nxt.append((_Beam(toks, total, -1), b))
+                    nxt.append((_Beam(toks, total, -1, rules), b))
                 if kept == K:
                     break
             if not nxt:

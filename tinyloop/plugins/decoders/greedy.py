@@ -8,11 +8,11 @@ from ...core.hookspecs import hookimpl
 from .. import ALL_CONTEXTS_OK
 
 
-
 class GreedyDecoder(Decoder):
     name = "greedy"
     mode = "greedy"
     compat = ALL_CONTEXTS_OK
+    honours = frozenset()               # the engine's fields and the processors' only
 
     @classmethod
     def matches(cls, config) -> bool:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from ...core.config import GREEDY_TEMPERATURE
-from ...core.decoding import Decoder
+from ...core.decoding import SAMPLING_FIELDS, Decoder
+from ...core.errors import IncompatibleModesError
 from ...core.hookspecs import hookimpl
 from ...core.sampling import sample_token, uniform
 from .. import ALL_CONTEXTS_OK
@@ -15,10 +16,18 @@ class SamplingDecoder(Decoder):
     name = "sampling"
     mode = "sampling"
     compat = ALL_CONTEXTS_OK
+    honours = SAMPLING_FIELDS
 
     @classmethod
     def matches(cls, config) -> bool:
         return config.temperature > GREEDY_TEMPERATURE and config.beam_size < 2
+
+    @classmethod
+    def validate(cls, model, config, options) -> None:
+        if not config.sampling:
+            raise IncompatibleModesError(f"temperature={config.temperature} asks for greedy decoding "
+                                         f"(<= {GREEDY_TEMPERATURE}), but decoder 'sampling' was chosen; "
+                                         f"sampling needs temperature > {GREEDY_TEMPERATURE}")
 
     def decode(self, session):
         c = self.config

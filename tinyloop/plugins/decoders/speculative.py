@@ -1,6 +1,7 @@
 """Chain self-speculative decoding: draft draft_ahead tokens at draft_loops, verify them in one
-forward at verify_loops. The session (tinyloop.core.speculative.SpeculativeSession) owns the
-forwards; this plugin owns the acceptance rule.
+forward at verify_loops. The session (spec_session.SpeculativeSession) owns the forwards; this
+plugin owns the acceptance rule. Options: spec_session.SpeculativeOptions (draft_loops,
+verify_loops, draft_ahead, verify_resume).
 
 Greedy (temperature <= 0.01): keep the longest prefix of drafts the verify pass's argmax agrees with,
 plus the verify pass's next token; exactly the tokens of plain greedy decoding at verify_loops.
@@ -17,26 +18,44 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...core.config import GREEDY_TEMPERATURE
-from ...core.decoding import Decoder
+from ...core.decoding import SAMPLING_FIELDS, Decoder
 from ...core.hookspecs import hookimpl
 from ...core.sampling import draw, sampling_probs, uniform
+from . import spec_session
+from .spec_session import SpeculativeOptions, SpeculativeSession
 
 
 class ChainSpeculativeDecoder(Decoder):
     name = "speculative"
-    contexts = frozenset({"speculative"})
+    contexts = frozenset({"single"})
+    compat_context = "speculative"
+    options_class = SpeculativeOptions
+    session_class = SpeculativeSession
+    honours = SAMPLING_FIELDS
+    applies_processors = False          # drafts and verify rows are read off the device
+
+    @classmethod
+    def honoured(cls, config):
+        # top_k / top_p / sample_seed shape speculative sampling only
+        return super().honoured(config) if config.sampling else super().honoured(config) - SAMPLING_FIELDS
+
+    @classmethod
+    def validate(cls, model, config, options):
+        spec_session.validate(model, config, options)
+
+    @classmethod
+    def depth(cls, config, options):
+        return spec_session.verify_depth(config, options)
 
     def decode(self, session):
-        if self.config.temperature > GREEDY_TEMPERATURE:
+        if self.config.sampling:
             yield from self._sample(session)
             return
-        spec = self.config
         session.start()
         pending = session.greedy()                 # the verify-depth token after the prompt
         yield pending
         while True:
-            drafts, verified = session.draft_cycle(pending, spec.draft_ahead)
+            drafts, verified = session.draft_cycle(pending, self.options.draft_ahead)
             n = 0
             while n < len(drafts) and drafts[n] == verified[n]:
                 n += 1
@@ -50,7 +69,7 @@ class ChainSpeculativeDecoder(Decoder):
 
     def _sample(self, session):
         c = self.config
-        rng = np.random.Generator(np.random.PCG64(c.seed))
+        rng = np.random.Generator(np.random.PCG64(c.sample_seed))
 
         def probs(logits):
             return sampling_probs(logits, c.temperature, c.top_k, c.top_p)
@@ -60,7 +79,7 @@ class ChainSpeculativeDecoder(Decoder):
         while True:
             drafts, qs = [], []
             tok = pending
-            for k in range(c.draft_ahead):
+            for k in range(self.options.draft_ahead):
                 session.draft(tok, k)
                 q = probs(session.logits())
                 tok = draw(q, uniform(rng))

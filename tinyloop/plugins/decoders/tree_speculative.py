@@ -1,8 +1,9 @@
 """Tree self-speculative decoding: every draft step keeps the K_branches most likely tokens of each
 node (a full K-ary tree of depth draft_ahead, drafted level by level at draft_loops), one
 tree-masked forward at verify_loops scores every node, and the longest path the verify pass agrees
-with is committed. The session (tinyloop.core.speculative.TreeSpeculativeSession) owns the
-forwards; this plugin owns the acceptance rule.
+with is committed. The session (spec_session.TreeSpeculativeSession) owns the forwards; this
+plugin owns the acceptance rule. Options: spec_session.TreeSpeculativeOptions (those of the chain
+decoder and K_branches).
 
 Greedy (temperature <= 0.01): from the root, follow the child whose token equals the verify
 argmax after the current node; emit the accepted tokens and then the verify argmax after the last
@@ -21,20 +22,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...core.config import GREEDY_TEMPERATURE
-from ...core.decoding import Decoder
 from ...core.hookspecs import hookimpl
 from ...core.sampling import draw, sampling_probs, uniform
+from .spec_session import TreeSpeculativeOptions, TreeSpeculativeSession
+from .speculative import ChainSpeculativeDecoder
 
 
-class TreeSpeculativeDecoder(Decoder):
+class TreeSpeculativeDecoder(ChainSpeculativeDecoder):
     name = "tree_speculative"
-    contexts = frozenset({"tree_speculative"})
+    compat_context = "tree_speculative"
+    options_class = TreeSpeculativeOptions
+    session_class = TreeSpeculativeSession
 
     def decode(self, session):
         c = self.config
-        sampling = c.temperature > GREEDY_TEMPERATURE
-        rng = np.random.Generator(np.random.PCG64(c.seed))
+        sampling = c.sampling
+        rng = np.random.Generator(np.random.PCG64(c.sample_seed))
 
         def probs(logits):
             return sampling_probs(logits, c.temperature, c.top_k, c.top_p)

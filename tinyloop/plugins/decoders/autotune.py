@@ -2,9 +2,10 @@
 to speculative"): time plain greedy decoding against chain and tree self-speculative decoding on a
 few prompts, on this model and backend, and keep the winner.
 
-``calibrate(model, loops)`` runs the benchmark and caches the result on the model (one entry per
-loop depth); the ``auto`` decoder plugin (GenerateConfig(decoder="auto")) calls it on its first
-request at a depth and then hands every request to the winner. Greedy self-speculative decoding
+``calibrate(model, loops)`` (``tinyloop.calibrate``) runs the benchmark and caches the result on
+the model (one entry per loop depth); the ``auto`` decoder plugin (GenerateConfig(decoder="auto"),
+auto.py beside this file) calls it on its first request at a depth and then hands every request to
+the winner. Greedy self-speculative decoding
 is exact (the same tokens as plain decoding), so the choice changes speed only — each candidate's
 output is checked against plain decoding during calibration, and a candidate that differs is
 discarded (and reported) rather than used.
@@ -16,8 +17,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
-from .config import GenerateConfig, GenerateStats, SpeculativeConfig, TreeSpeculativeConfig
-from .errors import ConfigError
+from ...core.config import GenerateConfig, GenerateStats, SpeculativeConfig, TreeSpeculativeConfig
+from ...core.engine import generate_stream, resolve_loops
+from ...core.errors import ConfigError
+from .spec_session import speculative_request
 
 #: Texts the default calibration prompts are made from (with the model's tokenizer, if it has one).
 DEFAULT_TEXTS = ("def main():\n", "The quick brown fox", "import os\nimport sys\n\n",
@@ -68,7 +71,7 @@ def _decoder_name(config: SpeculativeConfig) -> str:
 
 
 def _default_prompts(model) -> List[List[int]]:
-    from .tokenizer import resolve_tokenizer
+    from ...core.tokenizer import resolve_tokenizer
     try:
         tok = resolve_tokenizer(model.header.tokenizer, None, model.vocab_size)
         prompts = [tok.encode(t) for t in DEFAULT_TEXTS]
@@ -88,8 +91,6 @@ def calibrate(model, loops: Optional[int] = None, prompts: Optional[Sequence[Seq
     each, and cache the choice on the model. Speculative wins only when its decode tokens/s beat
     plain's by `min_speedup`. Every candidate is warmed up on every prompt (kernels, graphs) before
     timing."""
-    from .engine import generate_stream, resolve_loops
-    from .speculative import generate_speculative, generate_tree_speculative
     model._check_live()
     L = resolve_loops(model, loops)
     if isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float)) or min_speedup <= 0:
@@ -123,8 +124,8 @@ def calibrate(model, loops: Optional[int] = None, prompts: Optional[Sequence[Seq
     for c in cands:
         c = dataclasses.replace(c, max_tokens=max_tokens, temperature=0.0)
         tree = isinstance(c, TreeSpeculativeConfig)
-        fn = generate_tree_speculative if tree else generate_speculative
-        outs, rate = timed(lambda p, st=None, c=c, fn=fn: fn(model, p, c, stats=st))
+        req = speculative_request(c, tree)
+        outs, rate = timed(lambda p, st=None, req=req: generate_stream(model, p, req, stats=st))
         exact = outs == ref
         row = {"decoder": _decoder_name(c), "draft_loops": c.draft_loops,
                "draft_ahead": c.draft_ahead, "tokens_per_s": rate, "exact": exact}

@@ -1,4 +1,11 @@
-"""Self-speculative decoding: draft at draft_loops, verify at verify_loops, same weights.
+"""Self-speculative decoding's machinery: the sessions, the draft tree, the options and their checks.
+
+The decoders (speculative.py: chain, tree_speculative.py: tree) own the acceptance rules; this
+module owns what they drive. Options (GenerateConfig.options of decoder "speculative" /
+"tree_speculative"): :class:`SpeculativeOptions`, :class:`TreeSpeculativeOptions`. The verify
+depth is the request's loop depth (``verify_loops``, or GenerateConfig.loops). The public
+wrappers (tinyloop.generate_speculative / generate_tree_speculative) turn a SpeculativeConfig into
+such a request with :func:`speculative_request`.
 
 The session a speculative decoder drives (``SpeculativeSession``) adds three operations to the
 ordinary decode session:
@@ -26,28 +33,136 @@ later: cache slots past the committed position are rewritten before any query re
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .config import GenerateConfig, GenerateStats, SpeculativeConfig, TreeSpeculativeConfig
-from .engine import Model, Session, _iter_locked, _Plan, resolve_loops, validate_request
-from .errors import ConfigError
+from ...core.config import (GREEDY_TEMPERATURE, GenerateConfig, GenerateStats, SpeculativeConfig,
+                            TreeSpeculativeConfig, check_bool, check_int)
+from ...core.engine import Model, Plan, Session
+from ...core.errors import ConfigError
+
+#: Most tokens one chain cycle drafts (the backends size their id rows for it).
+MAX_DRAFT_AHEAD = 64
 
 
+# --------------------------------------------------------------------------- options
+@dataclass(frozen=True)
+class SpeculativeOptions:
+    """Options of the chain self-speculative decoder (GenerateConfig(decoder="speculative",
+    options={...})). The sampling knobs, stop sequences and cache settings are the request's own
+    GenerateConfig fields."""
+
+    draft_loops: int = 2
+    """Cheap draft-pass loop depth, in [1, verify depth - 1]."""
+    verify_loops: Optional[int] = None
+    """Verify-pass loop depth, <= model.max_loops: the request's loop depth. None: GenerateConfig.loops
+    (else the model's default_loops); when both are set they must agree."""
+    draft_ahead: int = 4
+    """Tokens drafted per verify cycle, in [1, 64]."""
+    verify_resume: bool = True
+    """Verify resumes each drafted position from the residual the draft left after draft_loops
+    iterations and runs only iterations draft_loops..verify_loops-1 (same tokens either way)."""
+
+    def __post_init__(self) -> None:
+        if self.verify_loops is not None:
+            check_int("verify_loops", self.verify_loops, 1)
+        hi = None if self.verify_loops is None else max(1, self.verify_loops - 1)
+        check_int("draft_loops", self.draft_loops, 1, hi)
+        check_int("draft_ahead", self.draft_ahead, 1, MAX_DRAFT_AHEAD)
+        check_bool("verify_resume", self.verify_resume)
+
+
+@dataclass(frozen=True)
+class TreeSpeculativeOptions(SpeculativeOptions):
+    """Options of the tree self-speculative decoder (decoder="tree_speculative"): the draft tree is
+    the full K_branches-ary tree of depth draft_ahead."""
+
+    K_branches: int = 2
+    """Candidates kept per draft step, in [1, 16]."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("K_branches", self.K_branches, 1, 16)
+
+
+def validate(model: Model, config: GenerateConfig, opts: SpeculativeOptions) -> None:
+    """The model-dependent checks of a speculative request (before any allocation)."""
+    cfg = model.cfg
+    if opts.verify_loops is not None:
+        if opts.verify_loops > cfg.max_loops:
+            raise ConfigError(f"verify_loops={opts.verify_loops} is outside the allowed range "
+                              f"[2, {cfg.max_loops}] (model.max_loops)")
+        if config.loops is not None and config.loops != opts.verify_loops:
+            raise ConfigError(f"options verify_loops={opts.verify_loops} and loops={config.loops} disagree: the "
+                              f"verify depth is the request's loop depth (set one of them)")
+    L = verify_depth(config, opts)
+    if L is None:
+        L = cfg.default_loops
+    if opts.draft_loops >= L:
+        raise ConfigError(f"draft_loops={opts.draft_loops} is outside the allowed range [1, {L - 1}] (below the "
+                          f"verify depth {L})" if L >= 2 else
+                          f"draft_loops={opts.draft_loops}: speculative decoding needs a verify depth >= 2, "
+                          f"the request's is {L}")
+    rows = model.ws.rows
+    if isinstance(opts, TreeSpeculativeOptions):
+        n = tree_nodes(opts.K_branches, opts.draft_ahead)
+        if n > rows:
+            raise ConfigError(f"K_branches={opts.K_branches}, draft_ahead={opts.draft_ahead} make a draft tree of "
+                              f"{n} nodes, but a verify pass holds at most {rows} rows (the model's "
+                              f"prefill_chunk); lower K_branches or draft_ahead, or load with a larger "
+                              f"prefill_chunk")
+        if opts.K_branches > cfg.vocab_size:
+            raise ConfigError(f"K_branches={opts.K_branches} exceeds the vocabulary ({cfg.vocab_size})")
+    elif opts.draft_ahead + 1 > rows:
+        raise ConfigError(f"draft_ahead={opts.draft_ahead} needs {opts.draft_ahead + 1} rows per verify "
+                          f"pass, but the model was loaded with prefill_chunk={rows}")
+
+
+def verify_depth(config: GenerateConfig, opts: SpeculativeOptions) -> Optional[int]:
+    """The verify (and emitted tokens') loop depth: options verify_loops, else GenerateConfig.loops."""
+    return opts.verify_loops if opts.verify_loops is not None else config.loops
+
+
+def options_of(config: SpeculativeConfig) -> Dict[str, Any]:
+    """The decoder options a SpeculativeConfig / TreeSpeculativeConfig stands for."""
+    out: Dict[str, Any] = {"draft_loops": config.draft_loops, "verify_loops": config.verify_loops,
+                           "draft_ahead": config.draft_ahead, "verify_resume": config.verify_resume}
+    if isinstance(config, TreeSpeculativeConfig):
+        out["K_branches"] = config.K_branches
+    return out
+
+
+def speculative_request(config: SpeculativeConfig, tree: bool) -> GenerateConfig:
+    """The GenerateConfig that runs `config` (the public wrappers' whole job): decoder
+    "speculative" or "tree_speculative" at loops = verify_loops with the draft knobs as options.
+    The sampling knobs (seed, top_k, top_p) are passed only while sampling, where they are used."""
+    context = "tree_speculative" if tree else "speculative"
+    cls = TreeSpeculativeConfig if tree else SpeculativeConfig
+    if not isinstance(config, cls) or (not tree and isinstance(config, TreeSpeculativeConfig)):
+        raise ConfigError(f"{context} decoding takes a {cls.__name__}, got {type(config).__name__}")
+    sampling = dict(sample_seed=config.seed, top_k=config.top_k, top_p=config.top_p) \
+        if config.temperature > GREEDY_TEMPERATURE else {}
+    return GenerateConfig(max_tokens=config.max_tokens, loops=config.verify_loops, temperature=config.temperature,
+                          stop_sequences=config.stop_sequences, cache_mode=config.cache_mode,
+                          cache_window=config.cache_window, decoder=context, options=options_of(config),
+                          **sampling)
+
+
+# --------------------------------------------------------------------------- sessions
 class SpeculativeSession(Session):
     """A decode session with draft / verify / commit (see the module docstring)."""
 
-    def __init__(self, model: Model, prompt: List[int], plan: _Plan, chain, stats: GenerateStats,
+    def __init__(self, model: Model, prompt: List[int], plan: Plan, chain, stats: GenerateStats,
                  extra_slots: Optional[int] = None):
-        spec: SpeculativeConfig = plan.decoder_config
-        cfg = model.cfg
+        opts: SpeculativeOptions = plan.options
         # extra layers: the draft's post blocks; extra slots: drafts past the last emitted token
         super().__init__(model, prompt, plan, chain, stats, extra_groups=("draft_post",),
-                         extra_slots=spec.draft_ahead + 1 if extra_slots is None else extra_slots)
-        self.spec = spec
-        self.draft_loops, self.verify_loops = spec.draft_loops, spec.verify_loops
-        self.inject = cfg.loop_inject == "add"
+                         extra_slots=opts.draft_ahead + 1 if extra_slots is None else extra_slots)
+        self.draft_loops, self.verify_loops = opts.draft_loops, plan.loops
+        self.verify_resume = opts.verify_resume
+        self.inject = model.cfg.loop_inject == "add"
 
     def _stash(self, row0: int, n: int = 1) -> None:
         """Keep rows 0..n-1 of the residual (and of the loop-inject copy) in stash rows row0.."""
@@ -105,7 +220,7 @@ class SpeculativeSession(Session):
         be, ws, cache = self.model.backend, self.model.ws, self.cache
         n = len(tokens)
         Ld, Lv = self.draft_loops, self.verify_loops
-        if self.spec.verify_resume:
+        if self.verify_resume:
             ids = be.set_ids(ws, [tokens[-1]])
             pos = be.positions(self.position + n - 1)
 
@@ -134,7 +249,7 @@ class SpeculativeSession(Session):
                 tok = self.draft(tok, i)
                 drafts.append(tok)
             return drafts, self.verify([pending] + drafts)
-        Ld, Lv, resume = self.draft_loops, self.verify_loops, self.spec.verify_resume
+        Ld, Lv, resume = self.draft_loops, self.verify_loops, self.verify_resume
         tok = be.set_ids(ws, [pending])
         pos = be.positions(self.position)
 
@@ -219,9 +334,9 @@ class TreeSpeculativeSession(SpeculativeSession):
     * ``commit_path(nodes)``      the root and the accepted nodes (depth 1, 2, ..) are kept: their
       cache slots move to position + depth, then the position advances past them."""
 
-    def __init__(self, model: Model, prompt: List[int], plan: _Plan, chain, stats: GenerateStats):
-        spec: TreeSpeculativeConfig = plan.decoder_config
-        self.tree = DraftTree(spec.K_branches, spec.draft_ahead)
+    def __init__(self, model: Model, prompt: List[int], plan: Plan, chain, stats: GenerateStats):
+        opts: TreeSpeculativeOptions = plan.options
+        self.tree = DraftTree(opts.K_branches, opts.draft_ahead)
         super().__init__(model, prompt, plan, chain, stats, extra_slots=self.tree.n_nodes)
         self.layout = model.backend.tree_layout(self.tree.depth, self.tree.path)
 
@@ -246,7 +361,7 @@ class TreeSpeculativeSession(SpeculativeSession):
         tr = self.tree
         N = tr.n_nodes
         Ld, Lv = self.draft_loops, self.verify_loops
-        if self.spec.verify_resume:
+        if self.verify_resume:
             leaf0 = tr.level_start[tr.D]
             ids = be.set_ids(ws, list(tokens[leaf0:]))
             pos = be.tree_positions(self.layout, self.position, leaf0)
@@ -284,7 +399,7 @@ class TreeSpeculativeSession(SpeculativeSession):
                         tokens[child] = tok
             return tokens, self.verify_tree(tokens)
         N, K, D, ls = tr.n_nodes, tr.K, tr.D, tr.level_start
-        Ld, Lv, resume = self.draft_loops, self.verify_loops, self.spec.verify_resume
+        Ld, Lv, resume = self.draft_loops, self.verify_loops, self.verify_resume
         be.set_ids(ws, [pending])
         pos = [be.tree_positions(self.layout, self.position, ls[d]) for d in range(D + 1)]
 
@@ -311,66 +426,3 @@ class TreeSpeculativeSession(SpeculativeSession):
         if moves:
             self.model.backend.move_cache_slots(self.cache, moves)
         self.commit(len(nodes))
-
-
-def session_class(config):
-    """The session a speculative decoder configuration needs."""
-    return TreeSpeculativeSession if isinstance(config, TreeSpeculativeConfig) else SpeculativeSession
-
-
-def _speculative_plan(model: Model, prompt, config, cls, context: str):
-    tree = context == "tree_speculative"
-    if not isinstance(config, cls) or (not tree and isinstance(config, TreeSpeculativeConfig)):
-        raise ConfigError(f"{context} decoding takes a {cls.__name__}, got {type(config).__name__}")
-    model._check_live()
-    if config.verify_loops > model.cfg.max_loops:
-        raise ConfigError(f"verify_loops={config.verify_loops} is outside the allowed range "
-                          f"[2, {model.cfg.max_loops}] (model.max_loops)")
-    if tree:
-        n = tree_nodes(config.K_branches, config.draft_ahead)
-        if n > model.ws.rows:
-            raise ConfigError(f"K_branches={config.K_branches}, draft_ahead={config.draft_ahead} make a draft tree of "
-                              f"{n} nodes, but a verify pass holds at most {model.ws.rows} rows (the model's "
-                              f"prefill_chunk); lower K_branches or draft_ahead, or load with a larger "
-                              f"prefill_chunk")
-        if config.K_branches > model.cfg.vocab_size:
-            raise ConfigError(f"K_branches={config.K_branches} exceeds the vocabulary ({model.cfg.vocab_size})")
-    elif config.draft_ahead + 1 > model.ws.rows:
-        raise ConfigError(f"draft_ahead={config.draft_ahead} needs {config.draft_ahead + 1} rows per verify "
-                          f"pass, but the model was loaded with prefill_chunk={model.ws.rows}")
-    gc = GenerateConfig(max_tokens=config.max_tokens, loops=config.verify_loops,
-                        temperature=config.temperature, sample_seed=config.seed, top_k=config.top_k,
-                        top_p=config.top_p,
-                        stop_sequences=config.stop_sequences, cache_mode=config.cache_mode,
-                        cache_window=config.cache_window, decoder=context)
-    plan = _Plan(model, gc, context)
-    ids = validate_request(model, prompt, gc)
-    resolve_loops(model, config.draft_loops)
-    plan.decoder_config = config
-    plan.session_cls = session_class(config)
-    return plan, ids
-
-
-def generate_speculative(model: Model, prompt: Sequence[int], config: Optional[SpeculativeConfig] = None,
-                         stats: Optional[GenerateStats] = None) -> List[int]:
-    """Chain self-speculative decoding: draft `draft_ahead` tokens greedily at draft_loops, verify
-    them in one forward at verify_loops, accept the longest matching prefix plus one bonus token.
-    At temperature 0 the output equals generate(loops=verify_loops). Returns prompt + tokens."""
-    plan, ids = _speculative_plan(model, prompt, config or SpeculativeConfig(), SpeculativeConfig,
-                                  "speculative")
-    stats = stats if stats is not None else GenerateStats()
-    return ids + list(_iter_locked(model, ids, plan, stats))
-
-
-def generate_tree_speculative(model: Model, prompt: Sequence[int],
-                              config: Optional[TreeSpeculativeConfig] = None,
-                              stats: Optional[GenerateStats] = None) -> List[int]:
-    """Tree self-speculative decoding: each draft step keeps the K_branches most likely tokens of
-    every node, building a tree of depth draft_ahead; one tree-masked forward at verify_loops
-    scores every node, and the longest path the verify pass agrees with is committed (plus one
-    bonus token). At temperature 0 the output equals generate(loops=verify_loops). Returns
-    prompt + tokens."""
-    plan, ids = _speculative_plan(model, prompt, config or TreeSpeculativeConfig(), TreeSpeculativeConfig,
-                                  "tree_speculative")
-    stats = stats if stats is not None else GenerateStats()
-    return ids + list(_iter_locked(model, ids, plan, stats))

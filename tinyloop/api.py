@@ -1,0 +1,35 @@
+"""The public API's speculative entry points: thin wrappers that turn a SpeculativeConfig /
+TreeSpeculativeConfig into the GenerateConfig of the built-in "speculative" / "tree_speculative"
+decoder plugin and run it through the engine like any request. The public API layer may name
+built-in plugins; tinyloop.core does not."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+from .core.config import GenerateStats, SpeculativeConfig, TreeSpeculativeConfig
+from .core.engine import Model, generate_stream
+from .plugins.decoders.spec_session import speculative_request
+
+
+def generate_speculative(model: Model, prompt: Sequence[int], config: Optional[SpeculativeConfig] = None,
+                         stats: Optional[GenerateStats] = None) -> List[int]:
+    """Chain self-speculative decoding: draft `draft_ahead` tokens greedily at draft_loops, verify
+    them in one forward at verify_loops, accept the longest matching prefix plus one bonus token.
+    At temperature 0 the output equals generate(loops=verify_loops). Returns prompt + tokens.
+    Same as ``generate(model, prompt, GenerateConfig(decoder="speculative", loops=verify_loops,
+    options={draft_loops, verify_loops, draft_ahead, verify_resume}, ...))``."""
+    request = speculative_request(config if config is not None else SpeculativeConfig(), tree=False)
+    return generate_stream(model, prompt, request, stats=stats)
+
+
+def generate_tree_speculative(model: Model, prompt: Sequence[int],
+                              config: Optional[TreeSpeculativeConfig] = None,
+                              stats: Optional[GenerateStats] = None) -> List[int]:
+    """Tree self-speculative decoding: each draft step keeps the K_branches most likely tokens of
+    every node, building a tree of depth draft_ahead; one tree-masked forward at verify_loops
+    scores every node, and the longest path the verify pass agrees with is committed (plus one
+    bonus token). At temperature 0 the output equals generate(loops=verify_loops). Returns
+    prompt + tokens. Same as generate with decoder="tree_speculative" (options also K_branches)."""
+    request = speculative_request(config if config is not None else TreeSpeculativeConfig(), tree=True)
+    return generate_stream(model, prompt, request, stats=stats)
