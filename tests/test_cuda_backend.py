@@ -3,7 +3,12 @@
 CUDA logits match the float64 reference within fp32 tolerance; greedy tokens equal the CPU
 backend's; graphs on/off, prefill chunking, the uncached path and the three generate forms give
 identical tokens on the GPU. The fused decode path (norm in the matmul, q|k|v and gate|up as one
-matmul each) gives the same greedy tokens as the unfused composites (TINYLOOP_CUDA_FUSE=0)."""
+matmul each) gives the same greedy tokens as the unfused composites (TINYLOOP_CUDA_FUSE=0).
+
+KV cache spec: int8 / int4 caches against the quantizing float64 oracle and the CPU backend's
+tokens (a quantized code can flip where CPU and GPU values differ in the last bit, so tokens may
+differ only after a near-tie of the oracle's logits); sliding-window rings, wrapping, against the
+CPU and the masked oracle."""
 
 from __future__ import annotations
 
@@ -13,7 +18,9 @@ import numpy as np
 import pytest
 
 import tinyloop as tl
+from tinyloop.core.cache import CacheSpec, LayerGroup, SlotMap
 from tinyloop.core.reference import reference_logits
+from tinyloop.plugins.caches.codecs import FP16Codec, FP32Codec, INT4Codec, INT8Codec
 
 from conftest import logical_weights, write_tiny
 
@@ -243,7 +250,7 @@ def test_oom_is_typed_and_releases(tmp_path):
     m = tl.load_model(str(path), max_seq_len=64, backend="cuda")
     try:
         with pytest.raises(tl.OutOfMemoryError):
-            m.backend.alloc_cache(1 << 20, 1 << 16, "fp32")
+            m.backend.alloc_cache(CacheSpec((LayerGroup("loop", 1 << 20, "fp32"),), SlotMap(1 << 16), 1))
         assert len(tl.generate(m, [1, 2], tl.GenerateConfig(max_tokens=2))) == 4
     finally:
         tl.free_model(m)
@@ -345,3 +352,131 @@ def test_speculative_and_tree_sampling_on_gpu(pair):
                 max_tokens=16, draft_loops=1, verify_loops=4, draft_ahead=2, K_branches=2, temperature=0.9, top_k=1,
                 seed=3))):
         assert fn(gpu, p, cfg) == ref
+
+
+# ----------------------------------------------------------------------------- the KV cache spec
+CODECS = {"fp32": FP32Codec, "fp16": FP16Codec, "int8": INT8Codec, "int4": INT4Codec}
+
+
+def _agree(path, cfg, got, want, n_prompt, loops, cache_mode, window=0, margin=1e-2):
+    """got == want, or they part at a step where the float64 oracle (with the cache's codec and
+    window) has a near-tie at the top (relative top-2 margin below `margin`): a quantized code may
+    flip where the two backends' values differ in the last bit."""
+    if got == want:
+        return
+    assert len(got) == len(want)
+    i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+    assert i >= n_prompt
+    ref = reference_logits(cfg, logical_weights(path), want[:i], loops, kv_codec=CODECS[cache_mode],
+                           window=window)[-1]
+    top2 = np.sort(ref)[-2:]
+    assert top2[1] - top2[0] < margin * np.abs(ref).max(), (i, got, want)
+
+
+@pytest.mark.parametrize("cache_mode", ["int8", "int4"])
+@pytest.mark.parametrize("loops", [1, 3, 8])
+def test_quantized_cache_logits_match_the_quantizing_oracle(pair, loops, cache_mode):
+    """int8 / int4 caches against the float64 oracle that stores K/V through the same codec (the
+    CPU backend's tolerance, tests/test_kv_cache.py), and against the CPU backend."""
+    path, cpu, gpu = pair
+    W = logical_weights(path)
+    for p in PROMPTS:
+        ref = reference_logits(gpu.cfg, W, p, loops, kv_codec=CODECS[cache_mode])
+        got = tl.score(gpu, p, loops=loops, cache_mode=cache_mode)
+        scale = np.abs(ref).max()
+        assert np.abs(got - ref).max() / scale < 1e-3
+        assert np.abs(got - tl.score(cpu, p, loops=loops, cache_mode=cache_mode)).max() / scale < 1e-3
+
+
+@pytest.mark.parametrize("cache_mode", ["int8", "int4"])
+@pytest.mark.parametrize("loops", [1, 3, 8])
+def test_quantized_cache_greedy_tokens_equal_cpu(pair, loops, cache_mode):
+    path, cpu, gpu = pair
+    for p in PROMPTS:
+        cfg = tl.GenerateConfig(max_tokens=24, loops=loops, cache_mode=cache_mode)
+        _agree(path, gpu.cfg, tl.generate(gpu, p, cfg), tl.generate(cpu, p, cfg), len(p), loops, cache_mode)
+
+
+@pytest.mark.parametrize("cache_mode", ["int8", "int4"])
+def test_quantized_cache_fused_unfused_graphs_and_chunks(pair, unfused, cache_mode, monkeypatch):
+    """A quantized cache through the staging epilogue + kv_store (fused) and through rope +
+    kv_store (unfused), captured or eager, chunked prefill: the same tokens."""
+    path, _, gpu = pair
+    p = PROMPTS[2]
+    cfg = tl.GenerateConfig(max_tokens=24, loops=3, cache_mode=cache_mode)
+    base = tl.generate(gpu, p, cfg)
+    assert tl.generate(gpu, p, cfg) == base                       # replayed graph
+    _agree(path, gpu.cfg, tl.generate(unfused, p, cfg), base, len(p), 3, cache_mode)
+    chunked = tl.load_model(str(path), max_seq_len=128, backend="cuda", prefill_chunk=3)
+    try:
+        assert tl.generate(chunked, p, cfg) == base               # kv_store is batch-invariant
+    finally:
+        tl.free_model(chunked)
+    monkeypatch.setattr(gpu.backend, "use_graphs", False)
+    assert tl.generate(gpu, p, cfg) == base
+
+
+def test_quantized_cache_adds_one_launch_per_block(pair):
+    """The int8 decode step: one kv_store launch per executed block more than fp16's (each counted
+    on a fresh model, so the step is captured by this request)."""
+    nodes = {}
+    for mode in ("fp16", "int8"):
+        m = tl.load_model(str(pair[0]), max_seq_len=128, backend="cuda")
+        try:
+            tl.generate(m, PROMPTS[0], tl.GenerateConfig(max_tokens=6, loops=2, cache_mode=mode))
+            nodes[mode] = m.backend.step_nodes
+        finally:
+            tl.free_model(m)
+    cfg = pair[2].cfg
+    assert nodes["fp16"] > 0
+    assert nodes["int8"] - nodes["fp16"] == cfg.n_pre + 2 * cfg.n_loop + cfg.n_post
+
+
+@pytest.fixture
+def small_rings(monkeypatch):
+    """Rings of exactly the slots the session asks for (the backend's rounding off for rings), so a
+    short generation wraps them."""
+    from tinyloop.cuda import backend as cb
+    real = cb.round_slots
+    monkeypatch.setattr(cb, "round_slots", lambda n, window=0: n if window else real(n))
+
+
+@pytest.mark.parametrize("window", [1, 5, 16])
+@pytest.mark.parametrize("cache_mode", ["fp16", "fp32", "int8", "int4"])
+def test_window_generation_equals_cpu_and_masked_oracle(pair, small_rings, window, cache_mode):
+    """Sliding-window rings (W + launch rows - 1 slots, wrapping many times over 24 tokens): the
+    CPU backend's tokens, and the masked oracle's argmax wherever its margin is clear; chunked
+    prefill gives the same tokens."""
+    path, cpu, gpu = pair
+    W = logical_weights(path)
+    for p in PROMPTS:
+        cfg = tl.GenerateConfig(max_tokens=24, loops=3, cache_mode=cache_mode, cache_window=window)
+        got = tl.generate(gpu, p, cfg)
+        _agree(path, gpu.cfg, got, tl.generate(cpu, p, cfg), len(p), 3, cache_mode, window)
+        ref = reference_logits(gpu.cfg, W, got[:-1], 3, kv_codec=CODECS[cache_mode], window=window)
+        for i in range(len(p) - 1, len(got) - 1):
+            top2 = np.sort(ref[i])[-2:]
+            if top2[1] - top2[0] < 1e-3 * np.abs(ref[i]).max():
+                break
+            assert int(ref[i].argmax()) == got[i + 1], (i, window)
+    chunked = tl.load_model(str(path), max_seq_len=128, backend="cuda", prefill_chunk=3)
+    try:
+        cfg = tl.GenerateConfig(max_tokens=24, loops=3, cache_mode=cache_mode, cache_window=window)
+        assert tl.generate(chunked, PROMPTS[2], cfg) == tl.generate(gpu, PROMPTS[2], cfg)
+    finally:
+        tl.free_model(chunked)
+
+
+def test_window_speculative_on_gpu(pair, small_rings):
+    """Speculative decoding over a ring (verify launches of draft_ahead + 1 rows): the tokens of
+    plain windowed greedy decoding."""
+    import warnings
+    from tinyloop.core.compat import CompatWarning
+    _, _, gpu = pair
+    p = PROMPTS[0]
+    ref = tl.generate(gpu, p, tl.GenerateConfig(max_tokens=24, loops=4, cache_window=6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CompatWarning)
+        got = tl.generate_speculative(gpu, p, tl.SpeculativeConfig(
+            max_tokens=24, draft_loops=2, verify_loops=4, draft_ahead=3, cache_window=6))
+    assert got == ref

@@ -5,8 +5,12 @@ and one whose tensors differ in storage (the per-tensor fallback).
 
     NUMBA_ENABLE_CUDASIM=1 python -m pytest -m cudasim tests/cuda -q
 
-One-token launches only: the simulator runs every CUDA thread as a Python thread, so this model is
-as small as the kernels allow (about a minute).
+The KV cache as a spec (alloc_cache(spec)): storage per layer group and codec, spare reuse, the
+typed refusal of codecs without a CUDA implementation, copies and slot moves of every storage
+array; int8 / int4 / ring caches through the fused and unfused paths.
+
+One-token launches only (apart from the short prompts of the codec tests): the simulator runs
+every CUDA thread as a Python thread, so this model is as small as the kernels allow.
 """
 
 from __future__ import annotations
@@ -25,7 +29,11 @@ if not numba.config.ENABLE_CUDASIM and not cuda.is_available():
 
 import tinyloop as tl  # noqa: E402
 from tinyloop.core.arch import ModelConfig, TensorQuant  # noqa: E402
+from tinyloop.core.backend import TreeRows  # noqa: E402
+from tinyloop.core.cache import CacheSpec, KVCodec, LayerGroup, SlotMap  # noqa: E402
+from tinyloop.core.errors import BackendError, PluginError  # noqa: E402
 from tinyloop.core.format import open_model, write_model  # noqa: E402
+from tinyloop.core.plugins import get_plugin_manager  # noqa: E402
 
 from conftest import TINY, random_weights  # noqa: E402
 
@@ -116,6 +124,22 @@ def test_rope_table_covers_every_cache_and_is_counted():
             be.free()
 
 
+def test_positions_are_checked_against_the_rope_table():
+    """A ring's positions pass its slots, so the backend checks each uploaded position against its
+    RoPE table (the launchers can only check a linear cache's slots)."""
+    from tinyloop.cuda.backend import CUDABackend
+    from tinyloop.cuda.kernels import rope
+    be = CUDABackend(ModelConfig(**SMALL), 8)
+    try:
+        last = be.rope_table.shape[0] - rope.POSITION_MARGIN
+        assert be.positions(last - 1) is be.pos
+        for bad in (last, -1):
+            with pytest.raises(BackendError, match=f"position {bad} is outside"):
+                be.positions(bad)
+    finally:
+        be.free()
+
+
 def test_split_counters_are_zeroed_with_each_request_cache():
     """The split kernels' arrival counters start at zero and every cache a request takes (new or a
     kept spare) zeroes them again: a launch that failed part-way cannot poison later requests."""
@@ -128,7 +152,7 @@ def test_split_counters_are_zeroed_with_each_request_cache():
         for _ in range(2):                       # a new cache, then the released one reused
             for c in counters:
                 c.copy_to_device(np.full(c.shape, 3, np.int32))
-            cache = be.alloc_cache(2, 16, "fp16")
+            cache = be.alloc_cache(_spec({"pre": ("fp16", 1), "loop": ("fp16", 1)}, 16))
             be.stream.synchronize()
             assert not any(c.copy_to_host().any() for c in counters)
             be.release_cache(cache)
@@ -164,3 +188,177 @@ def test_greedy_lookahead_matches_plain_greedy(small_path, monkeypatch):
         assert tl.generate(m, [3], cfg) == a and len(calls) == 5
     finally:
         tl.free_model(m)
+
+
+# ----------------------------------------------------------------------------- the cache spec
+def _spec(groups, n_slots, window=0, n_loop=1):
+    """A CacheSpec of {name: (codec, n_layers)} groups (in the given order)."""
+    return CacheSpec(tuple(LayerGroup(n, k, c) for n, (c, k) in groups.items()),
+                     SlotMap(n_slots, window), n_loop)
+
+
+MIXED = {"pre": ("fp16", 1), "post": ("int8", 1), "loop": ("int4", 2)}
+
+
+def test_alloc_cache_lays_out_the_spec_and_reuses_spares():
+    from tinyloop.cuda.backend import CUDABackend
+    cfg = ModelConfig(**SMALL)
+    be = CUDABackend(cfg, 64)
+    try:
+        base = be.memory_bytes()
+        spec = _spec(MIXED, 20)
+        c = be.alloc_cache(spec)
+        assert c.n_slots == c.spec.n_slots == 128 and c.spec.groups == spec.groups
+        assert c.spec.slots == SlotMap(128, 0)
+        Hk, hd = cfg.n_kv_heads, cfg.head_dim
+        want = {"fp16": (np.float16, hd, False, False), "int8": (np.int8, hd, True, False),
+                "int4": (np.uint8, hd // 2, True, True)}
+        for g, lg in zip(c.groups, spec.groups):
+            dt, cols, has_s, has_z = want[lg.codec]
+            for rows in (g.k, g.v):
+                assert rows.data.dtype == dt and rows.data.shape == (lg.n_layers, 128, Hk, cols)
+                assert (rows.scale is not None) == has_s and (rows.zero is not None) == has_z
+                for a in rows.arrays:
+                    assert not a.copy_to_host().any()
+                if has_s:
+                    assert rows.scale.shape == (lg.n_layers, 128, Hk) and rows.scale.dtype == np.float32
+        codecs = get_plugin_manager().kv_codecs()
+        assert c.nbytes == c.spec.nbytes(Hk, hd, codecs)
+        # global layers resolve to (group, layer in the group)
+        assert c.group(0)[0].name == "pre" and c.group(3) == (c.groups[2], 1)
+        for a in c.arrays:
+            a.copy_to_device(np.ones(a.shape, a.dtype))
+        be.release_cache(c)
+        assert be.memory_bytes() == base + c.nbytes
+        again = be.alloc_cache(_spec(MIXED, 100))
+        assert again is c and not any(a.copy_to_host().any() for a in c.arrays)
+        be.release_cache(c)
+        # another window, another codec layout or more slots than the spare has: a new cache
+        ring = be.alloc_cache(_spec(MIXED, 20, window=8))
+        assert ring is not c and ring.window == 8 and ring.spec.slots == SlotMap(128, 8)
+        assert be.alloc_cache(_spec({**MIXED, "post": ("fp32", 1)}, 20)) is not c
+        assert be.alloc_cache(_spec(MIXED, 129)) is not c
+        big_ring = be.alloc_cache(_spec(MIXED, 200, window=150))
+        assert big_ring.n_slots == 256          # a ring rounds to a multiple of 128 only
+    finally:
+        be.free()
+
+
+def test_alloc_cache_refuses_codecs_without_a_cuda_implementation(monkeypatch):
+    """An unknown codec, one without a cuda implementation and one whose implementation stores
+    another format: PluginError before anything is allocated."""
+    from tinyloop.cuda import backend as cb
+
+    class CPUOnly(KVCodec):
+        name = "cpu_only"
+        backend_impls = {"cpu": "tinyloop.cpu.kv_codecs:FP32"}
+
+    class Mislabelled(KVCodec):
+        name = "mislabelled"
+        data_dtype = "float16"
+        backend_impls = {"cuda": "tinyloop.cuda.kv_codecs:INT8"}
+
+    class Missing(KVCodec):
+        name = "missing"
+        backend_impls = {"cuda": "tinyloop.cuda.kv_codecs:NOPE"}
+
+    extra = {c.name: c for c in (CPUOnly, Mislabelled, Missing)}
+    real = cb._codec_class
+    monkeypatch.setattr(cb, "_codec_class", lambda name: extra[name] if name in extra else real(name))
+    be = cb.CUDABackend(ModelConfig(**SMALL), 64)
+    try:
+        def no_alloc(*a, **k):
+            raise AssertionError("allocated before the codecs were resolved")
+        monkeypatch.setattr(be, "_empty", no_alloc)
+        for codec, msg in (("nope", "'nope' is not registered"),
+                           ("cpu_only", "no implementation for the cuda backend"),
+                           ("mislabelled", "does not store its format"),
+                           ("missing", "cannot import its cuda implementation")):
+            with pytest.raises(PluginError, match=msg):
+                be.alloc_cache(_spec({"pre": ("fp16", 1), "loop": (codec, 1)}, 16))
+    finally:
+        be.free()
+
+
+def test_copy_cache_and_move_slots_cover_scales_and_zeros():
+    from tinyloop.cuda.backend import CUDABackend
+    be = CUDABackend(ModelConfig(**SMALL), 64)
+    try:
+        be.alloc_workspace(4)
+        rng = np.random.default_rng(3)
+        a = be.alloc_cache(_spec(MIXED, 16))
+        b = be.alloc_cache(_spec(MIXED, 16))
+        for arr in a.arrays:
+            arr.copy_to_device((rng.standard_normal(arr.shape) * 50).astype(arr.dtype))
+        be.copy_cache(b, a, 5)
+        for x, y in zip(a.arrays, b.arrays):
+            assert np.array_equal(x.copy_to_host(), y.copy_to_host())
+        before = [x.copy_to_host() for x in a.arrays]
+        moves = [(7, 5), (5, 6)]
+        be.move_cache_slots(a, moves)
+        for x, want in zip(a.arrays, before):
+            for s_, d_ in moves:
+                want[:, d_] = want[:, s_]
+            assert np.array_equal(x.copy_to_host(), want)
+        with pytest.raises(BackendError, match="copy_cache"):
+            be.copy_cache(be.alloc_cache(_spec({**MIXED, "loop": ("int8", 2)}, 16)), a, 5)
+        with pytest.raises(BackendError, match="copy_cache"):
+            be.copy_cache(be.alloc_cache(_spec(MIXED, 16, window=4)), a, 5)
+    finally:
+        be.free()
+
+
+def test_tree_rows_are_refused_on_a_ring(small_path):
+    m = tl.load_model(str(small_path), max_seq_len=8, backend="cuda")
+    try:
+        be = m.backend
+        cache = be.alloc_cache(_spec({"pre": ("int8", 1), "loop": ("int8", 1)}, 8, window=4))
+        depth, path = be.tree_layout(np.zeros(1, np.int32), np.zeros((1, 1), np.int32))
+        rows = TreeRows(be.positions(0), depth, path)
+        with pytest.raises(BackendError, match="sliding-window"):
+            be.attn_half(m.ws, m.weights.loop[0], cache, 1, rows, 1)
+        be.release_cache(cache)
+    finally:
+        tl.free_model(m)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_cache_fused_equals_unfused_and_cpu(small_path, monkeypatch, mode):
+    """A quantized cache through the fused path (staging epilogue + kv_store) and the unfused one
+    (three matmuls, rope, kv_store): the same logits bit for bit; and the CPU backend's within
+    the quantizing tolerance (a code may flip where CPU and GPU k differ in the last bit)."""
+    monkeypatch.delenv("TINYLOOP_CUDA_FUSE", raising=False)
+    cpu = tl.load_model(str(small_path), max_seq_len=8, backend="cpu")
+    fused = tl.load_model(str(small_path), max_seq_len=8, backend="cuda")
+    monkeypatch.setenv("TINYLOOP_CUDA_FUSE", "0")
+    unfused = tl.load_model(str(small_path), max_seq_len=8, backend="cuda")
+    try:
+        p = [3, 7]
+        got = tl.score(fused, p, loops=1, cache_mode=mode)
+        assert np.array_equal(tl.score(unfused, p, loops=1, cache_mode=mode), got)
+        ref = tl.score(cpu, p, loops=1, cache_mode=mode)
+        assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-3
+    finally:
+        for m in (cpu, fused, unfused):
+            tl.free_model(m)
+
+
+def test_window_generation_matches_cpu(small_path, monkeypatch):
+    """A ring of the size the session asks for (window 2, one-row launches: 2 slots; the backend's
+    rounding switched off so the ring wraps within a few tokens) through decode steps past the
+    window: the CPU's tokens."""
+    from tinyloop.cuda import backend as cb
+    real = cb.round_slots
+    monkeypatch.setattr(cb, "round_slots", lambda n, window=0: n if window else real(n))
+    cpu = tl.load_model(str(small_path), max_seq_len=8, backend="cpu")
+    gpu = tl.load_model(str(small_path), max_seq_len=8, backend="cuda", prefill_chunk=1)
+    try:
+        cfg = tl.GenerateConfig(max_tokens=3, loops=1, cache_window=2, cache_mode="int8")
+        seen = []
+        alloc = gpu.backend.alloc_cache
+        monkeypatch.setattr(gpu.backend, "alloc_cache", lambda spec: seen.append(alloc(spec)) or seen[-1])
+        assert tl.generate(gpu, [3, 5], cfg) == tl.generate(cpu, [3, 5], cfg)
+        assert seen and seen[0].spec.slots == SlotMap(2, 2)
+    finally:
+        tl.free_model(cpu)
+        tl.free_model(gpu)

@@ -23,14 +23,15 @@ from numba import cuda  # noqa: E402
 if numba.config.ENABLE_CUDASIM or not cuda.is_available():
     pytest.skip("needs a real CUDA GPU (and NUMBA_ENABLE_CUDASIM unset)", allow_module_level=True)
 
-from tinyloop.cuda.kernels import (add, argmax, attention, embed, matmul, rmsnorm,  # noqa: E402
+from tinyloop.cuda.kernels import (add, argmax, attention, embed, kv_store, matmul, rmsnorm,  # noqa: E402
                                    rope, sample, swiglu)
 
 import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for the shared references
-from test_kernels_sim import (argmax_ws, att_ws, close, make_weight, old_formula_table,  # noqa: E402
-                              ref_attention, ref_rmsnorm, ref_rope)
+from test_kernels_sim import (CODECS, argmax_ws, att_ws, close, empty_rows, encoded_cache,  # noqa: E402
+                              make_weight, old_formula_table, ref_attention, ref_rmsnorm, ref_rope,
+                              store_inputs)
 
 D = cuda.to_device
 
@@ -197,6 +198,58 @@ def test_rope_attention_long_context_gpu():
     def one(t):   # the same workspace, launch after launch (the counters reset themselves)
         o = D(np.zeros((1, H * hd), np.float32))
         attention.attention(o, D(gq[t:t + 1]), kc, vc, layer, D(np.array([p0 + t], np.int32)), work, cnt)
+        return host(o)[0]
+    assert np.array_equal(rows_alone(one, T), got)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("window", [0, 40])
+def test_kv_store_equals_encode_gpu(name, window):
+    """kv_store on the GPU (libdevice rintf, IEEE divisions, shuffle butterflies) stores exactly
+    codec.encode's codes, scales and zeros: 64 rows x 8 kv heads of 128 with zero, constant and
+    exact-half rows; a ring wraps the launch (positions 90 .. 153 in 128 slots)."""
+    codec, impl = CODECS[name]
+    rng = np.random.default_rng(41)
+    T, Hk, hd, L, S, layer, p0 = 64, 8, 128, 2, 128, 1, 90 if window else 40
+    slots = [(p0 + t) % S for t in range(T)]
+    x = store_inputs(rng, name, T, Hk, hd)
+    y = store_inputs(rng, name, T, Hk, hd)[::-1].copy()
+    kr, vr = empty_rows(codec, L, S, Hk, hd), empty_rows(codec, L, S, Hk, hd)
+    kv_store.kv_store(D(x.reshape(T, Hk * hd)), D(y.reshape(T, Hk * hd)), kr, vr, layer,
+                      D(np.array([p0], np.int32)), impl, window=window)
+    for src, rows in ((x, kr), (y, vr)):
+        data, scale, zero = codec.encode(src)
+        assert np.array_equal(host(rows.data)[layer, slots], data)
+        assert np.array_equal(host(rows.scale)[layer, slots].view(np.uint32), scale.view(np.uint32))
+        if zero is not None:
+            assert np.array_equal(host(rows.zero)[layer, slots], zero)
+
+
+@pytest.mark.parametrize("name", ["fp16", "int8", "int4"])
+@pytest.mark.parametrize("window", [0, 1000])
+def test_attention_codecs_long_context_gpu(name, window):
+    """Attention over each codec's storage at hd 128 (4 dims per lane), against float64 attention
+    over the decoded rows: 4096 keys linear, or a ring of 1104 slots with a window of 1000 at
+    positions far past it; rows alone == rows in the launch."""
+    codec, impl = CODECS[name]
+    rng = np.random.default_rng(42)
+    T, H, Hk, hd, L, layer = 4, 16, 4, 128, 2, 1
+    S, p0 = (1104, 5000) if window else (4096, 4096 - T)
+    kr, K = encoded_cache(codec, rng.standard_normal((L, S, Hk, hd)).astype(np.float32))
+    vr, V = encoded_cache(codec, rng.standard_normal((L, S, Hk, hd)).astype(np.float32))
+    q = rng.standard_normal((T, H * hd)).astype(np.float32)
+    out = D(np.zeros((T, H * hd), np.float32))
+    work, cnt = att_ws(T, H, hd)
+    attention.attention(out, D(q), kr, vr, layer, D(np.array([p0], np.int32)), work, cnt, codec=impl,
+                        window=window)
+    got = host(out)
+    assert rel_err(got, ref_attention(q, K, V, layer, p0, H, Hk, hd, window=window)) < 1e-5
+    assert not host(cnt).any()
+
+    def one(t):
+        o = D(np.zeros((1, H * hd), np.float32))
+        attention.attention(o, D(q[t:t + 1]), kr, vr, layer, D(np.array([p0 + t], np.int32)), work, cnt,
+                            codec=impl, window=window)
         return host(o)[0]
     assert np.array_equal(rows_alone(one, T), got)
 

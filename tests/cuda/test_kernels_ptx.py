@@ -70,7 +70,15 @@ def test_compiles_for_sm90(cc90_device, name, fn, sig):
         # arrival count (the "last block" pattern).
         assert "ld.local" not in ptx and "st.local" not in ptx
         assert "membar.gl" in ptx and "atom.global.add" in ptx
-    if name.startswith(("matmul", "rmsnorm", "attention", "swiglu", "add", "embed", "argmax", "rope")):
+    if name.startswith("attention_int4"):
+        # the int4 decode q * scale + zero keeps its two roundings (the codec reference's): the
+        # product is an explicit mul.rn, which ptxas never contracts into an fma
+        assert "mul.rn.f32" in ptx
+    if name.startswith("kv_store"):
+        # rint half to even (cvt.rni), the warp max butterflies
+        assert "cvt.rni.f32.f32" in ptx and "shfl.sync.bfly" in ptx
+    if name.startswith(("matmul", "rmsnorm", "attention", "swiglu", "add", "embed", "argmax", "rope",
+                        "kv_store")):
         # No accidental float64 arithmetic (an untyped 0.0 literal promotes a float32 chain);
         # rope reads cos/sin from a float32 table (only sample uses float64, on purpose).
         assert ".f64" not in ptx, f"{name} uses float64 arithmetic"

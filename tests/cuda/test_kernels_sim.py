@@ -31,9 +31,11 @@ if not numba.config.ENABLE_CUDASIM and not cuda.is_available():
 from tinyloop.core.arch import QUANT_BITS  # noqa: E402
 from tinyloop.core.errors import BackendError  # noqa: E402
 from tinyloop.core.quant import unpack  # noqa: E402
-from tinyloop.core.speculative import DraftTree  # noqa: E402
-from tinyloop.cuda.kernels import (add, argmax, attention, cache_move, embed, matmul, rmsnorm,  # noqa: E402
-                                   rope, sample, swiglu)
+from tinyloop.cuda import kv_codecs  # noqa: E402
+from tinyloop.cuda.kernels import (add, argmax, attention, cache_move, embed, kv_store, matmul,  # noqa: E402
+                                   rmsnorm, rope, sample, swiglu)
+from tinyloop.plugins.caches.codecs import FP16Codec, FP32Codec, INT4Codec, INT8Codec  # noqa: E402
+from tinyloop.plugins.decoders.spec_session import DraftTree  # noqa: E402
 
 
 # =============================================================================== references
@@ -86,16 +88,20 @@ def ref_rope(x, p0, inv_freq):
     return out
 
 
-def ref_attention(q, kc, vc, layer, p0, H, Hk, hd):
+def ref_attention(q, kc, vc, layer, p0, H, Hk, hd, window=0):
+    """Causal attention of rows at positions p0 + t over cache slots 0 .. p0 + t, or with
+    window > 0 over positions max(0, p - window + 1) .. p of a ring (position j in slot j % S)."""
     T = q.shape[0]
+    S = kc.shape[1]
     out = np.zeros((T, H * hd))
     g = H // Hk
     for t in range(T):
-        n = p0 + t + 1
+        p = p0 + t
+        slots = [j % S for j in range(max(0, p - window + 1), p + 1)] if window else list(range(p + 1))
         for h in range(H):
             kv = h // g
-            K = kc[layer, :n, kv, :].astype(np.float64)
-            V = vc[layer, :n, kv, :].astype(np.float64)
+            K = kc[layer, slots, kv, :].astype(np.float64)
+            V = vc[layer, slots, kv, :].astype(np.float64)
             s = K @ q[t, h * hd:(h + 1) * hd].astype(np.float64) / math.sqrt(hd)
             e = np.exp(s - s.max())
             out[t, h * hd:(h + 1) * hd] = (e / e.sum()) @ V
@@ -1070,3 +1076,332 @@ def test_sample_uniform_reference_values():
     assert len(set(us)) == 2000 and min(us) >= 0.0 and max(us) < 1.0
     assert abs(np.mean(us) - 0.5) < 0.03
     assert sample.uniform(42, 5) == sample.uniform(42, 5) != sample.uniform(43, 5)
+
+
+# =============================================================================== KV codecs and rings
+#: codec name -> (the format's numpy reference, the CUDA implementation)
+CODECS = {"fp32": (FP32Codec, kv_codecs.FP32), "fp16": (FP16Codec, kv_codecs.FP16),
+          "int8": (INT8Codec, kv_codecs.INT8), "int4": (INT4Codec, kv_codecs.INT4)}
+
+
+def encoded_cache(codec, x):
+    """Device Rows holding float32 rows x (L, S, Hkv, hd) as `codec` stores them, and the float32
+    rows the attention kernel must read back (codec.decode)."""
+    data, scale, zero = codec.encode(x)
+    rows = kv_codecs.Rows(D(data), None if scale is None else D(scale), None if zero is None else D(zero))
+    return rows, codec.decode(data, scale, zero)
+
+
+def empty_rows(codec, L, S, Hk, hd):
+    return kv_codecs.Rows(D(np.zeros((L, S, Hk, codec.data_cols(hd)), codec.data_dtype)),
+                          D(np.zeros((L, S, Hk), np.float32)) if codec.has_scale else None,
+                          D(np.zeros((L, S, Hk), np.float32)) if codec.has_zero else None)
+
+
+def host_rows(rows):
+    return tuple(None if a is None else host(a) for a in rows)
+
+
+def store_inputs(rng, name, T, Hk, hd):
+    """float32 rows (T, Hk, hd) over many binades, with the special rows of the codecs: an
+    all-zero row, a constant row and a row whose scaled values are exact halves (rint ties to
+    even: the step is exactly 1 there)."""
+    x = (rng.standard_normal((T, Hk, hd)) * np.exp2(rng.integers(-8, 8, (T, Hk, 1)))).astype(np.float32)
+    x[1, 0] = 0.0
+    x[1, Hk - 1, :] = np.float32(0.75) if Hk > 1 else x[1, Hk - 1]
+    tie = np.resize(np.array([2.5, -3.5, 0.5, -0.5, 1.5, 6.5], np.float32), hd)
+    if name == "int8":
+        tie[0] = 127.0                        # amax 127: inv = 1
+    else:
+        tie = np.abs(tie)
+        tie[0], tie[1] = 0.0, 15.0            # range 15 from 0: inv = 1
+    x[2, 0] = tie
+    return x
+
+
+def _store_layout(layout, T_default=3):
+    """(T, p0, window, depth, path, slots) of the three placements kv_store supports (S = 8)."""
+    if layout == "linear":
+        return T_default, 2, 0, None, None, [2, 3, 4]
+    if layout == "ring":                      # positions 14, 15, 16 in a ring of 8: slots 6, 7, 0
+        return T_default, 14, 5, None, None, [6, 7, 0]
+    tree, dd, dp = _tree_tables(2, 1)         # root and two children at positions 3, 4, 4
+    return tree.n_nodes, 3, 0, dd, dp, [3 + int(tree.path[t, tree.depth[t]]) for t in range(tree.n_nodes)]
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("layout", ["linear", "ring", "tree"])
+def test_kv_store_equals_codec_encode(name, layout):
+    """kv_store writes exactly codec.encode's codes, scales and zero points at the rows' slots
+    (linear, ring p % S, tree path), K and V, and nothing else; hd = 68 gives lanes 0 and 1 a
+    second dim pair."""
+    codec, impl = CODECS[name]
+    rng = np.random.default_rng(31)
+    L, S, Hk, hd, layer = 2, 8, 2, 68, 1
+    T, p0, window, depth, path, slots = _store_layout(layout)
+    k = store_inputs(rng, name, T, Hk, hd)
+    v = store_inputs(rng, name, T, Hk, hd)[::-1].copy()     # the special rows in other places
+    kr, vr = empty_rows(codec, L, S, Hk, hd), empty_rows(codec, L, S, Hk, hd)
+    kv_store.kv_store(D(k.reshape(T, Hk * hd)), D(v.reshape(T, Hk * hd)), kr, vr, layer,
+                      D(np.array([p0], np.int32)), impl, depth=depth, path=path, window=window)
+    for x, rows in ((k, kr), (v, vr)):
+        data, scale, zero = codec.encode(x)
+        got = host_rows(rows)
+        want = host_rows(empty_rows(codec, L, S, Hk, hd))
+        for t, sl in enumerate(slots):
+            want[0][layer, sl] = data[t]
+            want[1][layer, sl] = scale[t]
+            if codec.has_zero:
+                want[2][layer, sl] = zero[t]
+        assert np.array_equal(got[0], want[0])
+        assert np.array_equal(got[1].view(np.uint32), want[1].view(np.uint32))
+        if codec.has_zero:
+            assert np.array_equal(got[2], want[2])
+        else:
+            assert rows.zero is None
+        # the special rows read back exactly (zero and constant rows) or within half a step
+        back = codec.decode(got[0][layer, slots], got[1][layer, slots],
+                            None if got[2] is None else got[2][layer, slots])
+        assert np.array_equal(back[1, 0], x[1, 0])
+        step = got[1][layer, slots][..., None].astype(np.float64)
+        assert np.all(np.abs(back - x) <= 0.5 * step * (1 + 1e-5) + 4e-7 * np.abs(x).max())
+
+
+def test_kv_store_row_alone_equals_row_in_launch():
+    """A row's codes depend only on its own values: row 2 stored alone == row 2 of the 3-row
+    launch (batch invariance of the store)."""
+    codec, impl = CODECS["int4"]
+    rng = np.random.default_rng(32)
+    L, S, Hk, hd = 1, 8, 1, 8
+    x = store_inputs(rng, "int4", 3, Hk, hd).reshape(3, Hk * hd)
+    a, b = empty_rows(codec, L, S, Hk, hd), empty_rows(codec, L, S, Hk, hd)
+    kv_store.kv_store(D(x), D(x), a, a, 0, D(np.array([0], np.int32)), impl)
+    kv_store.kv_store(D(x[2:]), D(x[2:]), b, b, 0, D(np.array([2], np.int32)), impl)
+    for ga, gb in zip(host_rows(a), host_rows(b)):
+        assert np.array_equal(ga[0, 2], gb[0, 2])
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp16", "int8", "int4"])
+def test_attention_over_codec_cache(name):
+    """Attention over each codec's storage against the naive attention over the decoded rows
+    (codec.decode); Z + 1 chunks, so one split takes two; the last row alone gives the row's bits;
+    the codec inferred from the data dtype is the same kernel."""
+    codec, impl = CODECS[name]
+    rng = np.random.default_rng(33)
+    T, H, Hk, hd, p0 = 2, 2, 1, 8, CK * Z + 1
+    L, S, layer = 2, p0 + T + 1, 1
+    kr, K = encoded_cache(codec, rng.standard_normal((L, S, Hk, hd)).astype(np.float32))
+    vr, V = encoded_cache(codec, rng.standard_normal((L, S, Hk, hd)).astype(np.float32))
+    q = rng.standard_normal((T, H * hd)).astype(np.float32)
+    work, cnt = att_ws(T, H, hd)
+    out = D(np.full((T, H * hd), np.nan, np.float32))
+    attention.attention(out, D(q), kr, vr, layer, D(np.array([p0], np.int32)), work, cnt, codec=impl)
+    got = host(out)
+    close(got, ref_attention(q, K, V, layer, p0, H, Hk, hd), 1e-5)
+    o1 = D(np.zeros((1, H * hd), np.float32))
+    attention.attention(o1, D(q[1:]), kr, vr, layer, D(np.array([p0 + 1], np.int32)), work, cnt)
+    assert np.array_equal(host(o1)[0], got[1])
+
+
+@pytest.mark.parametrize("name", ["fp16", "int8", "int4"])
+@pytest.mark.parametrize("p0", [2, 40])
+def test_attention_ring(name, p0):
+    """A ring of S = 16 slots with a window of W = 11 (2 chunks: both splits busy): rows at
+    positions p0 .. p0 + 2 attend to their last W positions, read at slot j % S, in position order
+    — at the start of a sequence (the window clipped at 0) and far past the ring's size (the
+    ring holding positions 27 .. 42, written in order). Each row launched alone gives the same
+    bits as in the 3-row launch."""
+    codec, impl = CODECS[name]
+    rng = np.random.default_rng(34 + p0)
+    T, H, Hk, hd, W, S, L, layer = 3, 2, 1, 8, 11, 16, 1, 0
+    xk = np.zeros((L, S, Hk, hd), np.float32)
+    xv = np.zeros((L, S, Hk, hd), np.float32)
+    for j in range(p0 + T):                   # every position written at j % S, later ones last
+        xk[layer, j % S] = rng.standard_normal((Hk, hd))
+        xv[layer, j % S] = rng.standard_normal((Hk, hd))
+    kr, K = encoded_cache(codec, xk)
+    vr, V = encoded_cache(codec, xv)
+    q = rng.standard_normal((T, H * hd)).astype(np.float32)
+    work, cnt = att_ws(T, H, hd)
+    out = D(np.full((T, H * hd), np.nan, np.float32))
+    attention.attention(out, D(q), kr, vr, layer, D(np.array([p0], np.int32)), work, cnt, codec=impl,
+                        window=W)
+    got = host(out)
+    close(got, ref_attention(q, K, V, layer, p0, H, Hk, hd, window=W), 1e-5)
+    assert not host(cnt).any()
+    for t in range(T):
+        o1 = D(np.zeros((1, H * hd), np.float32))
+        attention.attention(o1, D(q[t:t + 1]), kr, vr, layer, D(np.array([p0 + t], np.int32)), work, cnt,
+                            codec=impl, window=W)
+        assert np.array_equal(host(o1)[0], got[t]), t
+
+
+def test_attention_ring_without_wrap_equals_linear():
+    """Before anything wraps (positions < S) and with a window covering them, the ring kernel
+    reduces the same keys in the same order as the linear one: the same bits."""
+    rng = np.random.default_rng(35)
+    T, H, Hk, hd, S, p0 = 2, 2, 1, 8, 24, CK + 3
+    kc = D(rng.standard_normal((1, S, Hk, hd)).astype(np.float16))
+    vc = D(rng.standard_normal((1, S, Hk, hd)).astype(np.float16))
+    q, pos = D(rng.standard_normal((T, H * hd)).astype(np.float32)), D(np.array([p0], np.int32))
+    work, cnt = att_ws(T, H, hd)
+    lin, ring = (D(np.zeros((T, H * hd), np.float32)) for _ in range(2))
+    attention.attention(lin, q, kc, vc, 0, pos, work, cnt)
+    attention.attention(ring, q, kc, vc, 0, pos, work, cnt, window=S)
+    assert np.array_equal(host(lin), host(ring))
+
+
+@pytest.mark.parametrize("cdt", [np.float16, np.float32])
+def test_rope_kv_append_ring_slots(cdt):
+    """A ring: rows at positions 14, 15, 16 (absolute: RoPE uses them) land in slots 6, 7, 0 of 8;
+    nothing else is written. Tree rows cannot be stored in a ring."""
+    rng = np.random.default_rng(36)
+    T, H, Hk, hd, p0, S, W = 3, 2, 1, 8, 14, 8, 5
+    inv = rope.inv_freq(hd, 10000.0)
+    cs = D(rope.rope_table(hd, 10000.0, S + rope.POSITION_MARGIN))
+    q = rng.standard_normal((T, H * hd)).astype(np.float32)
+    k = rng.standard_normal((T, Hk * hd)).astype(np.float32)
+    v = rng.standard_normal((T, Hk * hd)).astype(np.float32)
+    pos = D(np.array([p0], np.int32))
+    kc, vc = D(np.zeros((2, S, Hk, hd), cdt)), D(np.zeros((2, S, Hk, hd), cdt))
+    qd, kd = D(q), D(k)
+    rope.rope_kv_append(qd, kd, D(v), kc, vc, 1, pos, cs, window=W)
+    gk = host(kd)
+    close(host(qd), ref_rope(q, p0, inv), 1e-6)
+    close(gk, ref_rope(k, p0, inv), 1e-6)
+    hk, hv = host(kc), host(vc)
+    slots = [6, 7, 0]
+    assert np.array_equal(hk[1, slots], gk.reshape(T, Hk, hd).astype(cdt))
+    assert np.array_equal(hv[1, slots], v.reshape(T, Hk, hd).astype(cdt))
+    hk[1, slots] = 0
+    hv[1, slots] = 0
+    assert not hk.any() and not hv.any()
+    _, dd, dp = _tree_tables(1, 2)
+    with pytest.raises(BackendError, match="tree.*ring"):
+        rope.rope_kv_append(qd, kd, D(v), kc, vc, 1, pos, cs, window=W, depth=dd, path=dp)
+    with pytest.raises(BackendError, match="window=9"):
+        rope.rope_kv_append(qd, kd, D(v), kc, vc, 1, pos, cs, window=9)
+
+
+def test_qkv_epilogue_ring_equals_rope_kv_append_qkv():
+    """The fused q|k|v epilogue into a ring: the same rotated q and cache contents as the matmul
+    followed by rope_kv_append_qkv with the same window, rows at slots p % S."""
+    kind, K, group, _ = EPI_CASES[0]
+    rng = np.random.default_rng(37)
+    H, Hk, hd, p0, layer, eps, T, S, W = 2, 1, 8, 13, 1, 1e-5, 3, 8, 6
+    dev, x, nw, base_k, base_v = _qkv_case(rng, kind, K, group, H, Hk, hd, T, np.float16, S)
+    cs = D(rope.rope_table(hd, 10000.0, S + rope.POSITION_MARGIN))
+    pos = D(np.array([p0], np.int32))
+    args = (dev["w"], dev.get("scales"), dev.get("zeros"))
+    qkv = D(np.zeros((T, (H + 2 * Hk) * hd), np.float32))
+    matmul.matmul(qkv, D(x), *args, norm_w=D(nw), eps=eps)
+    kc, vc = D(base_k), D(base_v)
+    q_ref = D(np.zeros((T, H * hd), np.float32))
+    rope.rope_kv_append_qkv(qkv, q_ref, kc, vc, layer, pos, cs, window=W)
+    kc2, vc2 = D(base_k), D(base_v)
+    q_out = D(np.full((T, H * hd), np.nan, np.float32))
+    matmul.matmul(q_out, D(x), *args, norm_w=D(nw), eps=eps,
+                  epilogue=rope.qkv_epilogue(q_out, kc2, vc2, layer, pos, cs, window=W))
+    assert np.array_equal(host(q_out), host(q_ref))
+    assert np.array_equal(host(kc2), host(kc)) and np.array_equal(host(vc2), host(vc))
+    hq = host(qkv)
+    slots = [(p0 + t) % S for t in range(T)]
+    assert np.array_equal(host(kc2)[layer, slots], hq[:, H * hd:(H + Hk) * hd].reshape(T, Hk, hd).astype(np.float16))
+    assert np.array_equal(host(vc2)[layer, slots], hq[:, (H + Hk) * hd:].reshape(T, Hk, hd).astype(np.float16))
+
+
+@pytest.mark.parametrize("kind,K,group,path", EPI_CASES[:2])
+@pytest.mark.parametrize("tree", [False, True])
+def test_qkv_stage_epilogue_then_kv_store(kind, K, group, path, tree):
+    """The staging epilogue of a quantized cache: q_out gets the rotated q, k_stage / v_stage the
+    rotated k and the v rows, bit for bit what the matmul + rope_kv_append_qkv leave (and what
+    `rope` on separate buffers gives, the unfused path); kv_store then stores encode's codes."""
+    rng = np.random.default_rng(K + (9 if tree else 8))
+    H, Hk, hd, p0, layer, eps = 2, 1, 8, 3, 0, 1e-5
+    if tree:
+        t_, depth, path_t = _tree_tables(2, 1)
+        T = t_.n_nodes
+        slots = [p0 + int(t_.path[t, t_.depth[t]]) for t in range(T)]
+    else:
+        T, depth, path_t = 3, None, None
+        slots = [p0 + t for t in range(T)]
+    S = p0 + T + 2
+    dev, x, nw, base_k, base_v = _qkv_case(rng, kind, K, group, H, Hk, hd, T, np.float32, S)
+    cs = D(rope.rope_table(hd, 10000.0, S + rope.POSITION_MARGIN))
+    pos = D(np.array([p0], np.int32))
+    args = (dev["w"], dev.get("scales"), dev.get("zeros"))
+    qkv = D(np.zeros((T, (H + 2 * Hk) * hd), np.float32))
+    matmul.matmul(qkv, D(x), *args, norm_w=D(nw), eps=eps)
+    raw = host(qkv)
+    q_ref = D(np.zeros((T, H * hd), np.float32))
+    rope.rope_kv_append_qkv(qkv, q_ref, D(base_k), D(base_v), layer, pos, cs, depth=depth, path=path_t)
+    hq = host(qkv)                                  # k columns rotated in place
+    q_out = D(np.full((T, H * hd), np.nan, np.float32))
+    ks, vs = (D(np.full((T, Hk * hd), np.nan, np.float32)) for _ in range(2))
+    matmul.matmul(q_out, D(x), *args, norm_w=D(nw), eps=eps,
+                  epilogue=rope.qkv_stage_epilogue(q_out, ks, vs, pos, cs, depth=depth, path=path_t))
+    assert np.array_equal(host(q_out), host(q_ref))
+    assert np.array_equal(host(ks), hq[:, H * hd:(H + Hk) * hd])
+    assert np.array_equal(host(vs), hq[:, (H + Hk) * hd:])
+    # the unfused path: rope in place on separate q / k buffers (tree-aware positions)
+    qd, kd = D(np.ascontiguousarray(raw[:, :H * hd])), D(np.ascontiguousarray(raw[:, H * hd:(H + Hk) * hd]))
+    rope.rope(qd, kd, pos, cs, depth=depth, path=path_t)
+    assert np.array_equal(host(qd), host(q_out)) and np.array_equal(host(kd), host(ks))
+    codec, impl = CODECS["int8"]
+    kr, vr = empty_rows(codec, 1, S, Hk, hd), empty_rows(codec, 1, S, Hk, hd)
+    kv_store.kv_store(ks, vs, kr, vr, layer, pos, impl, depth=depth, path=path_t)
+    data, scale, _ = codec.encode(host(ks).reshape(T, Hk, hd))
+    assert np.array_equal(host(kr.data)[layer, slots], data)
+    assert np.array_equal(host(kr.scale)[layer, slots], scale)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_move_slots_moves_scales_and_zeros(name):
+    codec, _ = CODECS[name]
+    rng = np.random.default_rng(38)
+    L, S, Hk, hd = 2, 10, 2, 8
+    rows = [encoded_cache(codec, rng.standard_normal((L, S, Hk, hd)).astype(np.float32))[0] for _ in range(2)]
+    before = [host_rows(r) for r in rows]
+    moves = [(7, 5), (5, 6), (9, 7)]
+    buf = np.zeros((2, 4), np.int32)
+    buf[:, :3] = np.array(moves, np.int32).T
+    kr, vr = rows
+    cache_move.move_slots(kr.data, vr.data, D(buf), 3, k_scale=kr.scale, v_scale=vr.scale, k_zero=kr.zero,
+                          v_zero=vr.zero)
+    for r, b in zip(rows, before):
+        for got, want in zip(host_rows(r), b):
+            if want is None:
+                continue
+            want = want.copy()
+            for s_, d_ in moves:
+                want[:, d_] = want[:, s_]
+            assert np.array_equal(got, want)
+
+
+def test_kv_codec_argument_errors():
+    T, H, Hk, hd, S = 2, 2, 1, 8, 6
+    q, out, pos = (D(np.zeros((T, H * hd), np.float32)), D(np.zeros((T, H * hd), np.float32)),
+                   D(np.zeros(1, np.int32)))
+    work, cnt = att_ws(T, H, hd)
+    _, dd, dp = _tree_tables(1, 1)
+    i8 = empty_rows(INT8Codec, 1, S, Hk, hd)
+    f16 = D(np.zeros((1, S, Hk, hd), np.float16))
+    stage = D(np.zeros((T, Hk * hd), np.float32))
+    with pytest.raises(BackendError, match="not a quantized KV codec"):
+        kv_store.kv_store(stage, stage, f16, f16, 0, pos, kv_codecs.FP16)
+    with pytest.raises(BackendError, match="tree.*ring"):
+        kv_store.kv_store(stage, stage, i8, i8, 0, pos, kv_codecs.INT8, window=3, depth=dd, path=dp)
+    with pytest.raises(BackendError, match="k_scale is required"):
+        kv_store.kv_store(stage, stage, kv_codecs.Rows(i8.data), i8, 0, pos, kv_codecs.INT8)
+    with pytest.raises(BackendError, match="k_data has dtype"):
+        kv_store.kv_store(stage, stage, i8, i8, 0, pos, kv_codecs.INT4)
+    with pytest.raises(BackendError, match="window=7"):
+        attention.attention(out, q, f16, f16, 0, pos, work, cnt, window=7)
+    with pytest.raises(BackendError, match="tree.*ring"):
+        attention.attention(out, q, f16, f16, 0, pos, work, cnt, window=3, depth=dd, path=dp)
+    with pytest.raises(BackendError, match="k_scale given for the fp16 codec"):
+        attention.attention(out, q, kv_codecs.Rows(f16, i8.scale), f16, 0, pos, work, cnt)
+    with pytest.raises(BackendError, match="k_scale is required"):
+        attention.attention(out, q, kv_codecs.Rows(i8.data), i8, 0, pos, work, cnt)
+    with pytest.raises(BackendError, match="zero points given without scales"):
+        cache_move.move_slots(i8.data, i8.data, D(np.zeros((2, 1), np.int32)), 1, k_zero=i8.scale)

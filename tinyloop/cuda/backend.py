@@ -9,9 +9,13 @@ Memory (all taken at load, released by free()):
               position, the argmax token, the split-KV attention partials and counters
               (``ws.att_work``, ``ws.att_count``), the split argmax's candidates and counters
               (``ws.amax_work``), and pinned host staging buffers;
-  KV caches   fp16 or fp32 (n_layers, slots, n_kv_heads, head_dim), slots rounded up to a power of
-              two; up to MAX_SPARE_CACHES released caches are kept and handed to later requests that
-              fit, so captured graphs stay valid across requests (counted in memory_bytes);
+  KV caches   laid out by a tinyloop.core.cache.CacheSpec: per layer group one K and one V storage
+              in the group's codec (tinyloop/cuda/kv_codecs.py: codes (n_layers, slots, n_kv_heads,
+              head_dim / pack), plus float32 scale / zero (n_layers, slots, n_kv_heads) for int8 /
+              int4), slots rounded up (`round_slots`; the cache's ``spec`` says how many it has);
+              up to MAX_SPARE_CACHES released caches are kept and handed to later requests of the
+              same groups and window that fit, so captured graphs stay valid across requests
+              (counted in memory_bytes);
   RoPE table  float32 cos/sin (P, head_dim / 2, 2) (kernels/rope.py ``rope_table``), uploaded at
               init for P = max_cache_slots(max_seq_len) + rope.POSITION_MARGIN positions: every
               position a cache this backend hands out can reach (counted in memory_bytes).
@@ -31,6 +35,15 @@ the following matmul (``matmul(norm_w=...)``); q|k|v is one matmul whose epilogu
 epilogue stores ``silu(gate) * up`` into ``ws.g`` (``swiglu.glu_epilogue``): 3 + 2 launches per
 block instead of 7 + 5, and the final norm rides in the head matmul. ``TINYLOOP_CUDA_FUSE=0``
 runs the unfused default composites (A/B, debugging).
+
+KV codecs and slot maps. Ops take a global cache layer and resolve it to (group, layer in the group)
+with ``cache.spec.group_of``. fp32 / fp16 groups are stored by the epilogue (or rope_kv_append)
+directly; an int8 / int4 group's epilogue stages the rotated k and the v rows in ``ws.k`` /
+``ws.v`` and one kv_store launch per block quantizes them (a row's scale needs all its head_dim
+values: 4 launches per block instead of 3). The attention kernel is compiled per codec and decodes
+the rows as it loads them. A ring slot map (``spec.slots.window`` W > 0) puts position p at slot
+p % n_slots and attends over the last W positions; RoPE keeps absolute positions (the table covers
+every position a session reaches). Draft-tree rows need the linear map.
 """
 
 from __future__ import annotations
@@ -47,9 +60,11 @@ from numba import cuda
 from numba.cuda.cudadrv.driver import device_memset
 
 from ..core.backend import Backend, ModelWeights, TreeRows, Workspace
+from ..core.cache import CacheSpec, SlotMap
 from ..core.config import env_switch
-from ..core.errors import BackendError, OutOfMemoryError
+from ..core.errors import BackendError, OutOfMemoryError, PluginError
 from .graphs import Graph
+from .kv_codecs import CUDAKVCodec
 from .kernels._common import no_tree
 from .kernels import _pdl as k_pdl
 from .kernels import add as k_add
@@ -57,6 +72,7 @@ from .kernels import argmax as k_argmax
 from .kernels import attention as k_attention
 from .kernels import cache_move as k_cache_move
 from .kernels import embed as k_embed
+from .kernels import kv_store as k_kv_store
 from .kernels import matmul as k_matmul
 from .kernels import position as k_position
 from .kernels import rmsnorm as k_rmsnorm
@@ -68,17 +84,40 @@ MAX_GRAPHS = 64
 MAX_SPARE_CACHES = 4
 #: Largest top-k a launch_topk_rows call may ask for (tree-speculative K_branches).
 MAX_TOPK = 16
-_DT = {"fp16": np.float16, "fp32": np.float32}
 
 
 #: Weights of a block concatenated by rows at load: attribute on BlockWeights -> member tensors.
 FUSED_WEIGHTS = (("wqkv", ("wq", "wk", "wv")), ("wgu", ("w_gate", "w_up")))
 
 
-def round_slots(n_slots: int) -> int:
+def round_slots(n_slots: int, window: int = 0) -> int:
     """Cache slots alloc_cache allocates for a request of n_slots: a power of two >= 128 (requests
-    of similar length then share caches, and with them the captured graphs)."""
+    of similar length then share caches, and with them the captured graphs); a ring (window > 0)
+    is rounded to a multiple of 128 only, so its memory stays bounded by the window."""
+    if window:
+        return max(128, -(-n_slots // 128) * 128)
     return max(128, 1 << max(0, n_slots - 1).bit_length())
+
+
+def _codec_class(name: str):
+    """The registered KVCodec class of codec `name` (PluginError when none is)."""
+    from ..core.plugins import get_plugin_manager
+    return get_plugin_manager().codec(name)
+
+
+def resolve_codec(name: str):
+    """(KVCodec class, its CUDA implementation) of codec `name`; PluginError for an unknown codec,
+    one without a cuda implementation, or an implementation that does not store its format."""
+    codec = _codec_class(name)
+    impl = codec.impl("cuda")
+    if not isinstance(impl, CUDAKVCodec):
+        raise PluginError(f"KV codec {name!r}: its cuda implementation {impl!r} is not a "
+                          f"tinyloop.cuda.kv_codecs.CUDAKVCodec")
+    why = impl.matches(codec)
+    if why:
+        raise PluginError(f"KV codec {name!r}: its cuda implementation {impl.name!r} does not store its "
+                          f"format: {why}")
+    return codec, impl
 
 
 def max_cache_slots(max_seq_len: int) -> int:
@@ -100,16 +139,55 @@ class CUDAWeight:
         return sum(int(a.nbytes) for a in (self.w, self.scales, self.zeros) if a is not None)
 
 
-class CUDACache:
-    """K and V (n_layers, n_slots, n_kv_heads, head_dim) on the device."""
+class CUDACacheGroup:
+    """One layer group's K and V storage (kv_codecs.Rows) in the group's codec (`impl`)."""
 
-    def __init__(self, k, v, kv_dtype: str):
-        self.k, self.v, self.kv_dtype = k, v, kv_dtype
-        self.n_layers, self.n_slots = int(k.shape[0]), int(k.shape[1])
+    __slots__ = ("name", "codec", "impl", "k", "v")
+
+    def __init__(self, name, codec, impl, k, v):
+        self.name, self.codec, self.impl, self.k, self.v = name, codec, impl, k, v
+
+    @property
+    def arrays(self) -> tuple:
+        return self.k.arrays + self.v.arrays
 
     @property
     def nbytes(self) -> int:
-        return int(self.k.nbytes + self.v.nbytes)
+        return self.k.nbytes + self.v.nbytes
+
+
+class CUDACache:
+    """A KV cache on the device laid out as `spec` (authoritative: its slots are the allocated,
+    rounded number): one CUDACacheGroup per layer group."""
+
+    def __init__(self, spec: CacheSpec, groups):
+        self.spec = spec
+        self.groups = list(groups)
+        self.n_slots = spec.n_slots
+        self.n_layers = spec.n_layers
+        self.window = spec.slots.window
+
+    @property
+    def key(self) -> tuple:
+        """What a spare must match to serve a request (with at least its slots)."""
+        return _spec_key(self.spec)
+
+    def group(self, layer: int):
+        """(the group's storage, layer within the group) of global cache layer `layer`."""
+        gi, local = self.spec.group_of(int(layer))
+        return self.groups[gi], local
+
+    @property
+    def arrays(self) -> tuple:
+        return tuple(a for g in self.groups for a in g.arrays)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(g.nbytes for g in self.groups)
+
+
+def _spec_key(spec: CacheSpec) -> tuple:
+    return (tuple(spec.groups), spec.slots.window, spec.n_loop)
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -265,30 +343,41 @@ class CUDABackend(Backend):
         self._ws = ws
         return ws
 
-    def alloc_cache(self, n_layers: int, n_slots: int, kv_dtype: str) -> CUDACache:
-        if kv_dtype not in _DT:
-            raise BackendError(f"cuda backend stores KV as fp32 or fp16, not {kv_dtype!r}")
-        fits = [c for c in self._spares if c.kv_dtype == kv_dtype and c.n_layers == n_layers and c.n_slots >= n_slots]
+    def alloc_cache(self, spec: CacheSpec) -> CUDACache:
+        """A zeroed cache for `spec`: a kept spare of the same groups, codecs and window with at
+        least spec.n_slots slots, else a new one with the slots rounded up (`round_slots`). Every
+        group's codec is resolved first (PluginError before anything is allocated)."""
+        if not isinstance(spec, CacheSpec):
+            raise BackendError(f"alloc_cache takes a tinyloop.core.cache.CacheSpec, got {type(spec).__name__}")
+        impls = [resolve_codec(g.codec) for g in spec.groups]
+        key = _spec_key(spec)
+        fits = [c for c in self._spares if c.key == key and c.n_slots >= spec.n_slots]
         if fits:
             best = min(fits, key=lambda c: c.n_slots)
             self._spares.remove(best)
             self._zero(best)
             return best
-        n_slots = round_slots(n_slots)
-        shape = (n_layers, n_slots, self.cfg.n_kv_heads, self.cfg.head_dim)
+        window = spec.slots.window
+        spec = CacheSpec(spec.groups, SlotMap(round_slots(spec.n_slots, window), window), spec.n_loop)
         try:
-            k = self._empty(shape, _DT[kv_dtype])
-            v = self._empty(shape, _DT[kv_dtype])
+            cache = self._new_cache(spec, impls)
         except OutOfMemoryError:
             if not self._spares:
                 raise
             while self._spares:        # the spares may be what fills the device: drop them, retry
                 self._drop_spare(self._spares[0])
-            k = self._empty(shape, _DT[kv_dtype])
-            v = self._empty(shape, _DT[kv_dtype])
-        cache = CUDACache(k, v, kv_dtype)
+            cache = self._new_cache(spec, impls)
         self._zero(cache)
         return cache
+
+    def _new_cache(self, spec: CacheSpec, impls) -> CUDACache:
+        c = self.cfg
+        groups = []
+        for g, (codec, impl) in zip(spec.groups, impls):
+            k, v = (impl.alloc(self._empty, g.n_layers, spec.n_slots, c.n_kv_heads, c.head_dim)
+                    for _ in range(2))
+            groups.append(CUDACacheGroup(g.name, codec, impl, k, v))
+        return CUDACache(spec, groups)
 
     def _zero(self, cache: CUDACache) -> None:
         """Every request starts from a zeroed cache, as on the CPU: a slot the decode never wrote (a
@@ -296,7 +385,7 @@ class CUDABackend(Backend):
         same values every time, so seeded speculative sampling is reproducible. The split kernels'
         arrival counters are zeroed with it: every launch leaves them zero, but one that failed
         part-way (an earlier request's error) may not have."""
-        arrays = [cache.k, cache.v]
+        arrays = list(cache.arrays)
         if self._ws is not None:
             arrays += self._counters(self._ws)
         for a in arrays:
@@ -330,13 +419,14 @@ class CUDABackend(Backend):
             self._drop_spare(self._spares[0])
 
     def copy_cache(self, dst: CUDACache, src: CUDACache, n_slots: int) -> None:
-        """Device-to-device copy of the whole K and V arrays (contiguous) on the backend stream."""
-        if dst.k.shape != src.k.shape or dst.kv_dtype != src.kv_dtype:
-            raise BackendError(f"copy_cache: a {src.kv_dtype} cache of shape {src.k.shape} does not fit a "
-                               f"{dst.kv_dtype} cache of shape {dst.k.shape}")
+        """Device-to-device copy of every storage array (codes, scales, zeros; contiguous, whole
+        arrays) on the backend stream."""
+        if dst.key != src.key or dst.n_slots != src.n_slots:
+            raise BackendError(f"copy_cache: a cache of {src.n_slots} slots laid out as {src.spec} does "
+                               f"not fit one of {dst.n_slots} slots laid out as {dst.spec}")
         if dst is not src:
-            dst.k.copy_to_device(src.k, stream=self.stream)
-            dst.v.copy_to_device(src.v, stream=self.stream)
+            for d, s_ in zip(dst.arrays, src.arrays):
+                d.copy_to_device(s_, stream=self.stream)
 
     def move_cache_slots(self, cache: CUDACache, moves) -> None:
         ws = self._ws
@@ -351,7 +441,10 @@ class CUDABackend(Backend):
             ws.moves_host[0, i] = src
             ws.moves_host[1, i] = dst
         ws.moves.copy_to_device(ws.moves_host, stream=self.stream)
-        k_cache_move.move_slots(cache.k, cache.v, ws.moves, n, stream=self.stream)
+        for g in cache.groups:
+            k_cache_move.move_slots(g.k.data, g.v.data, ws.moves, n, stream=self.stream,
+                                    k_scale=g.k.scale, v_scale=g.v.scale, k_zero=g.k.zero,
+                                    v_zero=g.v.zero)
 
     def tree_layout(self, depth, path):
         depth = np.ascontiguousarray(depth, np.int32)
@@ -384,6 +477,15 @@ class CUDABackend(Backend):
     # ------------------------------------------------------------------ positions / transfer
     def positions(self, pos: int):
         if pos != self._pos_value:
+            # The launchers can check the RoPE table against a linear cache's slots only; a ring's
+            # positions pass its slots, so the start of every position handle is checked against
+            # the table here. (The table covers max_cache_slots(max_seq_len) + POSITION_MARGIN
+            # positions, past every position a session's rows and draft trees reach.)
+            last = int(self.rope_table.shape[0]) - k_rope.POSITION_MARGIN
+            if not 0 <= pos < last:
+                raise BackendError(f"position {pos} is outside [0, {last}): the backend's RoPE table "
+                                   f"covers {int(self.rope_table.shape[0])} positions "
+                                   f"(max_seq_len={self.max_seq_len})")
             # the previous upload from this staging buffer must have left before it is overwritten
             self.stream.synchronize()
             self._pos_host[0] = pos
@@ -544,21 +646,37 @@ class CUDABackend(Backend):
     def matmul(self, x, W, out, T: int, accumulate: bool = False) -> None:
         k_matmul.matmul(out[:T], x[:T], W.w, W.scales, W.zeros, accumulate=accumulate, stream=self.stream)
 
-    def _tables(self, pos):
+    def _tables(self, pos, cache: CUDACache = None):
         if isinstance(pos, TreeRows):
+            if cache is not None and cache.window:
+                raise BackendError(f"draft-tree rows cannot use a sliding-window cache "
+                                   f"(window={cache.window}): trees need the linear slot map")
             return pos.pos, pos.depth, pos.path
         return pos, self._no_tree[0], self._no_tree[1]
 
+    def _kv_store(self, k, v, g: CUDACacheGroup, local: int, p, depth, path, window: int) -> None:
+        """Quantize staged float32 k / v rows into a quantized group (kernels/kv_store.py)."""
+        k_kv_store.kv_store(k, v, g.k, g.v, local, p, g.impl, stream=self.stream, depth=depth,
+                            path=path, window=window)
+
     def rope_kv_append(self, q, k, v, cache: CUDACache, layer: int, pos, T: int) -> None:
-        p, depth, path = self._tables(pos)
-        k_rope.rope_kv_append(q[:T], k[:T], v[:T], cache.k, cache.v, layer, p, self.rope_table,
-                              stream=self.stream, depth=depth, path=path)
+        p, depth, path = self._tables(pos, cache)
+        g, local = cache.group(layer)
+        if g.impl.quantized:
+            # rotate in place, then quantize the rotated k and the v rows
+            k_rope.rope(q[:T], k[:T], p, self.rope_table, stream=self.stream, depth=depth, path=path)
+            self._kv_store(k[:T], v[:T], g, local, p, depth, path, cache.window)
+            return
+        k_rope.rope_kv_append(q[:T], k[:T], v[:T], g.k.data, g.v.data, local, p, self.rope_table,
+                              stream=self.stream, depth=depth, path=path, window=cache.window)
 
     def attention(self, q, cache: CUDACache, layer: int, pos, T: int, out) -> None:
-        p, depth, path = self._tables(pos)
+        p, depth, path = self._tables(pos, cache)
+        g, local = cache.group(layer)
         ws = self._ws
-        k_attention.attention(out[:T], q[:T], cache.k, cache.v, layer, p, ws.att_work, ws.att_count,
-                              stream=self.stream, depth=depth, path=path)
+        k_attention.attention(out[:T], q[:T], g.k, g.v, local, p, ws.att_work, ws.att_count,
+                              stream=self.stream, depth=depth, path=path, codec=g.impl,
+                              window=cache.window)
 
     def swiglu(self, g, u, out, T: int) -> None:
         k_swiglu.swiglu(out[:T], g[:T], u[:T], stream=self.stream)
@@ -577,16 +695,24 @@ class CUDABackend(Backend):
 
     def attn_half(self, ws: Workspace, b, cache: CUDACache, layer: int, pos, T: int) -> None:
         """norm+q|k|v matmul with the RoPE + KV-append epilogue (rotated q -> ws.q), attention,
-        wo (+= x): 3 launches. A block without a concatenated wqkv takes three norm-fused matmuls
-        and rope_kv_append instead."""
+        wo (+= x): 3 launches; for a quantized codec the epilogue stages k and v in ws.k / ws.v
+        and kv_store encodes them (4 launches). A block without a concatenated wqkv takes three
+        norm-fused matmuls and rope_kv_append instead."""
         if not self.fuse:
             return super().attn_half(ws, b, cache, layer, pos, T)
         wqkv = getattr(b, "wqkv", None)
         if wqkv is not None:
-            p, depth, path = self._tables(pos)
-            ep = k_rope.qkv_epilogue(ws.q[:T], cache.k, cache.v, layer, p, self.rope_table,
-                                     depth=depth, path=path)
-            self._norm_matmul(ws.x, b.attn_norm, wqkv, ws.q, T, ep)
+            p, depth, path = self._tables(pos, cache)
+            g, local = cache.group(layer)
+            if g.impl.quantized:
+                ep = k_rope.qkv_stage_epilogue(ws.q[:T], ws.k[:T], ws.v[:T], p, self.rope_table,
+                                               depth=depth, path=path)
+                self._norm_matmul(ws.x, b.attn_norm, wqkv, ws.q, T, ep)
+                self._kv_store(ws.k[:T], ws.v[:T], g, local, p, depth, path, cache.window)
+            else:
+                ep = k_rope.qkv_epilogue(ws.q[:T], g.k.data, g.v.data, local, p, self.rope_table,
+                                         depth=depth, path=path, window=cache.window)
+                self._norm_matmul(ws.x, b.attn_norm, wqkv, ws.q, T, ep)
         else:
             for W, out in ((b.wq, ws.q), (b.wk, ws.k), (b.wv, ws.v)):
                 self._norm_matmul(ws.x, b.attn_norm, W, out, T)

@@ -3,14 +3,16 @@
 
 def kernel_modules():
     """Every op module of this package (each has `ptx_signatures()`)."""
-    from . import (add, argmax, attention, cache_move, embed, matmul, position, rmsnorm, rope,
-                   sample, swiglu)
-    return (matmul, rmsnorm, rope, attention, swiglu, embed, add, argmax, sample, position, cache_move)
+    from . import (add, argmax, attention, cache_move, embed, kv_store, matmul, position, rmsnorm,
+                   rope, sample, swiglu)
+    return (matmul, rmsnorm, rope, attention, kv_store, swiglu, embed, add, argmax, sample, position,
+            cache_move)
 
 
 def ptx_signatures():
     """(name, python function, signature) of every kernel the launchers compile, the matmul's pair
-    variants for the rope and swiglu epilogues included (PTX tests, bench/sass_report.py)."""
+    variants for the rope (qkv and qkv staging) and swiglu epilogues included (PTX tests,
+    bench/sass_report.py)."""
     from . import matmul, rope, swiglu
     sigs = [s for m in kernel_modules() if m is not matmul for s in m.ptx_signatures()]
     return sigs + matmul.ptx_signatures(rope.ptx_epilogues() + swiglu.ptx_epilogues())

@@ -1,5 +1,6 @@
-"""Helpers shared by the kernels in this package: deterministic reductions, bit reinterpretation
-and launcher-side argument checks.
+"""Helpers shared by the kernels in this package: deterministic reductions, bit reinterpretation,
+exactly rounded float32 steps (`rint`, `mul_rn`: libdevice on the GPU, numpy float32 under the
+simulator, which has no libdevice) and launcher-side argument checks.
 
 Reductions. On a GPU a warp sum is a butterfly of ``shfl_xor_sync`` with lane offsets 16, 8, 4,
 2, 1: at each step lane i adds its partner's value, ``v_i + v_(i^o)``. IEEE addition is
@@ -67,6 +68,17 @@ if not SIM:
         """Reinterpret a float32 as int32 bits."""
         return cuda.libdevice.float_as_int(f)
 
+    @cuda.jit(device=True)
+    def rint(x):
+        """float32 x rounded to the nearest integer, ties to even (numpy's rint)."""
+        return cuda.libdevice.rintf(x)
+
+    @cuda.jit(device=True)
+    def mul_rn(a, b):
+        """float32 a * b rounded once and never contracted into an fma with a following add
+        (mul.rn: ptxas fuses a plain multiply-add by default)."""
+        return cuda.libdevice.fmul_rn(a, b)
+
 else:  # CUDA simulator twins: same butterfly, through shared memory.
     # Each lane publishes its value, reads all 32, and replays the whole butterfly locally (every
     # lane's partial at every step, self + partner in that order), so the result is bit for bit the
@@ -101,6 +113,14 @@ else:  # CUDA simulator twins: same butterfly, through shared memory.
     @cuda.jit(device=True)
     def as_bits(f):
         return np.float32(f).view(np.int32)
+
+    @cuda.jit(device=True)
+    def rint(x):
+        return np.rint(np.float32(x))
+
+    @cuda.jit(device=True)
+    def mul_rn(a, b):
+        return np.float32(a) * np.float32(b)
 
 
 @cuda.jit(device=True)
@@ -254,4 +274,4 @@ class Epilogue(NamedTuple):
 __all__ = ["SIM", "Epilogue", "FULL_MASK", "NEG_INF", "warp_sum", "warp_max", "block_sum",
            "block_max", "block_sum_once", "block_max_once", "as_float", "as_bits", "cdiv",
            "is_device_array", "check_array", "check_workspace", "device_pointer", "no_tree",
-           "check_tree", "float32", "uint32"]
+           "check_tree", "rint", "mul_rn", "float32", "uint32"]

@@ -1,21 +1,33 @@
-"""Grouped-query attention of T query rows over one KV-cache layer, causal or tree-masked, with the
-keys of each row split over Z blocks ("flash decoding").
+"""Grouped-query attention of T query rows over one KV-cache layer, causal, windowed (a ring of
+slots) or tree-masked, with the keys of each row split over Z blocks ("flash decoding"), reading
+the cache through its codec.
 
 Causal: query row t sits at position ``p = pos[0] + t`` and attends to keys j = 0 .. p, key j in
-cache slot j. Tree (speculative verify over a draft tree; `depth` non-empty): row t attends to keys
-j = 0 .. pos[0] + depth[t]; key j is slot j for j < pos[0] (the committed context) and slot
+cache slot j. Ring (``window`` W > 0, the cache's slot map ``SlotMap(S, W)``): row t attends to
+the positions j0 .. p, ``j0 = max(0, p - W + 1)``, key i of the row being position j0 + i in slot
+``(j0 + i) % S``; positions, and with them RoPE, stay absolute, so p may be far past S. Tree
+(speculative verify over a draft tree; `depth` non-empty; linear caches only): row t attends to
+keys j = 0 .. pos[0] + depth[t]; key j is slot j for j < pos[0] (the committed context) and slot
 ``pos[0] + path[t, j - pos[0]]`` after it (the row's tree path, root first)::
 
     out[t, h*hd:(h+1)*hd] = sum_j softmax_j(q_h . K[slot_j, kvh] * scale) V[slot_j, kvh]
     kvh = h // (H / Hkv),  scale = 1 / sqrt(hd)
 
-Keys are reduced by key index j either way (only the slot a key is read from differs), so a tree
-row computes exactly what the causal row of the same token sequence computes.
+Keys are reduced by key index (position order) in every layout (only the slot a key is read from
+differs), so a tree row computes exactly what the causal row of the same token sequence computes.
 
-Shapes (T rows, H query heads, Hkv kv heads, hd head width <= MAX_HD, L layers, S max_seq)::
+Codecs (tinyloop/cuda/kv_codecs.py). The kernel is compiled per (ND, codec, ring); the codec's
+``row_params`` reads a key or value row's scale and zero point once and its ``elem`` decodes one
+dim (fp32 / fp16: a cast, the arithmetic of the float-only kernel; int8 ``code * scale``; int4
+``q * scale + zero`` from a nibble). A decoded row enters the same fma chains as a float row.
+
+Shapes (T rows, H query heads, Hkv kv heads, hd head width <= MAX_HD, L layers, S slots,
+cols = hd / pack of the codec)::
 
     q                 float32 (T, H * hd)
-    k_cache, v_cache  float16 or float32 (L, S, Hkv, hd)
+    k_cache, v_cache  the codec's data (L, S, Hkv, cols): float32 / float16 (L, S, Hkv, hd),
+                      int8 (L, S, Hkv, hd), int4 uint8 (L, S, Hkv, hd / 2); a bare array or a
+                      kv_codecs.Rows(data, scale, zero) with scale / zero float32 (L, S, Hkv)
     pos               int32 (1,)        read on the device (graph-replay safe)
     depth, path       int32 (T,), (T, D+1)   tree tables; empty (0,) and (0, 1) for causal
     work              float32 (>= T * H * Z * (hd + 2),)   per-split partials (`workspace_shape`)
@@ -31,8 +43,9 @@ Build constants (fixed per build, never derived from T or the grid)::
     Z           8     2       blocks (splits) per (row, head)
     U           4     1       keys per score / value step (their cache loads in flight together)
 
-Splits. Row t's n keys (n = pos[0] + t + 1 causal, pos[0] + depth[t] + 1 tree, at most S) are cut
-into chunks of CK keys from key 0: chunk c holds keys c*CK .. min(c*CK + CK, n) - 1. The grid is
+Splits. Row t's n keys (n = pos[0] + t + 1 causal, pos[0] + depth[t] + 1 tree, at most S;
+p - j0 + 1 <= W ring) are cut into chunks of CK keys from the row's first key (key 0, or position j0
+of a ring): chunk c holds the row's keys c*CK .. min(c*CK + CK, n) - 1. The grid is
 (T, H, Z); block (t, h, z) takes chunks z, z + Z, z + 2Z, ... in ascending order and runs the
 online softmax below over them, ending with a running max m_z, denominator l_z and unnormalised
 output acc_z[0:hd] (m_z = -inf, l_z = 0, acc_z = 0 for a block without chunks).
@@ -41,8 +54,9 @@ Thread mapping within a block. Key jj of a chunk belongs to warp ``jj % NW`` as 
 ``(jj // NW)``-th key, so even a short chunk spreads over every warp. Per chunk:
 
 1. scores: a warp scores its keys U at a time (the U keys' loads are issued together, and with
-   them the same keys' value rows, which stay in registers for step 4; a causal row's first
-   chunk, z, has its rows requested before pos[0] is read, at slots clamped to S - 1); for one key
+   them the same keys' value rows, which stay in registers for step 4; on a linear cache a causal
+   row's first chunk, z, has its rows requested before pos[0] is read, at slots clamped to S - 1:
+   a ring's first slot depends on the position, so it waits); for one key
    lane l forms ``fma`` chains over dims l, l+32, ... ascending (coalesced cache reads: the 32 lanes
    read consecutive dims), the 32 lane partials are added by the xor butterfly
    (`_common.warp_sum`) and the total times scale is the score, kept by the lane whose index is the
@@ -82,14 +96,16 @@ zeroed, once) and a workspace serves one launch at a time (launches on one strea
 launch that dies part-way leaves its counters non-zero: zero them again before reusing them.
 
 Determinism and batch invariance: chunk boundaries, which block takes a chunk, every step of a
-block's reduction and the combine order depend only on the row's key count (from pos[0] and the
-tree tables), the cache contents, q and the build constants (CK, NW, Z, U), never on T, on the
+block's reduction and the combine order depend only on the row's position (its first key and key
+count, from pos[0], the window and the tree tables), the cache contents, q and the build constants
+(CK, NW, Z, U), never on T, on the
 grid's other dimensions or on which block arrives last; a row of a T-row launch is bit-identical
 to the same row launched alone. Warp reductions: shuffles on the GPU, shared-memory twin under the
 simulator (same butterfly). Shared memory is fixed (CK weights, NW x MAX_HD partials,
 reduction scratch: about 9 KB on the GPU) whatever the context length. The kernel is compiled per
-ND = ceil(hd / 32) (dims per lane), so the per-lane arrays stay in registers. Cache elements are
-addressed through flat views with unsigned offsets (base + slot * row + d).
+ND = ceil(hd / 32) (dims per lane), so the per-lane arrays stay in registers. Cache codes are
+addressed through flat views with unsigned offsets (base + slot * row + d, in codes of the codec's
+dtype), a row's scale and zero at ((layer * S + slot) * Hkv + kvh).
 """
 
 from __future__ import annotations
@@ -100,6 +116,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint64
 
 from ...core.errors import BackendError
+from ..kv_codecs import FP16, FP32, INT4, INT8, as_rows, codec_for
 from ._common import (NEG_INF, SIM, block_max_once, block_sum_once, check_array, check_tree,
                       check_workspace, warp_sum)
 from ._pdl import grid_dep_wait
@@ -130,28 +147,44 @@ assert CK % NW == 0 and 0 < KPW <= 32 and KPW % U == 0, (CK, NW, U)
 _kernels = {}
 
 
-def _make_kernel(nd):
-    """The attention kernel for head widths with nd = ceil(hd / 32) dims per lane."""
-    if nd in _kernels:
-        return _kernels[nd]
+def _make_kernel(nd, codec=FP16, ring=False):
+    """The attention kernel for head widths with nd = ceil(hd / 32) dims per lane, cache rows
+    decoded by `codec` (a kv_codecs.CUDAKVCodec), over a ring of slots when `ring`."""
+    key = (nd, codec, bool(ring))
+    if key in _kernels:
+        return _kernels[key]
+    RING = bool(ring)
+    PACK = codec.pack
+    row_params = codec.row_params
+    lane_offset = codec.lane_offset
+    elem = codec.elem
 
     @cuda.jit(device=True)
-    def slot_of(j, p0, t, tree, path):
-        """Cache slot of key j of row t (causal: j; tree: the row's path after the context)."""
+    def slot_of(j, p0, t, tree, path, s0, S):
+        """Cache slot of key j of row t: causal j; tree: the row's path after the context; ring:
+        position j0 + j at (j0 + j) % S = s0 + j wrapped once (s0 = j0 % S, j < W <= S)."""
+        if RING:
+            s = s0 + j
+            if s >= S:
+                s -= S
+            return s
         if tree and j >= p0:
             return p0 + path[t, j - p0]
         return j
 
     @cuda.jit(device=True)
-    def load_row(cf, off, rows, u, lane, hd):
-        """rows[u, k] <- the lane's dims lane + 32 k of the cache row at flat offset `off` (0 past
-        hd); the 32 lanes read consecutive dims."""
-        o = off + uint64(lane)
+    def load_row(cf, sf, zf, off, srow, rows, u, lane, hd):
+        """rows[u, k] <- the lane's dims lane + 32 k of the cache row whose codes start at flat
+        offset `off` (scale / zero row `srow`), decoded (0 past hd); the 32 lanes read
+        consecutive dims."""
+        s, zp = row_params(sf, zf, srow)
+        o = lane_offset(off, lane)
         for k in range(nd):
-            rows[u, k] = float32(cf[o + uint64(32 * k)]) if lane + 32 * k < hd else float32(0.0)
+            rows[u, k] = elem(cf, o, k, lane, s, zp) if lane + 32 * k < hd else float32(0.0)
 
     @cuda.jit(**_JIT_OPTS)
-    def kernel(out, q, kf, vf, S, Hk, hd, layer, pos, scale, depth, path, work, counter):
+    def kernel(out, q, kf, ks, kz, vf, vs, vz, S, Hk, hd, layer, pos, scale, W, depth, path, work,
+               counter):
         grid_dep_wait()
         H = q.shape[1] // hd
         t = cuda.blockIdx.x
@@ -159,9 +192,13 @@ def _make_kernel(nd):
         z = cuda.blockIdx.z
         kvh = h // (H // Hk)
         # Flat cache offsets in unsigned arithmetic (no negative-index wrap-around per load):
-        # element (layer, slot, kvh, d) is at base + slot * row + d.
-        row = uint64(Hk * hd)
-        base = uint64(layer) * uint64(S) * row + uint64(kvh * hd)
+        # code (layer, slot, kvh, c) is at base + slot * row + c, the row's scale and zero at
+        # sbase + slot * Hk.
+        cols = hd // PACK
+        row = uint64(Hk * cols)
+        base = uint64(layer) * uint64(S) * row + uint64(kvh * cols)
+        uhk = uint64(Hk)
+        sbase = uint64(layer) * uint64(S) * uhk + uint64(kvh)
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
@@ -180,17 +217,23 @@ def _make_kernel(nd):
             qv[k] = q[t, h * hd + d] if d < hd else float32(0.0)
 
         tree = depth.shape[0] > 0
-        # Causal rows: the first chunk's key and value rows are requested before pos[0] has
-        # arrived (their slots do not depend on it; clamped into the cache, a row past the key
-        # count is loaded but never used).
-        ahead = not tree
+        # Causal rows of a linear cache: the first chunk's key and value rows are requested before
+        # pos[0] has arrived (their slots do not depend on it; clamped into the cache, a row past
+        # the key count is loaded but never used). A ring's slots depend on the position.
+        ahead = not tree and not RING
         if ahead:
             for i in range(KPW):
-                off = base + uint64(min(z * CK + warp + NW * i, S - 1)) * row
-                load_row(kf, off, kk, i, lane, hd)
-                load_row(vf, off, vv, i, lane, hd)
+                slot = uint64(min(z * CK + warp + NW * i, S - 1))
+                load_row(kf, ks, kz, base + slot * row, sbase + slot * uhk, kk, i, lane, hd)
+                load_row(vf, vs, vz, base + slot * row, sbase + slot * uhk, vv, i, lane, hd)
         p0 = pos[0]
-        if tree:
+        s0 = 0
+        if RING:
+            pt = p0 + t
+            j0 = max(0, pt - W + 1)
+            n_slots = pt - j0 + 1
+            s0 = j0 % S
+        elif tree:
             n_slots = min(p0 + depth[t] + 1, S)
         else:
             n_slots = min(p0 + t + 1, S)
@@ -212,10 +255,11 @@ def _make_kernel(nd):
                         i = i0 + u
                         slot = 0
                         if i < n_mine:
-                            slot = slot_of(c0 + warp + NW * i, p0, t, tree, path)
+                            slot = slot_of(c0 + warp + NW * i, p0, t, tree, path, s0, S)
                         off = base + uint64(slot) * row
-                        load_row(kf, off, kk, i, lane, hd)
-                        load_row(vf, off, vv, i, lane, hd)
+                        srow = sbase + uint64(slot) * uhk
+                        load_row(kf, ks, kz, off, srow, kk, i, lane, hd)
+                        load_row(vf, vs, vz, off, srow, vv, i, lane, hd)
                 for u in range(U):
                     pp = float32(0.0)
                     for k in range(nd):
@@ -298,7 +342,7 @@ def _make_kernel(nd):
             if tid == 0:
                 counter[th] = 0
 
-    _kernels[nd] = kernel
+    _kernels[key] = kernel
     return kernel
 
 
@@ -314,22 +358,52 @@ def counter_shape(T: int, H: int) -> tuple:
     return (T * H,)
 
 
-def attention(out, q, k_cache, v_cache, layer, pos, work, counter, stream=0, depth=None, path=None):
+def _check_params(op, name, rows, codec, shape):
+    """The scale / zero arrays of K or V as `codec` stores them (flat views, or None)."""
+    flat = []
+    for what, has, a in (("scale", codec.has_scale, rows.scale), ("zero", codec.has_zero, rows.zero)):
+        if not has:
+            if a is not None:
+                raise BackendError(f"{op}: {name}_{what} given for the {codec.name} codec, which has none")
+            flat.append(None)
+            continue
+        check_array(op, f"{name}_{what}", a, np.float32, 3, shape)
+        flat.append(a.reshape(int(np.prod(shape))))
+    return flat
+
+
+def attention(out, q, k_cache, v_cache, layer, pos, work, counter, stream=0, depth=None, path=None,
+              codec=None, window=0):
     """GQA attention of q (T, H*hd) over cache layer `layer`; writes out (T, H*hd). Causal (rows at
     positions pos[0] + t over slots 0 .. pos[0] + t) unless the tree tables `depth` (T,) and `path`
-    (T, D+1) are given (see the module doc). hd and Hkv come from the cache shape; H from q.
-    `work` (float32, at least `workspace_shape(T, H, hd)`) and `counter` (int32, at least
-    `counter_shape(T, H)`, zero before the first launch) are the split workspace; one launch at a
-    time may use them. The caller keeps every slot a row reads below S: the key count is clamped
-    to S, but a tree path's slots ``pos[0] + path[t, j]`` are not checked on the device."""
+    (T, D+1) are given, or over the last `window` positions in a ring of the cache's S slots when
+    window > 0 (see the module doc; trees need a linear cache). `k_cache` / `v_cache` are the
+    codec's data arrays, or kv_codecs.Rows with their scale / zero; `codec` (a
+    kv_codecs.CUDAKVCodec) defaults to the built-in one of the data's dtype. hd and Hkv come from
+    the cache shape; H from q. `work` (float32, at least `workspace_shape(T, H, hd)`) and
+    `counter` (int32, at least `counter_shape(T, H)`, zero before the first launch) are the split
+    workspace; one launch at a time may use them. The caller keeps every slot a row reads below
+    S: the key count is clamped to S, but a tree path's slots ``pos[0] + path[t, j]`` are not
+    checked on the device; with a ring, no launch may overwrite a slot one of its rows still
+    reads (S >= window + T - 1, or no position of the request past S - 1)."""
     op = "attention"
-    check_array(op, "k_cache", k_cache, (np.float16, np.float32), 4)
-    L, S, Hk, hd = k_cache.shape
-    check_array(op, "v_cache", v_cache, k_cache.dtype, 4, (L, S, Hk, hd))
+    kr, vr = as_rows(k_cache), as_rows(v_cache)
+    if kr.data is None:
+        raise BackendError(f"{op}: k_cache is required")
+    cdc = codec_for(kr.data, codec)
+    if cdc is None:
+        raise BackendError(f"{op}: no built-in KV codec stores {np.dtype(kr.data.dtype).name} codes; "
+                           f"pass codec=")
+    check_array(op, "k_cache", kr.data, cdc.dtype, 4)
+    L, S, Hk, cols = kr.data.shape
+    hd = cols * cdc.pack
+    check_array(op, "v_cache", vr.data, cdc.dtype, 4, (L, S, Hk, cols))
     if hd == 0 or hd % 2 or hd > MAX_HD:
         raise BackendError(f"{op}: head_dim={hd} must be even and at most {MAX_HD}")
     if Hk == 0 or S == 0:
-        raise BackendError(f"{op}: empty cache shape {tuple(k_cache.shape)}")
+        raise BackendError(f"{op}: empty cache shape {tuple(kr.data.shape)}")
+    ks, kz = _check_params(op, "k", kr, cdc, (L, S, Hk))
+    vs, vz = _check_params(op, "v", vr, cdc, (L, S, Hk))
     check_array(op, "q", q, np.float32, 2)
     T = q.shape[0]
     if q.shape[1] == 0 or q.shape[1] % hd:
@@ -345,7 +419,13 @@ def attention(out, q, k_cache, v_cache, layer, pos, work, counter, stream=0, dep
         raise BackendError(f"{op}: layer={layer} is outside [0, {L})")
     if T > S:
         raise BackendError(f"{op}: {T} rows do not fit a cache of {S} slots")
+    window = int(window)
+    if not 0 <= window <= S:
+        raise BackendError(f"{op}: window={window} is outside [0, {S}] (a ring of {S} slots)")
     depth, path = check_tree(op, depth, path, T)
+    if window and depth.shape[0] > 0:
+        raise BackendError(f"{op}: a draft tree's rows cannot attend over a ring (window={window}); "
+                           f"trees need a linear cache")
     check_workspace(op, "work", work, np.float32, workspace_shape(T, H, hd)[0],
                     f"{T} rows x {H} heads of head_dim={hd} (workspace_shape)")
     check_workspace(op, "counter", counter, np.int32, counter_shape(T, H)[0],
@@ -353,19 +433,29 @@ def attention(out, q, k_cache, v_cache, layer, pos, work, counter, stream=0, dep
     if T == 0:
         return
     scale = np.float32(1.0 / math.sqrt(hd))
-    n = L * S * Hk * hd
-    _make_kernel((hd + 31) // 32)[(T, H, Z), NT, stream](out, q, k_cache.reshape(n), v_cache.reshape(n), S,
-                                                         Hk, hd, layer, pos, scale, depth, path, work,
-                                                         counter)
+    n = L * S * Hk * cols
+    # codecs without a scale or zero point never read those arguments: `work` stands in
+    ks, kz, vs, vz = (work if a is None else a for a in (ks, kz, vs, vz))
+    _make_kernel((hd + 31) // 32, cdc, window > 0)[(T, H, Z), NT, stream](
+        out, q, kr.data.reshape(n), ks, kz, vr.data.reshape(n), vs, vz, S, Hk, hd, layer, pos, scale,
+        window, depth, path, work, counter)
+
+
+#: (codec, head widths' ND) of the compiled variants listed for the PTX tests, each linear and ring
+PTX_VARIANTS = ((FP16, (1, 2, 4, 8)), (FP32, (4,)), (INT8, (2, 4)), (INT4, (2, 4)))
 
 
 def ptx_signatures():
     m = "float32[:, ::1]"
+    f = "float32[::1]"
     sigs = []
-    for ct, nds in (("float16", (1, 2, 4, 8)), ("float32", (4,))):
-        c = f"{ct}[::1]"
-        for nd in nds:
-            sigs.append((f"attention_{ct}_nd{nd}", _make_kernel(nd).py_func,
-                         f"void({m}, {m}, {c}, {c}, int64, int64, int64, int64, int32[::1], float32, int32[::1], "
-                         "int32[:, ::1], float32[::1], int32[::1])"))
+    for codec, nds in PTX_VARIANTS:
+        c = f"{np.dtype(codec.dtype).name}[::1]"
+        for ring in (False, True):
+            for nd in nds:
+                sigs.append((f"attention_{codec.name}_nd{nd}{'_ring' if ring else ''}",
+                             _make_kernel(nd, codec, ring).py_func,
+                             f"void({m}, {m}, {c}, {f}, {f}, {c}, {f}, {f}, int64, int64, int64, int64, "
+                             "int32[::1], float32, int64, int32[::1], int32[:, ::1], float32[::1], "
+                             "int32[::1])"))
     return sigs

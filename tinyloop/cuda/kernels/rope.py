@@ -20,9 +20,16 @@ distance of a float32 rounding boundary; tests/cuda/test_kernels_gpu.py compares
 the device formula bit for bit.
 
 The table must cover every position a launch reaches; the kernels do not check it. Launchers check
-what the host can know (pos is a device array): the cache-writing kernels need
+what the host can know (pos is a device array): the kernels writing a linear cache need
 ``P >= max_seq + POSITION_MARGIN`` (the cache's slots plus a draft tree of depth <= 64 rooted at
-its end), plain `rope` needs ``P >= T`` and leaves ``pos[0] + T <= P`` to the caller.
+its end), plain `rope` needs ``P >= T`` and leaves ``pos[0] + T <= P`` to the caller. A ring
+(``window`` W > 0: position p in slot p % S, tinyloop.core.cache.SlotMap) keeps absolute positions,
+which pass S as the request goes on, so no check against S can hold: the caller's table must cover
+the request's positions (the CUDA backend's covers every position its sessions reach).
+
+Quantized KV codecs (int8, int4: a per-row scale needs the whole row, tinyloop/cuda/kv_codecs.py)
+are not stored here: `rope` (in place, tree-aware) or the staging epilogue `qkv_stage_epilogue`
+leave the rotated k and the v rows as float32 rows, and kernels/kv_store.py quantizes them.
 
 Shapes (T rows, H query heads, Hkv kv heads, hd head width, L cache layers, S max_seq)::
 
@@ -38,11 +45,13 @@ Shapes (T rows, H query heads, Hkv kv heads, hd head width, L cache layers, S ma
                                            thread reads its 8-byte pair, a warp a contiguous run
     k_cache, v_cache  float16 or float32 (L, S, Hkv, hd)   (rope_kv_append only) slot p of
                       `layer` receives the rotated k row and the v row; rows with p >= S are not
-                      written (the host keeps pos[0] + T <= S)
-    depth, path       int32 (T,), (T, D+1)   (rope_kv_append only) optional draft-tree tables:
+                      written (the host keeps pos[0] + T <= S); with a ring, slot p % S
+    depth, path       int32 (T,), (T, D+1)   optional draft-tree tables (linear caches only):
                       row t is then at position pos[0] + depth[t] and its K/V go to slot
                       pos[0] + path[t, depth[t]] (tinyloop.core.backend.TreeRows); empty tables
                       (0,) and (0, 1) mean the causal layout above
+    k_stage, v_stage  float32 (T, Hkv * hd)   (qkv_stage_epilogue only) receive the rotated k
+                      and the v rows (kv_store's input)
 
 `rope_kv_append` and `rope_kv_append_qkv` are one kernel: it reads q, k and v at column offsets of
 source arrays and writes the rotated q to a destination that may be the source (in place), so the
@@ -104,11 +113,20 @@ def rotate_pair(x0, x1, c, s):
 
 @cuda.jit(device=True)
 def row_place(t, p0, depth, path):
-    """(position, cache slot) of query row t: p0 + t for both in the causal layout; with tree
-    tables (depth non-empty) position p0 + depth[t] and slot p0 + path[t, depth[t]]."""
+    """(position, cache slot) of query row t on a linear cache: p0 + t for both in the causal
+    layout; with tree tables (depth non-empty) position p0 + depth[t] and slot
+    p0 + path[t, depth[t]]."""
     if depth.shape[0] > 0:
         return p0 + depth[t], p0 + path[t, depth[t]]
     return p0 + t, p0 + t
+
+
+@cuda.jit(device=True)
+def ring_slot(slot, W, S):
+    """The slot of a row whose linear slot is `slot`: itself, or slot % S in a ring (W > 0)."""
+    if W > 0:
+        return slot % S
+    return slot
 
 
 @cuda.jit(device=True)
@@ -123,7 +141,7 @@ def _rotate(src, dst, t, scol, dcol, half, p, cs, i):
 
 
 @cuda.jit
-def _rope_kernel(q, k, pos, cs):
+def _rope_kernel(q, k, pos, cs, depth, path):
     grid_dep_wait()
     half = cs.shape[1]
     hd = 2 * half
@@ -138,17 +156,18 @@ def _rope_kernel(q, k, pos, cs):
         r = idx - t * per_row
         head = r // half
         i = r - head * half
+        p, _ = row_place(t, p0, depth, path)
         if head < H:
             col = head * hd + i
-            _rotate(q, q, t, col, col, half, p0 + t, cs, i)
+            _rotate(q, q, t, col, col, half, p, cs, i)
         else:
             col = (head - H) * hd + i
-            _rotate(k, k, t, col, col, half, p0 + t, cs, i)
+            _rotate(k, k, t, col, col, half, p, cs, i)
 
 
 @cuda.jit
 def _rope_kv_append_kernel(q, q_out, k, v, qoff, koff, voff, k_cache, v_cache, layer, pos, cs,
-                           depth, path):
+                           depth, path, W):
     grid_dep_wait()
     # q, k, v: source arrays, read at column offsets qoff, koff, voff; rotated q goes to q_out
     # (columns from 0), rotated k back into k and into the cache, v into the cache.
@@ -167,6 +186,7 @@ def _rope_kv_append_kernel(q, q_out, k, v, qoff, koff, voff, k_cache, v_cache, l
         head = r // half
         i = r - head * half
         p, slot = row_place(t, p0, depth, path)
+        slot = ring_slot(slot, W, S)
         if head < H:
             col = head * hd + i
             _rotate(q, q_out, t, qoff + col, col, half, p, cs, i)
@@ -207,66 +227,85 @@ def _check_positions(op, cs, need, what):
                            f"at least {need}; make it with rope_table(head_dim, theta, n_positions >= {need})")
 
 
-def rope(q, k, pos, cs, stream=0):
-    """Rotate q and k in place at positions pos[0] + t (see module doc). The caller keeps
-    pos[0] + T <= cs.shape[0]; the launcher can only check cs.shape[0] >= T."""
-    T, hd, n = _check_common("rope", q, k, pos, cs)
-    _check_positions("rope", cs, T, f"a launch of {T} rows (positions pos[0] .. pos[0] + {T - 1})")
-    if T == 0:
-        return
-    _rope_kernel[min(cdiv(n, NT), MAX_BLOCKS), NT, stream](q, k, pos, cs)
-
-
-def _check_cache(op, T, Hk, hd, k_cache, v_cache, layer, cs):
-    check_array(op, "k_cache", k_cache, (np.float16, np.float32), 4, (None, None, Hk, hd))
-    check_array(op, "v_cache", v_cache, k_cache.dtype, 4, tuple(k_cache.shape))
-    S = int(k_cache.shape[1])
-    _check_positions(op, cs, S + POSITION_MARGIN, f"a cache of {S} slots (its slots plus "
-                     f"POSITION_MARGIN={POSITION_MARGIN} for a draft tree's depth)")
-    layer = int(layer)
-    if not 0 <= layer < k_cache.shape[0]:
-        raise BackendError(f"{op}: layer={layer} is outside [0, {k_cache.shape[0]})")
-    if T > k_cache.shape[1]:
-        raise BackendError(f"{op}: {T} rows do not fit a cache of {k_cache.shape[1]} slots")
-    return layer
-
-
-def rope_kv_append(q, k, v, k_cache, v_cache, layer, pos, cs, stream=0, depth=None, path=None):
-    """`rope` on q and k, then store the rotated k rows and the v rows in cache layer `layer` at
-    slots pos[0] + t (cast to the cache dtype); with tree tables, at the tree layout's positions
-    and slots (module doc)."""
-    op = "rope_kv_append"
+def rope(q, k, pos, cs, stream=0, depth=None, path=None):
+    """Rotate q and k in place at positions pos[0] + t, or at the tree layout's positions
+    pos[0] + depth[t] (see module doc). The caller keeps every position below cs.shape[0]; the
+    launcher can only check cs.shape[0] >= T."""
+    op = "rope"
     T, hd, n = _check_common(op, q, k, pos, cs)
-    check_array(op, "v", v, np.float32, 2, tuple(k.shape))
-    layer = _check_cache(op, T, k.shape[1] // hd, hd, k_cache, v_cache, layer, cs)
+    _check_positions(op, cs, T, f"a launch of {T} rows (positions pos[0] .. pos[0] + {T - 1})")
     depth, path = check_tree(op, depth, path, T)
     if T == 0:
         return
+    _rope_kernel[min(cdiv(n, NT), MAX_BLOCKS), NT, stream](q, k, pos, cs, depth, path)
+
+
+def check_slots(op, T, S, window, cs, depth):
+    """Host checks of a launch writing T rows into a cache of S slots (linear, or a ring when
+    window > 0); returns the window as an int."""
+    window = int(window)
+    if not 0 <= window <= S:
+        raise BackendError(f"{op}: window={window} is outside [0, {S}] (a ring of {S} slots)")
+    if window == 0:
+        _check_positions(op, cs, S + POSITION_MARGIN, f"a cache of {S} slots (its slots plus "
+                         f"POSITION_MARGIN={POSITION_MARGIN} for a draft tree's depth)")
+    elif depth is not None and depth.shape[0] > 0:
+        raise BackendError(f"{op}: a draft tree's rows cannot be stored in a ring (window={window}); "
+                           f"trees need a linear cache")
+    if T > S:
+        raise BackendError(f"{op}: {T} rows do not fit a cache of {S} slots")
+    return window
+
+
+def _check_cache(op, T, Hk, hd, k_cache, v_cache, layer, cs, window, depth):
+    check_array(op, "k_cache", k_cache, (np.float16, np.float32), 4, (None, None, Hk, hd))
+    check_array(op, "v_cache", v_cache, k_cache.dtype, 4, tuple(k_cache.shape))
+    window = check_slots(op, T, int(k_cache.shape[1]), window, cs, depth)
+    layer = int(layer)
+    if not 0 <= layer < k_cache.shape[0]:
+        raise BackendError(f"{op}: layer={layer} is outside [0, {k_cache.shape[0]})")
+    return layer, window
+
+
+def rope_kv_append(q, k, v, k_cache, v_cache, layer, pos, cs, stream=0, depth=None, path=None,
+                   window=0):
+    """`rope` on q and k, then store the rotated k rows and the v rows in cache layer `layer` at
+    slots pos[0] + t (cast to the cache dtype); with tree tables, at the tree layout's positions
+    and slots; with `window` > 0 at slots (pos[0] + t) % S of a ring (module doc)."""
+    op = "rope_kv_append"
+    T, hd, n = _check_common(op, q, k, pos, cs)
+    check_array(op, "v", v, np.float32, 2, tuple(k.shape))
+    depth, path = check_tree(op, depth, path, T)
+    layer, window = _check_cache(op, T, k.shape[1] // hd, hd, k_cache, v_cache, layer, cs, window, depth)
+    if T == 0:
+        return
     _rope_kv_append_kernel[min(cdiv(n, NT), MAX_BLOCKS), NT, stream](
-        q, q, k, v, 0, 0, 0, k_cache, v_cache, layer, pos, cs, depth, path)
+        q, q, k, v, 0, 0, 0, k_cache, v_cache, layer, pos, cs, depth, path, window)
 
 
-def _check_qkv(op, q_out, k_cache, v_cache, layer, pos, cs, depth, path):
-    """Checks shared by the fused-projection forms: (T, q_dim, kv_dim, layer, depth, path)."""
+def _check_qkv(op, q_out, k_cache, v_cache, layer, pos, cs, depth, path, window):
+    """Checks shared by the fused-projection forms: (T, q_dim, kv_dim, layer, depth, path,
+    window)."""
     # q_out stands in for both q and k in the shared checks (cs, pos, widths vs head_dim).
     T, hd, _ = _check_common(op, q_out, q_out, pos, cs)
     check_array(op, "k_cache", k_cache, (np.float16, np.float32), 4, (None, None, None, hd))
     kv_dim = int(k_cache.shape[2]) * hd
     if kv_dim == 0:
         raise BackendError(f"{op}: the cache has no kv heads")
-    layer = _check_cache(op, T, kv_dim // hd, hd, k_cache, v_cache, layer, cs)
     depth, path = check_tree(op, depth, path, T)
-    return T, q_out.shape[1], kv_dim, layer, depth, path
+    layer, window = _check_cache(op, T, kv_dim // hd, hd, k_cache, v_cache, layer, cs, window, depth)
+    return T, q_out.shape[1], kv_dim, layer, depth, path, window
 
 
-def rope_kv_append_qkv(qkv, q_out, k_cache, v_cache, layer, pos, cs, stream=0, depth=None, path=None):
+def rope_kv_append_qkv(qkv, q_out, k_cache, v_cache, layer, pos, cs, stream=0, depth=None, path=None,
+                       window=0):
     """`rope_kv_append` reading q, k and v from the fused projection `qkv` (T, q_dim + 2 kv_dim):
     the rotated q rows go to `q_out` (T, q_dim), the rotated k rows (also left in qkv's k
-    columns) and the v rows to cache layer `layer` at slots pos[0] + t (or the tree layout's).
-    kv_dim is the cache's n_kv_heads * head_dim."""
+    columns) and the v rows to cache layer `layer` at slots pos[0] + t (or the tree layout's, or
+    a ring's). kv_dim is the cache's n_kv_heads * head_dim."""
     op = "rope_kv_append_qkv"
-    T, q_dim, kv_dim, layer, depth, path = _check_qkv(op, q_out, k_cache, v_cache, layer, pos, cs,
-                                                      depth, path)
+    T, q_dim, kv_dim, layer, depth, path, window = _check_qkv(op, q_out, k_cache, v_cache, layer, pos,
+                                                              cs, depth, path, window)
     check_array(op, "qkv", qkv, np.float32, 2, (T, q_dim + 2 * kv_dim))
     n = T * (q_dim + kv_dim) // 2
     if n >= 2 ** 31:
@@ -274,10 +313,24 @@ def rope_kv_append_qkv(qkv, q_out, k_cache, v_cache, layer, pos, cs, stream=0, d
     if T == 0:
         return
     _rope_kv_append_kernel[min(cdiv(n, NT), MAX_BLOCKS), NT, stream](
-        qkv, q_out, qkv, qkv, 0, q_dim, q_dim + kv_dim, k_cache, v_cache, layer, pos, cs, depth, path)
+        qkv, q_out, qkv, qkv, 0, q_dim, q_dim + kv_dim, k_cache, v_cache, layer, pos, cs, depth, path,
+        window)
 
 
-# ----------------------------------------------------------------------------- matmul epilogue
+# ----------------------------------------------------------------------------- matmul epilogues
+@cuda.jit(device=True)
+def _pair_rows(p, half, hd, q_dim, kv_dim):
+    """Weight rows of pair p of the fused q|k|v projection: a RoPE pair (i, i + half) of a q or k
+    head for p < (q_dim + kv_dim) / 2, then the v columns two by two."""
+    n_rope = (q_dim + kv_dim) // 2
+    if p < n_rope:
+        head = p // half
+        na = head * hd + (p - head * half)
+        return na, na + half
+    na = q_dim + kv_dim + 2 * (p - n_rope)
+    return na, na + 1
+
+
 @cuda.jit(device=True)
 def _qkv_dims(ep, N):
     """(half, hd, Hk, q_dim, kv_dim, rope pairs) of the fused q|k|v projection of N rows."""
@@ -292,26 +345,20 @@ def _qkv_dims(ep, N):
 
 @cuda.jit(device=True)
 def _qkv_rows(ep, p, N):
-    """Weight rows of pair p: a RoPE pair (i, i + half) of a q or k head for p < (q_dim + kv_dim)
-    / 2, then the v columns two by two."""
     half, hd, Hk, q_dim, kv_dim, n_rope = _qkv_dims(ep, N)
-    if p < n_rope:
-        head = p // half
-        na = head * hd + (p - head * half)
-        return na, na + half
-    na = q_dim + kv_dim + 2 * (p - n_rope)
-    return na, na + 1
+    return _pair_rows(p, half, hd, q_dim, kv_dim)
 
 
 @cuda.jit(device=True)
 def _qkv_store(ep, q_out, t, p, va, vb, N):
     """Rotate a q pair into q_out, a k pair into the cache; store a v pair in the cache (the
     element placement and arithmetic of `_rope_kv_append_kernel`)."""
-    k_cache, v_cache, layer, pos, cs, depth, path = ep
+    k_cache, v_cache, layer, pos, cs, depth, path, W = ep
     half, hd, Hk, q_dim, kv_dim, n_rope = _qkv_dims(ep, N)
     H = q_dim // hd
     S = k_cache.shape[1]
     pp, slot = row_place(t, pos[0], depth, path)
+    slot = ring_slot(slot, W, S)
     if p < n_rope:
         head = p // half
         i = p - head * half
@@ -332,44 +379,110 @@ def _qkv_store(ep, q_out, t, p, va, vb, N):
         v_cache[layer, slot, kh, d + 1] = vb
 
 
-def qkv_epilogue(q_out, k_cache, v_cache, layer, pos, cs, depth=None, path=None) -> Epilogue:
+def qkv_epilogue(q_out, k_cache, v_cache, layer, pos, cs, depth=None, path=None, window=0) -> Epilogue:
     """RoPE + KV append as the epilogue of the fused q|k|v matmul (``matmul(q_out, x, wqkv, ...,
     epilogue=qkv_epilogue(...))``, weight rows q | k | v, N = q_dim + 2 kv_dim): the rotated q
     rows go to `q_out` (T, q_dim), the rotated k and the v rows to cache layer `layer` at the
-    rows' slots (causal, or the tree layout of `depth` / `path`), exactly as the matmul into a
-    (T, N) buffer followed by `rope_kv_append_qkv` (which also leaves the rotated k in the buffer;
-    here there is no buffer). The matmul pairs rows (i, i + half) of every q and k head so one
-    warp holds both members of a rotation pair."""
-    T, q_dim, kv_dim, layer, depth, path = _check_qkv("qkv_epilogue", q_out, k_cache, v_cache, layer,
-                                                      pos, cs, depth, path)
+    rows' slots (causal, or the tree layout of `depth` / `path`, or a ring when `window` > 0),
+    exactly as the matmul into a (T, N) buffer followed by `rope_kv_append_qkv` (which also
+    leaves the rotated k in the buffer; here there is no buffer). The matmul pairs rows
+    (i, i + half) of every q and k head so one warp holds both members of a rotation pair."""
+    T, q_dim, kv_dim, layer, depth, path, window = _check_qkv("qkv_epilogue", q_out, k_cache, v_cache,
+                                                              layer, pos, cs, depth, path, window)
     proto = _QKV_EPILOGUES[np.dtype(k_cache.dtype).name]
-    return proto._replace(args=(k_cache, v_cache, np.int64(layer), pos, cs, depth, path),
+    return proto._replace(args=(k_cache, v_cache, np.int64(layer), pos, cs, depth, path, np.int64(window)),
                           n_rows=q_dim + 2 * kv_dim, out_cols=q_dim, t_rows=T)
+
+
+@cuda.jit(device=True)
+def _stage_dims(ep, N):
+    """(half, hd, q_dim, kv_dim, rope pairs) of the staged q|k|v projection of N rows."""
+    half = ep[3].shape[1]
+    hd = 2 * half
+    kv_dim = ep[0].shape[1]
+    q_dim = N - 2 * kv_dim
+    return half, hd, q_dim, kv_dim, (q_dim + kv_dim) // 2
+
+
+@cuda.jit(device=True)
+def _stage_rows(ep, p, N):
+    half, hd, q_dim, kv_dim, n_rope = _stage_dims(ep, N)
+    return _pair_rows(p, half, hd, q_dim, kv_dim)
+
+
+@cuda.jit(device=True)
+def _stage_store(ep, q_out, t, p, va, vb, N):
+    """Rotate a q pair into q_out and a k pair into k_stage; store a v pair in v_stage (the
+    rotation of `_qkv_store`, float32 rows for kv_store)."""
+    k_stage, v_stage, pos, cs, depth, path = ep
+    half, hd, q_dim, kv_dim, n_rope = _stage_dims(ep, N)
+    H = q_dim // hd
+    pp, _ = row_place(t, pos[0], depth, path)
+    if p < n_rope:
+        head = p // half
+        i = p - head * half
+        r0, r1 = rotate_pair(va, vb, cs[pp, i, 0], cs[pp, i, 1])
+        if head < H:
+            col = head * hd + i
+            q_out[t, col] = r0
+            q_out[t, col + half] = r1
+        else:
+            col = (head - H) * hd + i
+            k_stage[t, col] = r0
+            k_stage[t, col + half] = r1
+    else:
+        e = 2 * (p - n_rope)
+        v_stage[t, e] = va
+        v_stage[t, e + 1] = vb
+
+
+def qkv_stage_epilogue(q_out, k_stage, v_stage, pos, cs, depth=None, path=None) -> Epilogue:
+    """RoPE as the epilogue of the fused q|k|v matmul for a quantized KV codec: the rotated q rows
+    go to `q_out` (T, q_dim), the rotated k rows to `k_stage` and the v rows to `v_stage`
+    (T, kv_dim) float32, at the rows' positions (causal or the tree layout) — the values
+    `rope` leaves in separate q / k buffers; kv_store then quantizes the staged rows into the
+    cache (a row's scale needs all its head_dim values, which no single warp of the matmul
+    holds)."""
+    op = "qkv_stage_epilogue"
+    T, hd, _ = _check_common(op, q_out, q_out, pos, cs)
+    check_array(op, "k_stage", k_stage, np.float32, 2, (T, None))
+    kv_dim = int(k_stage.shape[1])
+    if kv_dim == 0 or kv_dim % hd:
+        raise BackendError(f"{op}: k_stage width {kv_dim} is not a positive multiple of head_dim={hd}")
+    check_array(op, "v_stage", v_stage, np.float32, 2, (T, kv_dim))
+    depth, path = check_tree(op, depth, path, T)
+    return _STAGE_EPILOGUE._replace(args=(k_stage, v_stage, pos, cs, depth, path),
+                                    n_rows=q_out.shape[1] + 2 * kv_dim, out_cols=q_out.shape[1], t_rows=T)
 
 
 def _qkv_proto(ct):
     c = f"{ct}[:, :, :, ::1]"
     return Epilogue(f"qkv_{ct}", _qkv_rows, _qkv_store, (), 0, 0,
-                    f"Tuple(({c}, {c}, int64, int32[::1], float32[:, :, ::1], int32[::1], int32[:, ::1]))")
+                    f"Tuple(({c}, {c}, int64, int32[::1], float32[:, :, ::1], int32[::1], int32[:, ::1], "
+                    f"int64))")
 
 
 #: The qkv epilogue per cache dtype without arrays or sizes; `qkv_epilogue` fills them in.
 _QKV_EPILOGUES = {ct: _qkv_proto(ct) for ct in ("float16", "float32")}
+#: The staging epilogue without arrays or sizes; `qkv_stage_epilogue` fills them in.
+_STAGE_EPILOGUE = Epilogue("qkv_stage", _stage_rows, _stage_store, (), 0, 0,
+                           "Tuple((float32[:, ::1], float32[:, ::1], int32[::1], float32[:, :, ::1], "
+                           "int32[::1], int32[:, ::1]))")
 
 
 def ptx_epilogues():
-    """The qkv epilogue of each cache dtype without arrays (its `sig` only), for PTX tests of the
-    matmul variants that carry it."""
-    return list(_QKV_EPILOGUES.values())
+    """The qkv epilogues (each cache dtype's and the staging one) without arrays (their `sig`
+    only), for PTX tests of the matmul variants that carry them."""
+    return list(_QKV_EPILOGUES.values()) + [_STAGE_EPILOGUE]
 
 
 def ptx_signatures():
     m = "float32[:, ::1]"
     t = "float32[:, :, ::1]"
-    sigs = [("rope", _rope_kernel.py_func, f"void({m}, {m}, int32[::1], {t})")]
+    sigs = [("rope", _rope_kernel.py_func, f"void({m}, {m}, int32[::1], {t}, int32[::1], int32[:, ::1])")]
     for ct in ("float16", "float32"):
         c = f"{ct}[:, :, :, ::1]"
         sigs.append((f"rope_kv_append_{ct}", _rope_kv_append_kernel.py_func,
                      f"void({m}, {m}, {m}, {m}, int64, int64, int64, {c}, {c}, int64, int32[::1], "
-                     f"{t}, int32[::1], int32[:, ::1])"))
+                     f"{t}, int32[::1], int32[:, ::1], int64)"))
     return sigs

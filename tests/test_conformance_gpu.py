@@ -1,0 +1,54 @@
+"""The backend conformance suite (tests/backend_conformance.py) on the CUDA backend on a real GPU
+(marker gpu: run on a machine with a GPU)::
+
+    python -m pytest -m gpu tests/test_conformance_gpu.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def _gpu():
+    """A real GPU (not numba's simulator, which tests/cuda/test_conformance_sim.py covers)."""
+    try:
+        import numba
+        from numba import cuda
+        return not numba.config.ENABLE_CUDASIM and cuda.is_available()
+    except Exception:
+        return False
+
+
+if not _gpu():
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+
+pytest.register_assert_rewrite("backend_conformance")
+
+from backend_conformance import *  # noqa: E402,F401,F403  (the suite's tests and fixtures)
+
+from conftest import TINY  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def conformance_dims():
+    # a vocabulary of several argmax / top-k slices, so ties are also split across them
+    return dict(TINY, vocab_size=1000)
+
+
+@pytest.fixture(scope="module")
+def backend_factory():
+    from tinyloop.cuda.backend import CUDABackend
+    return CUDABackend
+
+
+@pytest.fixture(scope="module")
+def device_bytes_in_use():
+    from numba import cuda
+
+    def in_use():
+        cuda.synchronize()
+        free, total = cuda.current_context().get_memory_info()
+        return total - free
+    return in_use
