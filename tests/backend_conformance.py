@@ -346,7 +346,8 @@ def conformance_quick():
 
 @pytest.fixture(scope="module")
 def device_bytes_in_use():
-    """A callable returning the device memory in use (bytes), or None where not measurable."""
+    """A callable returning the device memory in use (bytes), or None where not measurable (the
+    contract has no way to ask a backend what it allocates on its device)."""
     return None
 
 
@@ -1048,11 +1049,11 @@ def _forward(rig, cache, ids, p0, loops):
 
 
 @pytest.mark.parametrize("codec", CODECS)
-def test_forward_matches_reference(fwd_rig, codec):
+def test_forward_matches_reference(fwd_rig, codec, conformance_quick):
     """tinyloop.core.forward.Forward on the backend (its composites, fused or not) against the
     float64 reference_logits with the codec's cache model, over a prefill and a decode step."""
     r = fwd_rig
-    loops = 2
+    loops = 1 if conformance_quick else 2
     ids = _ids(r, 7, 140)
     cache = r.be.alloc_cache(build_spec(r.cfg, loops, mode_of(codec), SlotMap(16)))
     try:
@@ -1065,10 +1066,10 @@ def test_forward_matches_reference(fwd_rig, codec):
 
 
 @pytest.mark.parametrize("codec", ["fp32", "int4"])
-def test_forward_batch_invariant(fwd_rig, codec):
+def test_forward_batch_invariant(fwd_rig, codec, conformance_quick):
     """Prefill in one launch == in chunks == token by token, bit for bit (logits)."""
     r = fwd_rig
-    loops, n = 2, ROWS
+    loops, n = (1, 4) if conformance_quick else (2, ROWS)
     ids = _ids(r, n, 150)
     spec = build_spec(r.cfg, loops, mode_of(codec), SlotMap(16))
     caches = [r.be.alloc_cache(spec) for _ in range(3)]
@@ -1111,13 +1112,13 @@ def test_replay_runs_the_step(fwd_rig):
 
 
 # =============================================================================== no allocation
-def test_no_allocation_in_decode_steps(fwd_rig, device_bytes_in_use):
+def test_no_allocation_in_decode_steps(fwd_rig, device_bytes_in_use, conformance_quick):
     """Ops allocate nothing: over one-token decode steps (forward, logits, argmax) memory_bytes()
     and the workspace's buffers are unchanged, host (numpy / Python) allocations stay far below one
     cache layer, and device memory in use is unchanged where the runner can measure it."""
     r = fwd_rig
     be, ws = r.be, r.ws
-    loops = 2
+    loops = 1 if conformance_quick else 2
     cache = be.alloc_cache(build_spec(r.cfg, loops, mode_of("fp32"), SlotMap(2048)))
     fwd = Forward(r.cfg, be, r.w, ws)
 
@@ -1139,6 +1140,9 @@ def test_no_allocation_in_decode_steps(fwd_rig, device_bytes_in_use):
             base = tracemalloc.get_traced_memory()[0]
             for p in range(2, 6):
                 tok = step(p, tok)
+            first, _ = tracemalloc.get_traced_memory()
+            for p in range(6, 10):
+                tok = step(p, tok)
             current, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
@@ -1149,8 +1153,13 @@ def test_no_allocation_in_decode_steps(fwd_rig, device_bytes_in_use):
         limit = min(HOST_ALLOC_LIMIT, layer_bytes // 2)
         assert peak - base < limit, (f"decode steps allocated {peak - base} bytes on the host at peak "
                                      f"(limit {limit}; one cache layer: {layer_bytes})")
-        assert current - base < limit // 4, f"decode steps kept {current - base} bytes allocated on the host"
+        # what the runtime keeps must not grow with the steps: once-per-process caches (a launch
+        # configuration the driver layer memoises on first use) may appear in the first four steps,
+        # nothing more in the next four
+        assert current - first < limit // 4, (f"decode steps 6..9 kept {current - first} more bytes "
+                                              f"allocated on the host than steps 2..5")
         if dev0 is not None:
-            assert device_bytes_in_use() == dev0, "device memory in use changed during decode steps"
+            dev1 = device_bytes_in_use()
+            assert dev1 <= dev0, f"device memory in use grew by {dev1 - dev0} bytes during decode steps"
     finally:
         be.release_cache(cache)

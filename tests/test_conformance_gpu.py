@@ -45,10 +45,14 @@ def backend_factory():
 
 @pytest.fixture(scope="module")
 def device_bytes_in_use():
+    """Device memory in use (total - free), after the queue is drained and numba's pending
+    deallocations are released (so only live allocations count)."""
     from numba import cuda
 
     def in_use():
         cuda.synchronize()
-        free, total = cuda.current_context().get_memory_info()
+        ctx = cuda.current_context()
+        ctx.deallocations.clear()
+        free, total = ctx.get_memory_info()
         return total - free
     return in_use

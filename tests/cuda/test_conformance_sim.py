@@ -2,6 +2,9 @@
 CUDA simulator, with tiny shapes (the simulator runs every CUDA thread as a Python thread)::
 
     NUMBA_ENABLE_CUDASIM=1 python -m pytest -m cudasim tests/cuda/test_conformance_sim.py -q
+
+Marked slow (tens of minutes on two cores): tools/run_tests.sh leaves it out of CI, where the
+CPU runner and the simulator kernel tests run; run it by hand as above.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import numba
 import pytest
 
-pytestmark = pytest.mark.cudasim
+pytestmark = [pytest.mark.cudasim, pytest.mark.slow]
 
 from numba import cuda  # noqa: E402
 
