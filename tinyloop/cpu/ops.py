@@ -116,6 +116,17 @@ def rope(x, pos, T, n_heads, D, cos_t, sin_t, depth):
                 x[t, base + half + i] = a * s + b * c
 
 
+@njit(inline="always", **_SEQ)
+def _slot(j, pos, t, tree, path, window, ring):
+    """Cache slot of key j of row t: the row's tree path after the committed context, the ring
+    slot j % ring under a window, else j."""
+    if tree and j >= pos:
+        return pos + path[t, j - pos]
+    if window > 0:
+        return j % ring
+    return j
+
+
 def _make_attention(_load):
     @njit(**_PAR)
     def attention(q, kd, ks, kz, vd, vs, vz, layer, pos, T, n_heads, n_kv, D, out, scores, lut, depth,
@@ -143,12 +154,7 @@ def _make_attention(_load):
             sc = scores[th]
             m = float32(-np.inf)
             for j in range(j0, n):
-                if tree and j >= pos:
-                    s = pos + path[t, j - pos]
-                elif window > 0:
-                    s = j % ring
-                else:
-                    s = j
+                s = _slot(j, pos, t, tree, path, window, ring)
                 p0 = float32(0.0); p1 = float32(0.0); p2 = float32(0.0); p3 = float32(0.0)
                 d = 0
                 while d + 4 <= D:
@@ -174,12 +180,7 @@ def _make_attention(_load):
             for d in range(D):
                 out[t, h * D + d] = float32(0.0)
             for j in range(j0, n):
-                if tree and j >= pos:
-                    s = pos + path[t, j - pos]
-                elif window > 0:
-                    s = j % ring
-                else:
-                    s = j
+                s = _slot(j, pos, t, tree, path, window, ring)
                 w = sc[j - j0] * inv
                 for d in range(D):
                     out[t, h * D + d] += w * _load(vd, vs, vz, layer, s, kvh, d, lut)
