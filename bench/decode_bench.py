@@ -258,8 +258,8 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    from tinyloop.core.engine import _cuda_available
-    if not _cuda_available():
+    from tinyloop.plugins.backends import CUDAEntry
+    if not CUDAEntry.available()[0]:
         print("error: the benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
     from numba import cuda

@@ -84,8 +84,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import tinyloop as tl
-    from tinyloop.core.engine import _cuda_available
-    if args.backend == "cuda" and not _cuda_available():
+    from tinyloop.plugins.backends import CUDAEntry
+    if args.backend == "cuda" and not CUDAEntry.available()[0]:
         print("error: --backend cuda needs a CUDA GPU", file=sys.stderr)
         return 2
     path, tmp = args.model, None

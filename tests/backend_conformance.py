@@ -41,7 +41,9 @@ import numpy as np
 import pytest
 
 from tinyloop.core.arch import ModelConfig, TensorQuant, required_tensors
-from tinyloop.core.backend import Backend, TreeRows
+import dataclasses
+
+from tinyloop.core.backend import CAPABILITIES, Backend, TreeRows, Workspace
 from tinyloop.core.cache import CacheMode, CacheSpec, LayerGroup, SlotMap, build_spec
 from tinyloop.core.errors import BackendError
 from tinyloop.core.format import open_model, write_model
@@ -417,6 +419,39 @@ def _ids(rig, n, seed):
     return [int(i) for i in np.random.default_rng(seed).integers(0, rig.cfg.vocab_size, n)]
 
 
+# =============================================================================== contract
+def test_capabilities_are_declared(rig):
+    """A backend's optional capabilities are the capability classes it inherits: each one it claims
+    has every method of that class implemented (nothing abstract left), supports() agrees, and an
+    unknown capability name is a typed error."""
+    be = rig.be
+    assert isinstance(be, Backend)
+    assert be.capabilities <= set(CAPABILITIES)
+    assert not getattr(type(be), "__abstractmethods__", None), "abstract methods left unimplemented"
+    for name, cls in CAPABILITIES.items():
+        assert be.supports(name) == (name in be.capabilities)
+        assert isinstance(be, cls) or name not in be.capabilities
+    with pytest.raises(BackendError, match="warp_drive"):
+        be.supports("warp_drive")
+
+
+def test_workspace_declares_every_buffer(rig):
+    """Every workspace buffer is a declared dataclass field (an undeclared attribute cannot be
+    set), the core buffers exist with rows rows each, and buffers() lists every field."""
+    ws, cfg = rig.ws, rig.cfg
+    assert isinstance(ws, Workspace) and dataclasses.is_dataclass(ws)
+    names = {f.name for f in dataclasses.fields(ws)} - {"rows"}
+    assert set(ws.buffers()) == names
+    with pytest.raises(AttributeError):
+        ws.not_declared = 1
+    widths = dict(x=cfg.d_model, h=cfg.d_model, e=cfg.d_model, q=cfg.q_dim, k=cfg.kv_dim, v=cfg.kv_dim,
+                  att=cfg.q_dim, g=cfg.d_ff, u=cfg.d_ff, logits=cfg.vocab_size)
+    for name, width in widths.items():
+        buf = getattr(ws, name)
+        assert tuple(buf.shape) == (ws.rows, width), f"ws.{name} has shape {tuple(buf.shape)}"
+    assert ws.ids is not None and int(ws.ids.shape[0]) >= ws.rows
+
+
 # =============================================================================== elementwise / rows
 def test_embed_is_the_dequantized_table_row(quant_rig):
     r = quant_rig
@@ -707,7 +742,13 @@ def test_attention_batch_invariant(rig, codec, conformance_quick):
 
 
 # =============================================================================== tree rows
+def _needs(be, capability):
+    if not be.supports(capability):
+        pytest.skip(f"the {be.name} backend does not provide the optional capability {capability!r}")
+
+
 def _tree_rows(rig, depth, path, pos, row0=0):
+    _needs(rig.be, "tree")
     layout = rig.be.tree_layout(np.asarray(depth, np.int32), np.asarray(path, np.int32))
     return rig.be.tree_positions(layout, pos, row0)
 
@@ -825,6 +866,7 @@ def test_argmax_ties_to_lowest_id(ties_rig):
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_topk_ties_to_lowest_id(ties_rig, k):
     r, be, ws = ties_rig, ties_rig.be, ties_rig.ws
+    _needs(be, "tree")
     logits = _probe_logits(r)
     n = logits.shape[0]
     be.launch_topk_rows(ws, n, k)
@@ -832,11 +874,11 @@ def test_topk_ties_to_lowest_id(ties_rig, k):
 
 
 def test_device_chained_ids(ties_rig):
-    """chains_on_device backends: top-k ids written into ws.ids (out_row), argmax tokens stored
+    """device_chaining backends: top-k ids written into ws.ids (out_row), argmax tokens stored
     with store_token, read back with read_ids; begin/finish_read_argmax."""
     r, be, ws = ties_rig, ties_rig.be, ties_rig.ws
-    if not be.chains_on_device:
-        pytest.skip(f"the {be.name} backend does not chain ids on the device")
+    _needs(be, "device_chaining")
+    _needs(be, "tree")
     logits = _probe_logits(r)
     n, k = 3, 2
     be.launch_topk_rows(ws, n, k, out_row=1)
@@ -957,6 +999,7 @@ def test_move_cache_slots(rig):
     """move_cache_slots(cache, moves): for each (src, dst) in order, slot dst of every layer := slot
     src (codes, scales and zero points). Attention over the moved cache against the numpy model of
     the moves, and the storage arrays bit for bit where they can be read."""
+    _needs(rig.be, "tree")
     c, be = rig.cfg, rig.be
     n = ROWS
     cache = be.alloc_cache(mixed_spec(16))
@@ -1132,7 +1175,7 @@ def test_no_allocation_in_decode_steps(fwd_rig, device_bytes_in_use, conformance
         tok = step(0, 1)
         tok = step(1, tok)                 # warm: kernels compiled, lazy tables made
         held = be.memory_bytes()
-        bufs = {k: id(v) for k, v in vars(ws).items()}
+        bufs = {k: id(v) for k, v in ws.buffers().items()}
         dev0 = device_bytes_in_use() if device_bytes_in_use else None
         layer_bytes = cache.nbytes // (2 * cache.spec.n_layers)
         tracemalloc.start()
@@ -1147,7 +1190,7 @@ def test_no_allocation_in_decode_steps(fwd_rig, device_bytes_in_use, conformance
         finally:
             tracemalloc.stop()
         assert be.memory_bytes() == held, "memory_bytes() changed during decode steps"
-        assert {k: id(v) for k, v in vars(ws).items()} == bufs, "a workspace buffer was replaced"
+        assert {k: id(v) for k, v in ws.buffers().items()} == bufs, "a workspace buffer was replaced"
         # what a decode step may allocate on the host: small temporaries (Python objects, a few
         # rows), well below one cache layer (K or V)
         limit = min(HOST_ALLOC_LIMIT, layer_bytes // 2)

@@ -260,8 +260,8 @@ def test_load_model_errors(tiny_path, tmp_path):
 
 
 def test_cuda_backend_without_gpu_is_typed_error(tiny_path, monkeypatch):
-    import tinyloop.core.engine as engine
-    monkeypatch.setattr(engine, "_cuda_available", lambda **kw: False)
+    from tinyloop.plugins.backends import CUDAEntry
+    monkeypatch.setattr(CUDAEntry, "available", classmethod(lambda cls, **kw: (False, "no CUDA GPU is available")))
     with pytest.raises(tl.BackendError, match="no CUDA GPU"):
         tl.load_model(str(tiny_path), backend="cuda")
 

@@ -15,6 +15,7 @@ from .core.inspect import inspect
 from .api import generate_speculative, generate_tree_speculative
 from .plugins.decoders.autotune import DecoderChoice, calibrate
 # the plugin author's API
+from .core.backend import Backend, BackendEntry, DeviceChaining, TreeOps, Workspace
 from .core.cache import CacheMode, KVCodec, SlotMap, SlotMapMode
 from .core.decoding import DecodeSession, Decoder
 from .core.engine import Plan, Session
@@ -38,4 +39,5 @@ __all__ = [
     # plugin author's API
     "hookimpl", "Decoder", "DecodeSession", "Session", "Plan", "LogitProcessor", "ProcessorChain", "Stage",
     "Stopper", "StopperChain", "StopOrder", "CacheMode", "KVCodec", "SlotMapMode", "SlotMap",
+    "Backend", "BackendEntry", "TreeOps", "DeviceChaining", "Workspace",
 ]

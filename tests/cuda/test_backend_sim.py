@@ -90,7 +90,7 @@ def test_device_chained_tree_cycle_matches_cpu(small_path):
     cpu = tl.load_model(str(small_path), max_seq_len=16, backend="cpu")
     gpu = tl.load_model(str(small_path), max_seq_len=16, backend="cuda")
     try:
-        assert gpu.backend.chains_on_device and not cpu.backend.chains_on_device
+        assert gpu.backend.supports("device_chaining") and not cpu.backend.supports("device_chaining")
         p = [3]
         ref = tl.generate(cpu, p, tl.GenerateConfig(max_tokens=3, loops=2, cache_mode="fp32"))
         tree = tl.TreeSpeculativeConfig(max_tokens=3, draft_loops=1, verify_loops=2, draft_ahead=1,

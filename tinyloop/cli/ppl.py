@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..core.engine import free_model, load_model
 from ..core.errors import ConfigError
+from ..core.plugins import get_plugin_manager
 from ..core.evaluate import perplexity
 from ..core.tokenizer import resolve_tokenizer
 
@@ -21,7 +22,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=256, help="tokens per scored window (default 256)")
     p.add_argument("--max-windows", type=int, default=None, help="score at most this many windows")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: embedded)")
-    p.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--backend", default="auto", choices=get_plugin_manager().backend_names())
     p.add_argument("--cache-mode", default="fp16",
                    help="KV cache mode(s), comma-separated (fp16, fp32, int8, int4, ...; default fp16)")
     p.add_argument("--json", default=None, help="write the results as JSON to this file")

@@ -19,6 +19,7 @@ from typing import List, Optional
 from ..core.config import GenerateStats, RunConfig, load_run_config
 from ..core.engine import free_model, generate_batch, generate_iter, load_model
 from ..core.errors import ConfigError
+from ..core.plugins import get_plugin_manager
 from ..core.models import demo_model_path
 from ..core.tokenizer import resolve_tokenizer
 from ..plugins.decoders.spec_session import speculative_request
@@ -60,7 +61,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("run", help="decode the prompts of a YAML run config",
                               description="Run a YAML-configured generation job.")
     p.add_argument("config", help="run config (YAML): see configs/demo.yaml")
-    p.add_argument("--backend", choices=("auto", "cpu", "cuda"), help="override the config's backend")
+    p.add_argument("--backend", choices=get_plugin_manager().backend_names(), help="override the config's backend")
     p.add_argument("--no-stream", action="store_true", help="print each completion when it is done")
     p.add_argument("--output-jsonl", help="override the config's output_jsonl")
     return p

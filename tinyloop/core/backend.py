@@ -16,26 +16,40 @@ Contract shared by every backend (tested):
 Composite ops (:meth:`attn_half`, :meth:`mlp_half`, :meth:`final_logits`) have default
 implementations over the primitives; a backend overrides them with fused kernels where that removes
 launches or passes over memory. The forward only calls composites and the few primitives it needs.
+
+Optional capabilities (:data:`CAPABILITIES`) are mixin classes a backend inherits:
+:class:`TreeOps` and :class:`DeviceChaining`. Callers ask :meth:`Backend.supports` and fall back;
+a decoder that cannot declares ``Decoder.requires``. Backends are registered as
+:class:`BackendEntry` classes through the ``tinyloop_backends`` hook (one registry for every name
+check).
 """
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Any, Dict, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Dict, FrozenSet, Mapping
 
 import numpy as np
 
 from .arch import ModelConfig
+from .errors import BackendError
 
 
-@dataclass
+@dataclass(slots=True)
 class Workspace:
     """Activation buffers for up to ``rows`` rows (shape legend: T rows x features).
 
     x (T, d) residual; h (T, d) normed; e (T, d) loop-inject copy; q (T, q_dim); k, v (T, kv_dim);
     att (T, q_dim); g, u (T, d_ff); logits (T, vocab); snap_x, snap_e (T, d) residual stashes
-    (speculative verify-resume).
+    (speculative verify-resume); ids (T,) the token-id buffer set_ids fills (and, on a
+    :class:`DeviceChaining` backend, the tokens chained where the logits live).
+
+    Every buffer is a declared field (``slots``: assigning an undeclared attribute raises), so what
+    a workspace holds is visible here; a backend that needs more (staging buffers, split-reduction
+    partials) declares them in a dataclass subclass of its own (e.g. tinyloop.cuda.backend's
+    CUDAWorkspace), and :meth:`buffers` lists them all.
     """
 
     rows: int
@@ -51,6 +65,11 @@ class Workspace:
     logits: Any
     snap_x: Any = None
     snap_e: Any = None
+    ids: Any = None
+
+    def buffers(self) -> Dict[str, Any]:
+        """Every declared buffer by name (``rows`` excluded)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "rows"}
 
 
 @dataclass
@@ -109,12 +128,33 @@ class ModelWeights:
 
 
 class Backend(ABC):
-    """Ops over row blocks. Subclasses: tinyloop.cpu.backend.CPUBackend, tinyloop.cuda.backend."""
+    """The ops every backend implements (abstract here), over row blocks. Optional capabilities
+    are the mixin classes below (:class:`TreeOps`, :class:`DeviceChaining`); a backend class
+    inherits the ones it provides, and callers ask with :meth:`supports` and fall back without
+    them. Implementations: tinyloop.cpu.backend.CPUBackend, tinyloop.cuda.backend.CUDABackend;
+    backends are found through the ``tinyloop_backends`` hook (:class:`BackendEntry`)."""
 
     name: str = "abstract"
+    #: The key of this backend's KV codec implementations (KVCodec.backend_impls): backends that
+    #: share kernels (a subclass of the CPU backend, say) share it.
+    codec_key: str = "abstract"
 
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
+
+    # ------------------------------------------------------------------ capabilities
+    @property
+    def capabilities(self) -> FrozenSet[str]:
+        """Names of the optional capabilities this backend provides (see CAPABILITIES): those of
+        the capability classes it inherits. A subclass may narrow it (never widen it: the methods
+        must exist) to run without a capability, e.g. to test a decoder's fallback."""
+        return frozenset(name for name, cls in CAPABILITIES.items() if isinstance(self, cls))
+
+    def supports(self, capability: str) -> bool:
+        """True when this backend provides the named optional capability."""
+        if capability not in CAPABILITIES:
+            raise BackendError(f"unknown backend capability {capability!r}; known: {', '.join(CAPABILITIES)}")
+        return capability in self.capabilities
 
     # ------------------------------------------------------------------ memory
     @abstractmethod
@@ -123,7 +163,8 @@ class Backend(ABC):
 
     @abstractmethod
     def alloc_workspace(self, rows: int) -> Workspace:
-        """Activation buffers for launches of up to `rows` rows."""
+        """Activation buffers for launches of up to `rows` rows (every buffer a declared field of
+        the returned Workspace, or of the backend's Workspace subclass)."""
 
     @abstractmethod
     def alloc_cache(self, spec) -> Any:
@@ -134,6 +175,13 @@ class Backend(ABC):
         resolve it with ``cache.spec.group_of(layer)``; the slot map ``cache.spec.slots`` says
         where position p lives (slot p, or p % n_slots with attention over the last `window`
         positions)."""
+
+    @abstractmethod
+    def copy_cache(self, dst, src, n_slots: int) -> None:
+        """Make `dst` hold `src`'s K/V in slots 0..n_slots-1 of every layer (forking a decode state,
+        e.g. a beam). Both caches come from :meth:`alloc_cache` with the same spec; a
+        backend may copy more slots than asked (the whole cache), never fewer. Ordered after every
+        op queued before it."""
 
     def report(self, stats) -> None:
         """Called with a request's GenerateStats when it ends (a backend may print a profile)."""
@@ -153,9 +201,13 @@ class Backend(ABC):
     def positions(self, pos: int) -> Any:
         """A position handle for absolute position `pos`."""
 
+    def advance_position(self, pos, n: int = 1) -> None:
+        """Advance a device-resident position by n (default: one, at the end of a one-token step, so
+        a captured step finds the next position in place); a no-op where positions are host ints."""
+
     @abstractmethod
     def set_ids(self, ws: Workspace, ids) -> Any:
-        """Upload token ids (sequence of ints) into a backend id buffer; returns the handle."""
+        """Upload token ids (sequence of ints) into ws.ids; returns the handle a forward takes."""
 
     @abstractmethod
     def logits_to_host(self, ws: Workspace, row: int):
@@ -165,19 +217,15 @@ class Backend(ABC):
     def logits_block_to_host(self, ws: Workspace, n: int):
         """Rows 0..n-1 of ws.logits as a host float32 array (scoring; may allocate)."""
 
+    @abstractmethod
     def rows_to_host(self, buf, n: int):
         """Rows 0..n-1 of an activation buffer (ws.x, ws.e, ...) as a new host float32 array, after
-        every op queued before it has finished (diagnostics such as tinyloop.core.loopgain;
-        allocates)."""
-        raise NotImplementedError(f"{self.name} backend does not copy activation rows to the host")
-
+        every op queued before it has finished (diagnostics such as tinyloop.core.loopgain, and
+        the conformance suite; allocates)."""
 
     @abstractmethod
-    def copy_cache(self, dst, src, n_slots: int) -> None:
-        """Make `dst` hold `src`'s K/V in slots 0..n_slots-1 of every layer (forking a decode state,
-        e.g. a beam). Both caches come from :meth:`alloc_cache` with the same spec; a
-        backend may copy more slots than asked (the whole cache), never fewer. Ordered after every
-        op queued before it."""
+    def rows(self, buf, row0: int):
+        """A view of `buf` starting at row `row0` (for ops on a suffix of rows)."""
 
     # ------------------------------------------------------------------ primitive ops
     @abstractmethod
@@ -238,9 +286,35 @@ class Backend(ABC):
         self.rmsnorm(self.rows(ws.x, row0), w.final_norm, ws.h, T)
         self.matmul(ws.h, w.head, ws.logits, T)
 
+    # ------------------------------------------------------------------ greedy picks and graphs
+    def launch_argmax(self, ws: Workspace) -> None:
+        """Start computing argmax of ws.logits[0] where the logits live (part of a captured step)."""
+
     @abstractmethod
-    def rows(self, buf, row0: int):
-        """A view of `buf` starting at row `row0` (for ops on a suffix of rows)."""
+    def read_argmax(self, ws: Workspace) -> int:
+        """The argmax of ws.logits[0] (ties to the lowest id); only the id reaches the host."""
+
+    def launch_argmax_rows(self, ws: Workspace, n: int) -> None:
+        """Start the argmax of each of ws.logits[0:n] where the logits live."""
+
+    @abstractmethod
+    def read_argmax_rows(self, ws: Workspace, n: int) -> list:
+        """The argmax of each of ws.logits[0:n] (ties to the lowest id), as host ints."""
+
+    def replay(self, key, fn) -> None:
+        """Run `fn` (a fixed sequence of ops). A backend with graphs captures it under `key` on first
+        use and replays the captured graph afterwards; positions and ids live in device buffers that
+        the caller updates before each call, so the same graph serves every step."""
+        fn()
+
+
+# =============================================================================== capabilities
+class TreeOps(ABC):
+    """Capability ``tree``: launches over the nodes of a draft tree (tree-speculative decoding).
+
+    rope_kv_append and attention accept a :class:`TreeRows` handle as `pos`; top-k picks branch the
+    tree; move_cache_slots compacts the accepted path. Without it the tree-speculative decoder runs
+    its one-branch tree (chain speculative decoding: the same tokens)."""
 
     def tree_layout(self, depth, path) -> Any:
         """Backend copies of a draft tree's int32 tables (depth (N,), path (N, D+1)); a backend may
@@ -259,69 +333,81 @@ class Backend(ABC):
         (compacts an accepted tree path). Ordered after every op queued before it."""
 
     def launch_topk_rows(self, ws: Workspace, n: int, k: int, out_row=None) -> None:
-        """Start the top-k of each of ws.logits[0:n] where the logits live; with `out_row`, the
-        (n, k) ids go to ws.ids[out_row : out_row + n*k] (row-major) instead (chains_on_device)."""
+        """Start the top-k of each of ws.logits[0:n] where the logits live; with `out_row`
+        (DeviceChaining backends only), the (n, k) ids go to ws.ids[out_row : out_row + n*k]
+        (row-major) instead."""
 
     @abstractmethod
     def read_topk_rows(self, ws: Workspace, n: int, k: int) -> list:
         """For each of ws.logits[0:n] the k ids of largest logit, best first (ties to the lower id)."""
 
-    def advance_position(self, pos, n: int = 1) -> None:
-        """Advance a device-resident position by n (default: one, at the end of a one-token step, so
-        a captured step finds the next position in place); a no-op where positions are host ints."""
 
-    #: True when greedy token ids can stay where the logits live from one step to the next
-    #: (store_token), so a whole draft cycle can run as one captured sequence with one readback.
-    chains_on_device: bool = False
-
-    def store_token(self, ws: Workspace, row: int) -> None:
-        """ws.ids[row] = the id in the one-token id buffer (the last launch_argmax's token, or the last
-        one-token set_ids), where both live (chains_on_device)."""
-        raise NotImplementedError(f"{self.name} backend does not chain tokens on the device")
-
-    def read_ids(self, ws: Workspace, n: int) -> list:
-        """ws.ids[0:n] as host ints, after every op queued before it has finished."""
-        raise NotImplementedError(f"{self.name} backend does not read ids back")
-
-    # ------------------------------------------------------------------ greedy pick and graphs
-    def launch_argmax(self, ws: Workspace) -> None:
-        """Start computing argmax of ws.logits[0] where the logits live (part of a captured step)."""
+class DeviceChaining(ABC):
+    """Capability ``device_chaining``: greedy token ids stay where the logits live from one step to
+    the next, so a whole draft cycle runs as one captured sequence with one readback, and a decode
+    step can be queued before the previous token reaches the host. Without it, decoders read each
+    token back and upload it (the host loop: the same tokens)."""
 
     @abstractmethod
-    def read_argmax(self, ws: Workspace) -> int:
-        """The argmax of ws.logits[0] (ties to the lowest id); only the id reaches the host."""
+    def store_token(self, ws: Workspace, row: int) -> None:
+        """ws.ids[row] = the id in the one-token id buffer (the last launch_argmax's token, or the last
+        one-token set_ids), where both live."""
 
+    @abstractmethod
+    def read_ids(self, ws: Workspace, n: int) -> list:
+        """ws.ids[0:n] as host ints, after every op queued before it has finished."""
+
+    @abstractmethod
     def begin_read_argmax(self, ws: Workspace) -> None:
         """Queue the copy of the last launch_argmax's id to the host without waiting for it
-        (chains_on_device backends; finish_read_argmax returns it). Ops queued after this call may
-        overwrite the device id: the copy is ordered before them."""
-        raise NotImplementedError(f"{self.name} backend does not read ids back asynchronously")
+        (finish_read_argmax returns it). Ops queued after this call may overwrite the device id:
+        the copy is ordered before them."""
 
+    @abstractmethod
     def finish_read_argmax(self, ws: Workspace) -> int:
         """The id begin_read_argmax queued, once its copy has landed (ops queued after it may still
         be running)."""
-        raise NotImplementedError(f"{self.name} backend does not read ids back asynchronously")
-
-    def device_token(self, ws: Workspace) -> Any:
-        """The one-token id buffer as it is on the device (the last launch_argmax's token), as a
-        forward's `ids` (chains_on_device): what set_ids returns for one token, without an upload."""
-        raise NotImplementedError(f"{self.name} backend does not chain tokens on the device")
-
-    def launch_argmax_rows(self, ws: Workspace, n: int) -> None:
-        """Start the argmax of each of ws.logits[0:n] where the logits live."""
 
     @abstractmethod
-    def read_argmax_rows(self, ws: Workspace, n: int) -> list:
-        """The argmax of each of ws.logits[0:n] (ties to the lowest id), as host ints."""
-
-    def replay(self, key, fn) -> None:
-        """Run `fn` (a fixed sequence of ops). A backend with graphs captures it under `key` on first
-        use and replays the captured graph afterwards; positions and ids live in device buffers that
-        the caller updates before each call, so the same graph serves every step."""
-        fn()
+    def device_token(self, ws: Workspace) -> Any:
+        """The one-token id buffer as it is on the device (the last launch_argmax's token), as a
+        forward's `ids`: what set_ids returns for one token, without an upload."""
 
 
-BACKENDS: Dict[str, str] = {
-    "cpu": "tinyloop.cpu.backend:CPUBackend",
-    "cuda": "tinyloop.cuda.backend:CUDABackend",
-}
+#: The optional capabilities by name (Backend.supports).
+CAPABILITIES: Dict[str, type] = {"tree": TreeOps, "device_chaining": DeviceChaining}
+
+
+# =============================================================================== registry
+class BackendEntry:
+    """A backend as the ``tinyloop_backends`` hook registers it (a class, like every registry;
+    ``description`` is the one line `tinyloop inspect` prints after its name).
+
+    ``name`` selects it (RunConfig.backend, load_model(backend=...), the CLI's --backend);
+    ``impl`` is "module:Class" of its Backend subclass, imported only when a model is loaded on it;
+    ``available()`` says whether this machine can run it (and why not); ``auto_priority`` orders
+    the candidates of backend="auto" (highest available wins; None: never chosen automatically);
+    ``weights_dtype`` says how weights are held ("dequantized" float32 or "packed" as stored), for
+    estimate_memory."""
+
+    name: str = ""
+    impl: str = ""
+    auto_priority: Any = None
+    weights_dtype: str = "packed"
+    description: str = ""
+
+    @classmethod
+    def available(cls, simulator_ok: bool = False) -> tuple:
+        """(True, "") when this machine can run the backend, else (False, the reason)."""
+        return True, ""
+
+    @classmethod
+    def load_class(cls) -> type:
+        modname, _, clsname = cls.impl.partition(":")
+        try:
+            obj = getattr(importlib.import_module(modname), clsname)
+        except (ImportError, AttributeError) as exc:
+            raise BackendError(f"backend {cls.name!r}: cannot import {cls.impl!r}: {exc}") from exc
+        if not (isinstance(obj, type) and issubclass(obj, Backend)):
+            raise BackendError(f"backend {cls.name!r}: {cls.impl!r} is not a Backend subclass")
+        return obj

@@ -351,6 +351,9 @@ class GenerateStats:
     """Why decoding ended."""
     loops_used: int = 0
     """Effective loop depth used."""
+    decoder: str = ""
+    """The decoder that ran: the one the request named or the automatic choice, after any
+    hand-over (e.g. tree_speculative on a backend without tree ops runs speculative)."""
     loop_iters_run: int = 0
     """Shared-block loop iterations executed over all forwards (prefill rows counted once per chunk)."""
     drafted_tokens: int = 0
@@ -407,7 +410,7 @@ class RunConfig:
     """Path of the .tinyloop file (relative paths are relative to the YAML file). Empty: the
     embedded demo model."""
     backend: str = "auto"
-    """auto | cpu | cuda."""
+    """auto, or a registered backend (built in: cpu, cuda; the ``tinyloop_backends`` hook)."""
     max_seq_len: int = 2048
     """Longest sequence (prompt + output) the loaded model serves."""
     prefill_chunk: int = 0
@@ -438,8 +441,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str):
             raise ConfigError(f"model must be a file path, got {self.model!r}")
-        if self.backend not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"backend={self.backend!r} is not one of auto, cpu, cuda")
+        from .plugins import get_plugin_manager
+        get_plugin_manager().check_backend_name(self.backend)
         _int("max_seq_len", self.max_seq_len, 1, 1 << 20)
         _int("prefill_chunk", self.prefill_chunk, 0, 1 << 20)
         if isinstance(self.prompts, str) or not isinstance(self.prompts, (list, tuple)):

@@ -120,6 +120,11 @@ class Decoder:
     applies_processors)."""
     applies_processors: ClassVar[bool] = True
     """The decoder's tokens come through the processor chain (session.logits() / greedy())."""
+    requires: ClassVar[FrozenSet[str]] = frozenset()
+    """Optional backend capabilities (tinyloop.core.backend.CAPABILITIES) the decoder cannot run
+    without; a request on a backend that lacks one is a BackendError before any allocation. A
+    decoder that can run without a capability asks ``model.backend.supports(name)`` instead and
+    falls back (its ``resolve`` or its session)."""
 
     @classmethod
     def matches(cls, config) -> bool:

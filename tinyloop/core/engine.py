@@ -23,7 +23,6 @@ session: its constructor's ``extra_groups`` / ``extra_slots`` and the attributes
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import threading
 import time
@@ -32,7 +31,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence
 import numpy as np
 
 from .arch import ModelConfig
-from .backend import BACKENDS, Backend
+from .backend import Backend
 from .cache import build_spec, linear_slots
 from .compat import check_request
 from .config import GenerateConfig, GenerateStats, StopReason, env_switch
@@ -48,18 +47,6 @@ from .stopping import CallbackStopper, Stopper, StopperChain
 DEFAULT_PREFILL_CHUNK = 512
 
 
-def _cuda_available(simulator_ok: bool = False) -> bool:
-    """A CUDA device is usable. numba's CUDA simulator counts only when asked for explicitly
-    (backend="cuda" under NUMBA_ENABLE_CUDASIM=1, for tests); "auto" never picks it."""
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-        return simulator_ok
-    try:
-        from numba import cuda
-        return bool(cuda.is_available())
-    except Exception:
-        return False
-
-
 class Model:
     """A loaded .tinyloop model on one backend. Not reentrant: a second concurrent call raises
     ModelBusyError. Release with free_model()."""
@@ -69,12 +56,8 @@ class Model:
             raise ConfigError(f"max_seq_len={max_seq_len!r} is outside the allowed range [1, 1048576]")
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 0:
             raise ConfigError(f"prefill_chunk={prefill_chunk!r} must be an integer >= 0 (0 = automatic)")
-        if backend not in ("auto", *BACKENDS):
-            raise ConfigError(f"backend={backend!r} is not one of auto, {', '.join(BACKENDS)}")
-        if backend == "auto":
-            backend = "cuda" if _cuda_available() else "cpu"
-        elif backend == "cuda" and not _cuda_available(simulator_ok=True):
-            raise BackendError("backend='cuda' was requested but no CUDA GPU is available")
+        entry = get_plugin_manager().backend_entry(backend)
+        backend_cls = entry.load_class()
         self.path = str(path)
         self.max_seq_len = max_seq_len
         self.file = open_model(path)
@@ -85,8 +68,7 @@ class Model:
         try:
             self.header = self.file.header
             self.cfg: ModelConfig = self.header.config
-            modname, clsname = BACKENDS[backend].split(":")
-            self.backend: Backend = getattr(importlib.import_module(modname), clsname)(self.cfg, max_seq_len)
+            self.backend: Backend = backend_cls(self.cfg, max_seq_len)
             self.weights = self.backend.load_weights(self.file)
             rows = min(max_seq_len, prefill_chunk or DEFAULT_PREFILL_CHUNK)
             self.ws = self.backend.alloc_workspace(rows)
@@ -221,6 +203,11 @@ class Plan:
                 raise PluginError(f"decoder {dec.name!r} does not run logit processors (active: {active}); "
                                   f"its tokens do not come through the processor chain, so they would be "
                                   f"silently skipped")
+        missing = sorted(set(dec.requires) - model.backend.capabilities)
+        if missing:
+            raise BackendError(f"decoder {dec.name!r} needs the backend capabilities {missing}, which the "
+                               f"{model.backend.name} backend does not provide (it has "
+                               f"{sorted(model.backend.capabilities)})")
         dec.validate(model, config, options)
         self.cache_mode = pm.cache_mode_for(config)
         self.slot_mode = pm.slot_map_for(config)
@@ -235,7 +222,7 @@ class Plan:
         slot map fits the model (before anything is allocated)."""
         for group in ("pre", "post", "draft_post", "loop"):
             codec = pm.codec(self.cache_mode.group_codec(group))
-            codec.impl(model.backend.name)
+            codec.impl(model.backend.codec_key)
         if self.slot_mode is not None:
             self.slot_mode.validate(model.max_seq_len)
 
@@ -495,7 +482,7 @@ class Session:
             return int(np.argmax(self.logits(lane)))
         be, ws = self.model.backend, self.model.ws
         generated = len(self.tokens) - self._prompt_len + 1      # counting the token read now
-        if not (ahead and self._lookahead and be.chains_on_device and not self.uncached
+        if not (ahead and self._lookahead and be.supports("device_chaining") and not self.uncached
                 and lane == self._lane and generated < self.config.max_tokens):
             return be.read_argmax(ws)
         be.begin_read_argmax(ws)
@@ -517,6 +504,7 @@ def _decode(model: Model, prompt: List[int], plan: Plan, stats: GenerateStats,
     config = plan.config
     t0 = time.perf_counter()
     stats.loops_used = plan.loops
+    stats.decoder = plan.decoder_cls.name
     stats.stop_reason = None
     if config.max_tokens == 0:
         stats.stop_reason = StopReason.MAX_TOKENS

@@ -64,3 +64,12 @@ def tinyloop_stoppers():
     ``from_config(config, model_config)`` builds an instance when the request needs the rule; the
     decode loop asks the chain (ordered by ``order``) after every emitted token, and the first
     StopReason returned ends the request. Result: all implementations' lists, concatenated."""
+
+
+@hookspec
+def tinyloop_backends():
+    """Return a list of BackendEntry subclasses (tinyloop.core.backend.BackendEntry).
+
+    An entry names a backend (RunConfig.backend, load_model(backend=...), --backend), the
+    "module:Class" of its Backend implementation, whether this machine can run it, and its rank
+    for backend="auto". Result: all implementations' lists, concatenated."""

@@ -13,10 +13,9 @@ from typing import Dict, Optional
 from .arch import TensorQuant, required_tensors
 from .errors import ModelFormatError
 from .format import read_header
-from .memory import BACKENDS, estimate_memory, parameter_count
+from .memory import estimate_memory, parameter_count
+from .plugins import get_plugin_manager
 
-BACKEND_NOTES = {"cpu": "weights dequantized to float32",
-                 "cuda": "weights packed as stored in the file"}
 N_LARGEST = 5
 
 
@@ -99,8 +98,8 @@ def inspect(path: str, max_seq_len: int = 2048, loops: Optional[int] = None, mea
     loops = cfg.default_loops if loops is None else loops
     modes = cache_modes(cfg.head_dim)
     memory = {}
-    for backend in BACKENDS:
-        memory[backend] = {"note": BACKEND_NOTES[backend], "cache_modes": {}}
+    for backend, entry in get_plugin_manager().backends().items():
+        memory[backend] = {"note": entry.description, "cache_modes": {}}
         for mode, kvb in modes.items():
             memory[backend]["cache_modes"][mode] = estimate_memory(
                 h, max_seq_len, loops, kvb, backend=backend)

@@ -26,7 +26,6 @@ from .errors import ConfigError
 
 DTYPE_BYTES = {"f32": 4, "f16": 2, "u8": 1, "float32": 4, "float16": 2, "uint8": 1}
 ACTIVATION_BYTES = 4
-BACKENDS = ("cpu", "cuda")
 
 
 def _prod(shape) -> int:
@@ -80,8 +79,11 @@ def estimate_memory(source, max_seq_len: int, loops: Optional[int] = None,
             raise ConfigError(f"estimate_memory needs a ModelConfig or a model header, got "
                               f"{type(source).__name__}")
         stored = sum(int(t.nbytes) for t in tensors)
-    if backend not in BACKENDS:
-        raise ConfigError(f"backend {backend!r} is not one of {BACKENDS}")
+    from .plugins import get_plugin_manager
+    entries = get_plugin_manager().backends()
+    if not isinstance(backend, str) or backend not in entries:
+        raise ConfigError(f"backend {backend!r} is not one of {', '.join(entries)}")
+    dequantized = entries[backend].weights_dtype == "dequantized"
     if loops is None:
         loops = cfg.default_loops
     for name, v, hi in (("max_seq_len", max_seq_len, 1 << 30), ("loops", loops, cfg.max_loops),
@@ -93,7 +95,7 @@ def estimate_memory(source, max_seq_len: int, loops: Optional[int] = None,
         raise ConfigError(f"kv_bytes_per_element={kv_bytes_per_element!r} must be positive")
 
     params = parameter_count(cfg)
-    weights = params * 4 if backend == "cpu" else stored
+    weights = params * 4 if dequantized else stored
     n_layers = cfg.n_layers(loops)
     kv = int(math.ceil(batch * n_layers * max_seq_len * 2 * cfg.kv_dim * kvb))
     row = cfg.d_model + cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.d_ff
@@ -102,7 +104,7 @@ def estimate_memory(source, max_seq_len: int, loops: Optional[int] = None,
     scratch = ACTIVATION_BYTES * (batch * max_seq_len * row + batch * cfg.vocab_size)
     return {
         "backend": backend,
-        "weights_dtype": "float32 (dequantized)" if backend == "cpu" else "as stored (packed)",
+        "weights_dtype": "float32 (dequantized)" if dequantized else "as stored (packed)",
         "weights_bytes": int(weights),
         "kv_cache_bytes": kv,
         "scratch_bytes": int(scratch),

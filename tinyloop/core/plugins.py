@@ -14,9 +14,10 @@ from typing import Dict, Iterable, List, Optional, Type
 import pluggy
 
 from . import hookspecs
+from .backend import BackendEntry
 from .cache import CacheMode, KVCodec, SlotMapMode
 from .decoding import Decoder
-from .errors import PluginError
+from .errors import BackendError, ConfigError, PluginError
 from .processors import LogitProcessor
 from .stopping import Stopper
 
@@ -34,6 +35,7 @@ DEFAULT_PLUGINS = (
     "tinyloop.plugins.caches.window",
     "tinyloop.plugins.processors.repetition",
     "tinyloop.plugins.stoppers.standard",
+    "tinyloop.plugins.backends",
 )
 
 ENTRY_POINT_GROUP = "tinyloop"
@@ -98,6 +100,36 @@ class PluginManager:
 
     def stoppers(self) -> Dict[str, Type[Stopper]]:
         return self._registry("tinyloop_stoppers", Stopper)
+
+    def backends(self) -> Dict[str, Type[BackendEntry]]:
+        return self._registry("tinyloop_backends", BackendEntry)
+
+    def backend_names(self) -> List[str]:
+        """Registered backend names, "auto" first (the choices of every --backend option)."""
+        return ["auto", *self.backends()]
+
+    def backend_entry(self, name: str, simulator_ok: bool = True) -> Type[BackendEntry]:
+        """The entry `name` selects ("auto": the available entry of highest auto_priority),
+        checked to be runnable on this machine (a BackendError saying why not)."""
+        entries = self.backends()
+        if name == "auto":
+            ranked = sorted((e for e in entries.values() if e.auto_priority is not None),
+                            key=lambda e: -e.auto_priority)
+            for e in ranked:
+                if e.available(simulator_ok=False)[0]:
+                    return e
+            raise BackendError(f"backend='auto': none of {[e.name for e in ranked]} is available here")
+        if not isinstance(name, str) or name not in entries:
+            raise ConfigError(f"backend={name!r} is not one of {', '.join(self.backend_names())}")
+        ok, why = entries[name].available(simulator_ok=simulator_ok)
+        if not ok:
+            raise BackendError(f"backend={name!r} was requested but {why}")
+        return entries[name]
+
+    def check_backend_name(self, name) -> None:
+        """ConfigError unless `name` is "auto" or a registered backend (nothing imported)."""
+        if not isinstance(name, str) or (name != "auto" and name not in self.backends()):
+            raise ConfigError(f"backend={name!r} is not one of {', '.join(self.backend_names())}")
 
     def all_plugin_classes(self) -> Iterable[type]:
         yield from self.decoders().values()

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..core.backend import Backend, ModelWeights, TreeRows, Workspace
+from ..core.backend import Backend, ModelWeights, TreeOps, TreeRows, Workspace
 from ..core.errors import BackendError, OutOfMemoryError
 from . import ops
 
@@ -56,10 +56,11 @@ class CPUCache:
         return sum(st.nbytes for st in self.storages())
 
 
-class CPUBackend(Backend):
+class CPUBackend(Backend, TreeOps):
     """Numba/numpy implementation of the backend ops."""
 
     name = "cpu"
+    codec_key = "cpu"
 
     def __init__(self, cfg, max_seq_len: int):
         super().__init__(cfg)

@@ -59,7 +59,9 @@ import numpy as np
 from numba import cuda
 from numba.cuda.cudadrv.driver import device_memset
 
-from ..core.backend import Backend, ModelWeights, TreeRows, Workspace
+from dataclasses import dataclass
+
+from ..core.backend import Backend, DeviceChaining, ModelWeights, TreeOps, TreeRows, Workspace
 from ..core.cache import CacheSpec, SlotMap
 from ..core.config import env_switch
 from ..core.errors import BackendError, OutOfMemoryError, PluginError
@@ -194,10 +196,37 @@ def _is_oom(exc: BaseException) -> bool:
     return "OUT_OF_MEMORY" in str(exc).upper() or "out of memory" in str(exc).lower()
 
 
-class CUDABackend(Backend):
+@dataclass(slots=True)
+class CUDAWorkspace(Workspace):
+    """The CUDA backend's workspace: the declared activation buffers plus its own.
+
+    tok (1,) the one-token id (argmax result / chained token); toks (T,) argmax ids of a row block,
+    toks_host its pinned copy; topk (T*MAX_TOPK,) top-k ids (row-major (n, k) views), topk_host;
+    moves (2, T) cache slot moves, moves_host; ids_host (T,) pinned staging for set_ids;
+    logits_host (vocab,) pinned row of logits; att_work / att_count split-KV attention partials and
+    per-(row, head) arrival counters; amax_work (values, ids, counters) of the split argmax. The
+    counters are zeroed once at allocation, and every launch leaves them zero.
+    """
+
+    tok: Any = None
+    toks: Any = None
+    toks_host: Any = None
+    topk: Any = None
+    topk_host: Any = None
+    moves: Any = None
+    moves_host: Any = None
+    ids_host: Any = None
+    logits_host: Any = None
+    att_work: Any = None
+    att_count: Any = None
+    amax_work: Any = None
+
+
+class CUDABackend(Backend, TreeOps, DeviceChaining):
     """numba-cuda implementation of the backend ops, with graph-captured decode steps."""
 
     name = "cuda"
+    codec_key = "cuda"
 
     def __init__(self, cfg, max_seq_len: int):
         super().__init__(cfg)
@@ -317,7 +346,7 @@ class CUDABackend(Backend):
                     u=(rows, c.d_ff), logits=(rows, c.vocab_size), snap_x=(rows, c.d_model),
                     snap_e=(rows, c.d_model))
         arrays = {n: self._empty(s, f) for n, s in bufs.items()}
-        ws = Workspace(rows=rows, **arrays)
+        ws = CUDAWorkspace(rows=rows, **arrays)
         ws.ids = self._empty(rows, np.int32)
         ws.tok = self._empty(1, np.int32)
         ws.toks = self._empty(rows, np.int32)
@@ -498,7 +527,6 @@ class CUDABackend(Backend):
         if self._pos_value is not None:
             self._pos_value += n
 
-    chains_on_device = True
 
     def store_token(self, ws: Workspace, row: int) -> None:
         ws.ids[row:row + 1].copy_to_device(ws.tok, stream=self.stream)

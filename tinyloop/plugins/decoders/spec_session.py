@@ -243,7 +243,7 @@ class SpeculativeSession(Session):
         replayed sequence (each draft step reads the previous step's argmax in place) with a single
         readback at the end, instead of a host round trip per drafted token."""
         be, ws, cache = self.model.backend, self.model.ws, self.cache
-        if not be.chains_on_device:
+        if not be.supports("device_chaining"):
             drafts, tok = [], pending
             for i in range(k):
                 tok = self.draft(tok, i)
@@ -389,7 +389,7 @@ class TreeSpeculativeSession(SpeculativeSession):
         with one read-back, instead of a host round trip per level."""
         be, ws, cache = self.model.backend, self.model.ws, self.cache
         tr = self.tree
-        if not be.chains_on_device:
+        if not be.supports("device_chaining"):
             tokens = [0] * tr.n_nodes
             tokens[0] = pending
             for d in range(tr.D):

@@ -16,9 +16,15 @@ probability r(c) / sum(r), else set r(c) = 0 and go on; if every child is reject
 from r / sum(r) and stop. An accepted child becomes the current node (its own children are tried
 against its verify row); a leaf ends the walk with a draw from its row. Telescoping the products
 shows each emitted token is distributed exactly as p: plain sampling at verify_loops.
+
+On a backend without the ``tree`` capability (tinyloop.core.backend.TreeOps) the request is handed
+to the chain decoder with the same options less K_branches: the one-branch tree, whose tokens are
+the same (greedy) or distributed the same (sampling).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -33,6 +39,15 @@ class TreeSpeculativeDecoder(ChainSpeculativeDecoder):
     compat_context = "tree_speculative"
     options_class = TreeSpeculativeOptions
     session_class = TreeSpeculativeSession
+
+    @classmethod
+    def resolve(cls, model, config, context):
+        if model.backend.supports("tree"):
+            return None
+        raw = config.options
+        options = dataclasses.asdict(raw) if dataclasses.is_dataclass(raw) else dict(raw or {})
+        options.pop("K_branches", None)
+        return dataclasses.replace(config, decoder=ChainSpeculativeDecoder.name, options=options)
 
     def decode(self, session):
         c = self.config
