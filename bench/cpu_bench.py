@@ -54,7 +54,7 @@ def main() -> int:
         jobs.append((args.model, args.loops or "1,4"))
     else:
         from tinyloop.cli.synth import synth_model
-        from tinyloop.core.models import demo_model_path
+        from tinyloop.models import demo_model_path
         tmp = tempfile.TemporaryDirectory()
         for preset, loops in (("tiny", "1,4"), ("360m", "1,8")):
             p = os.path.join(tmp.name, f"{preset}.tinyloop")

@@ -90,7 +90,7 @@ def bench_tinyloop(path: str, prompt: List[int], new: int, loops: int, sweep: Li
 def bench_torch(path: str, prompt: List[int], new: int, loops: int, repeats: int) -> dict:
     import torch
 
-    from tinyloop.core.format import open_model
+    from tinyloop.model.format import open_model
     from tinyloop.torch_model import LoopedLM
 
     with open_model(path) as mf:
@@ -196,8 +196,8 @@ def graph_time_ms(stream, fn, n_inner: int) -> float:
 def bench_matmul(shapes: Dict[str, tuple], group: int, reps: int = 50) -> dict:
     from numba import cuda
 
-    from tinyloop.core.arch import TensorQuant
-    from tinyloop.core.quant import quantize
+    from tinyloop.model.arch import TensorQuant
+    from tinyloop.model.quant import quantize
     from tinyloop.cuda.kernels import matmul as k_matmul
 
     stream = cuda.stream()
@@ -273,7 +273,7 @@ def run(args) -> int:
         t = time.perf_counter()
         synth_model(args.preset, path, seed=0)
         log(f"synthesized preset {args.preset} in {time.perf_counter() - t:.1f}s")
-    from tinyloop.core.format import read_header
+    from tinyloop.model.format import read_header
     cfg = read_header(path).config
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, args.prompt_len)]

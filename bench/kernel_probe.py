@@ -36,8 +36,8 @@ def main(argv=None) -> int:
 
     from numba import cuda
 
-    from tinyloop.core.arch import TensorQuant
-    from tinyloop.core.quant import quantize
+    from tinyloop.model.arch import TensorQuant
+    from tinyloop.model.quant import quantize
     from tinyloop.cuda.kernels import matmul as k_matmul
 
     rng = np.random.default_rng(0)

@@ -30,7 +30,7 @@ from bench.decode_bench import _commit, _median, log  # noqa: E402
 
 def kv_bytes_per_token(model, loops: int, mode: str) -> int:
     """K and V bytes one position takes over every cache layer of a request at `loops`."""
-    from tinyloop.core.plugins import get_plugin_manager
+    from tinyloop.runtime.plugins import get_plugin_manager
     pm = get_plugin_manager()
     cfg = model.cfg
     cm = pm.cache_modes()[mode]
@@ -43,8 +43,8 @@ def cache_bytes(model, n_positions: int, loops: int, mode: str, window: int) -> 
     """Bytes of the K/V storage a plain request of `n_positions` positions allocates (before a
     backend rounds its slots up): the spec the session builds."""
     import tinyloop as tl
-    from tinyloop.core.cache import build_spec, linear_slots
-    from tinyloop.core.plugins import get_plugin_manager
+    from tinyloop.runtime.cache import build_spec, linear_slots
+    from tinyloop.runtime.plugins import get_plugin_manager
     pm = get_plugin_manager()
     sm = pm.slot_map_for(tl.GenerateConfig(cache_window=window))
     slots = (sm.slot_map(n_positions, sm.launch_rows(model.ws.rows)) if sm is not None

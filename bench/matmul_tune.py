@@ -36,8 +36,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from numba import cuda
 
-    from tinyloop.core.arch import TensorQuant
-    from tinyloop.core.quant import quantize
+    from tinyloop.model.arch import TensorQuant
+    from tinyloop.model.quant import quantize
     from bench.decode_bench import graph_time_ms
     from tinyloop.cuda.kernels import matmul as km
 

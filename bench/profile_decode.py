@@ -110,7 +110,7 @@ def main(argv=None) -> int:
 
     import tinyloop as tl
     from tinyloop.cli.synth import synth_model
-    from tinyloop.core.format import read_header
+    from tinyloop.model.format import read_header
 
     tmp = tempfile.TemporaryDirectory()
     path = os.path.join(tmp.name, f"{args.preset}.tinyloop")

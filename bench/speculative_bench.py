@@ -58,7 +58,7 @@ def main(argv=None) -> int:
                     help="also run tinyloop.calibrate (the auto decoder's choice) at each verify depth")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    from tinyloop.core.models import demo_model_path
+    from tinyloop.models import demo_model_path
     tmp = None
     if args.preset:
         from tinyloop.cli.synth import synth_model
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
         rng = np.random.default_rng(0)
         prompts = [[int(t) for t in rng.integers(1, m.vocab_size, 16)] for _ in range(args.prompts)]
     else:
-        from tinyloop.core.tokenizer import resolve_tokenizer
+        from tinyloop.model.tokenizer import resolve_tokenizer
         tok = resolve_tokenizer(m.header.tokenizer, None, m.vocab_size)
         prompts = [tok.encode(p) for p in PROMPTS[:args.prompts]]
     rows = []

@@ -1,4 +1,4 @@
-"""Backend conformance suite: what every tinyloop backend must do (tinyloop.core.backend.Backend).
+"""Backend conformance suite: what every tinyloop backend must do (tinyloop.runtime.backend.Backend).
 
 Not a test module itself (no ``test_`` prefix): runners import everything from it and provide the
 ``backend_factory`` fixture, a callable ``(cfg: ModelConfig, max_seq_len: int) -> Backend``
@@ -40,16 +40,16 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from tinyloop.core.arch import ModelConfig, TensorQuant, required_tensors
+from tinyloop.model.arch import ModelConfig, TensorQuant, required_tensors
 import dataclasses
 
-from tinyloop.core.backend import CAPABILITIES, Backend, TreeRows, Workspace
-from tinyloop.core.cache import CacheMode, CacheSpec, LayerGroup, SlotMap, build_spec
-from tinyloop.core.errors import BackendError
-from tinyloop.core.format import open_model, write_model
-from tinyloop.core.forward import Forward
-from tinyloop.core.plugins import get_plugin_manager
-from tinyloop.core.reference import reference_logits
+from tinyloop.runtime.backend import CAPABILITIES, Backend, TreeRows, Workspace
+from tinyloop.runtime.cache import CacheMode, CacheSpec, LayerGroup, SlotMap, build_spec
+from tinyloop.errors import BackendError
+from tinyloop.model.format import open_model, write_model
+from tinyloop.runtime.forward import Forward
+from tinyloop.runtime.plugins import get_plugin_manager
+from tinyloop.model.reference import reference_logits
 
 from conftest import TINY, random_weights
 
@@ -1033,7 +1033,7 @@ def test_move_cache_slots(rig):
 @pytest.mark.parametrize("codec", ["fp32", "int8"])
 def test_composites_match_the_default_implementations(fwd_rig, codec):
     """attn_half / mlp_half / final_logits (a backend may fuse them) compute what the default
-    implementations over the primitives (tinyloop.core.backend.Backend) do, within float32
+    implementations over the primitives (tinyloop.runtime.backend.Backend) do, within float32
     tolerance: the residual, the logits and the K/V they leave in the cache."""
     r = fwd_rig
     be, ws, cfg = r.be, r.ws, r.cfg
@@ -1093,7 +1093,7 @@ def _forward(rig, cache, ids, p0, loops):
 
 @pytest.mark.parametrize("codec", CODECS)
 def test_forward_matches_reference(fwd_rig, codec, conformance_quick):
-    """tinyloop.core.forward.Forward on the backend (its composites, fused or not) against the
+    """tinyloop.runtime.forward.Forward on the backend (its composites, fused or not) against the
     float64 reference_logits with the codec's cache model, over a prefill and a decode step."""
     r = fwd_rig
     loops = 1 if conformance_quick else 2

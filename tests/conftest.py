@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tinyloop.core.arch import ModelConfig, TensorQuant, required_tensors
-from tinyloop.core.format import open_model, write_model
+from tinyloop.model.arch import ModelConfig, TensorQuant, required_tensors
+from tinyloop.model.format import open_model, write_model
 
 TINY = dict(vocab_size=97, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96, n_pre=1, n_loop=2, n_post=1,
             default_loops=3, max_loops=8, loop_inject="add", eos_id=None)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 
 import tinyloop as tl
-from tinyloop.core.backend import CAPABILITIES, BackendEntry
-from tinyloop.core.config import RunConfig
-from tinyloop.core.decoding import Decoder
-from tinyloop.core.hookspecs import hookimpl
-from tinyloop.core.memory import estimate_memory
-from tinyloop.core.plugins import get_plugin_manager
+from tinyloop.runtime.backend import CAPABILITIES, BackendEntry
+from tinyloop.runtime.config import RunConfig
+from tinyloop.runtime.decoding import Decoder
+from tinyloop.runtime.hookspecs import hookimpl
+from tinyloop.analysis.memory import estimate_memory
+from tinyloop.runtime.plugins import get_plugin_manager
 from tinyloop.cpu.backend import CPUBackend
 
 

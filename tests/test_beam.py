@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 
 import tinyloop as tl
 from tinyloop import GenerateConfig, GenerateStats, StopReason
-from tinyloop.core.arch import ModelConfig, TensorQuant
-from tinyloop.core.engine import Plan, Session
-from tinyloop.core.format import write_model
-from tinyloop.core.processors import ProcessorChain
-from tinyloop.core.stopping import StopperChain
+from tinyloop.model.arch import ModelConfig, TensorQuant
+from tinyloop.runtime.engine import Plan, Session
+from tinyloop.model.format import write_model
+from tinyloop.runtime.processors import ProcessorChain
+from tinyloop.runtime.stopping import StopperChain
 from tinyloop.plugins.decoders.beam import BeamSearchDecoder
 
 from conftest import TINY, random_weights
@@ -305,8 +305,8 @@ def test_memory_returns_to_base(flat):
     assert tl.vram_usage_bytes(flat) == base
     it = tl.generate_iter(flat, p, GenerateConfig(max_tokens=6, beam_size=4))
     next(it)
-    from tinyloop.core.cache import build_spec, linear_slots
-    from tinyloop.core.plugins import get_plugin_manager
+    from tinyloop.runtime.cache import build_spec, linear_slots
+    from tinyloop.runtime.plugins import get_plugin_manager
     spec = build_spec(flat.cfg, flat.cfg.default_loops, get_plugin_manager().cache_modes()["fp16"],
                       linear_slots(len(p) + 6))
     one_cache = flat.backend.alloc_cache(spec).nbytes
@@ -337,7 +337,7 @@ def test_rejected_before_any_allocation(flat, monkeypatch, call, exc, match):
 
 
 def test_beam_is_the_automatic_decoder():
-    from tinyloop.core.plugins import get_plugin_manager
+    from tinyloop.runtime.plugins import get_plugin_manager
     pm = get_plugin_manager()
     assert pm.decoder_for(GenerateConfig(beam_size=2)) is BeamSearchDecoder
     assert pm.decoder_for(GenerateConfig(beam_size=1)).name == "greedy"
@@ -345,9 +345,9 @@ def test_beam_is_the_automatic_decoder():
 
 def test_processors_are_refused_not_ignored(flat, prompt):
     """A processor under beam search (only reachable through a third-party plugin) is an error."""
-    from tinyloop.core.plugins import get_plugin_manager
-    from tinyloop.core.hookspecs import hookimpl
-    from tinyloop.core.processors import LogitProcessor
+    from tinyloop.runtime.plugins import get_plugin_manager
+    from tinyloop.runtime.hookspecs import hookimpl
+    from tinyloop.runtime.processors import LogitProcessor
 
     class Shift(LogitProcessor):
         name = "test_shift"
@@ -418,8 +418,8 @@ def test_session_lanes_fork_and_copy(flat, cache_mode):
 
 
 def test_copy_cache_backend_op(flat):
-    from tinyloop.core.cache import build_spec, linear_slots
-    from tinyloop.core.plugins import get_plugin_manager
+    from tinyloop.runtime.cache import build_spec, linear_slots
+    from tinyloop.runtime.plugins import get_plugin_manager
     be, modes = flat.backend, get_plugin_manager().cache_modes()
 
     def spec(slots, mode="fp32"):
@@ -440,7 +440,7 @@ def test_copy_cache_backend_op(flat):
 # =============================================================================== tie-breaking
 def request_stoppers(config, model_config, prompt):
     """The request's per-sequence stop rules, as the engine hands them to a session."""
-    from tinyloop.core.plugins import get_plugin_manager
+    from tinyloop.runtime.plugins import get_plugin_manager
     chain = StopperChain(get_plugin_manager().stoppers_for(config, model_config))
     chain.reset(prompt)
     return chain

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tinyloop.core.arch import ModelConfig
+from tinyloop.model.arch import ModelConfig
 
 
 def _load(name):

@@ -16,13 +16,13 @@ import pytest
 from tinyloop.cli import convert as convert_cmd
 from tinyloop.cli import inspect_cmd, synth as synth_cmd
 from tinyloop.cli.synth import RandomWeights, synth_model
-from tinyloop.core.arch import ModelConfig, TensorQuant, required_tensors
-from tinyloop.core.errors import ConfigError
-from tinyloop.core.format import open_model, read_header
-from tinyloop.core.memory import estimate_memory, parameter_count, physical_weight_bytes
-from tinyloop.core.presets import PRESETS, check_quant_shapes, make_quant
-from tinyloop.core.quant import dequantize_tensor, quantize_tensor
-from tinyloop.core.tokenizer import byte_to_unicode
+from tinyloop.model.arch import ModelConfig, TensorQuant, required_tensors
+from tinyloop.errors import ConfigError
+from tinyloop.model.format import open_model, read_header
+from tinyloop.analysis.memory import estimate_memory, parameter_count, physical_weight_bytes
+from tinyloop.model.presets import PRESETS, check_quant_shapes, make_quant
+from tinyloop.model.quant import dequantize_tensor, quantize_tensor
+from tinyloop.model.tokenizer import byte_to_unicode
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
@@ -135,7 +135,7 @@ def test_inspect_json(tiny_file, capsys):
 
 
 def test_inspect_text_reads_header_only(tiny_file, capsys, monkeypatch):
-    import tinyloop.core.format as fmt
+    import tinyloop.model.format as fmt
 
     def boom(*a, **k):
         raise AssertionError("inspect must not open the weights")

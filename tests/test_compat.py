@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tinyloop as tl
-from tinyloop.core.compat import CompatMatrix, CompatWarning, load_matrix
-from tinyloop.core.plugins import PluginManager
+from tinyloop.runtime.compat import CompatMatrix, CompatWarning, load_matrix
+from tinyloop.runtime.plugins import PluginManager
 
 
 def test_plugin_declarations_match_yaml():
@@ -131,7 +131,7 @@ def test_partial_cell_warns():
 
 
 def test_malformed_matrix_is_config_error(tmp_path):
-    from tinyloop.core.compat import load_matrix as lm
+    from tinyloop.runtime.compat import load_matrix as lm
     p = tmp_path / "compat.yaml"
     p.write_text("version: 1\ncontexts: {single: {status: implemented}}\nmodes:\n  x: {status: done, when: [a, '==', 1], cells: {single: ok}}\n")
     with pytest.raises(tl.ConfigError, match="modes.x.status"):

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import tinyloop as tl
-from tinyloop.core.cache import CacheSpec, LayerGroup, SlotMap
-from tinyloop.core.reference import reference_logits
+from tinyloop.runtime.cache import CacheSpec, LayerGroup, SlotMap
+from tinyloop.model.reference import reference_logits
 from tinyloop.plugins.caches.codecs import FP16Codec, FP32Codec, INT4Codec, INT8Codec
 
 from conftest import logical_weights, write_tiny
@@ -209,8 +209,8 @@ def test_vram_usage_counts_weights_pool_and_cache(pair):
 
 
 def test_demo_model_tokens_equal_cpu():
-    from tinyloop.core.models import demo_model_path
-    from tinyloop.core.tokenizer import resolve_tokenizer
+    from tinyloop.models import demo_model_path
+    from tinyloop.model.tokenizer import resolve_tokenizer
     cpu = tl.load_model(demo_model_path(), max_seq_len=256, backend="cpu")
     gpu = tl.load_model(demo_model_path(), max_seq_len=256, backend="cuda")
     try:
@@ -228,8 +228,8 @@ def test_demo_model_tokens_equal_cpu():
 
 
 def test_demo_model_fused_tokens_equal_unfused():
-    from tinyloop.core.models import demo_model_path
-    from tinyloop.core.tokenizer import resolve_tokenizer
+    from tinyloop.models import demo_model_path
+    from tinyloop.model.tokenizer import resolve_tokenizer
     fused = _load_cuda(demo_model_path(), "1")
     unfused = _load_cuda(demo_model_path(), "0")
     try:
@@ -277,8 +277,8 @@ def test_speculative_exact_on_gpu(pair):
 
 
 def test_speculative_demo_model_exact_on_gpu():
-    from tinyloop.core.models import demo_model_path
-    from tinyloop.core.tokenizer import resolve_tokenizer
+    from tinyloop.models import demo_model_path
+    from tinyloop.model.tokenizer import resolve_tokenizer
     gpu = tl.load_model(demo_model_path(), max_seq_len=256, backend="cuda")
     try:
         tok = resolve_tokenizer(gpu.header.tokenizer, None, gpu.vocab_size)
@@ -314,8 +314,8 @@ def test_tree_speculative_exact_on_gpu(pair, monkeypatch):
 
 
 def test_tree_speculative_demo_model_exact_on_gpu():
-    from tinyloop.core.models import demo_model_path
-    from tinyloop.core.tokenizer import resolve_tokenizer
+    from tinyloop.models import demo_model_path
+    from tinyloop.model.tokenizer import resolve_tokenizer
     gpu = tl.load_model(demo_model_path(), max_seq_len=256, backend="cuda")
     try:
         tok = resolve_tokenizer(gpu.header.tokenizer, None, gpu.vocab_size)
@@ -471,7 +471,7 @@ def test_window_speculative_on_gpu(pair, small_rings):
     """Speculative decoding over a ring (verify launches of draft_ahead + 1 rows): the tokens of
     plain windowed greedy decoding."""
     import warnings
-    from tinyloop.core.compat import CompatWarning
+    from tinyloop.runtime.compat import CompatWarning
     _, _, gpu = pair
     p = PROMPTS[0]
     ref = tl.generate(gpu, p, tl.GenerateConfig(max_tokens=24, loops=4, cache_window=6))

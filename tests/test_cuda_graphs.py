@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from tinyloop.core.errors import BackendError
+from tinyloop.errors import BackendError
 from tinyloop.cuda import graphs
 
 OK, FAIL = 0, 1

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import pytest
 
 import tinyloop as tl
-from tinyloop.core.config import check_int
-from tinyloop.core.plugins import get_plugin_manager
+from tinyloop.runtime.config import check_int
+from tinyloop.runtime.plugins import get_plugin_manager
 
 OPTS = {"draft_loops": 2, "verify_loops": 6, "draft_ahead": 4}
 

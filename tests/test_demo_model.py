@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import tinyloop as tl
-from tinyloop.core.evaluate import perplexity
-from tinyloop.core.models import demo_model_path
-from tinyloop.core.tokenizer import resolve_tokenizer
+from tinyloop.analysis.evaluate import perplexity
+from tinyloop.models import demo_model_path
+from tinyloop.model.tokenizer import resolve_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def fibonacci(n):"

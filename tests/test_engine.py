@@ -135,7 +135,7 @@ def test_top_k_one_is_greedy(tiny_model, prompt):
 
 
 def test_sample_token_matches_definition():
-    from tinyloop.core.sampling import sample_token
+    from tinyloop.runtime.sampling import sample_token
     logits = np.array([1.0, 3.0, 2.0, 3.0, -1.0], np.float32)
     # top_k=2 keeps the two 3.0 logits (ids 1 and 3, ties by lower id), equal probability
     assert sample_token(logits, 1.0, 2, 1.0, 0.49) == 1
@@ -156,14 +156,14 @@ def test_sample_token_matches_definition():
 def test_top_order_equals_full_sort(vals, k):
     """The partition-based top-k order is the full sort's prefix, ties by lower id, -inf and NaN
     included (NaN falls back to the full sort)."""
-    from tinyloop.core.sampling import top_order
+    from tinyloop.runtime.sampling import top_order
     z = np.array(vals, np.float64)
     want = np.lexsort((np.arange(z.size), -z))[:k]
     assert np.array_equal(top_order(z, k), want)
 
 
 def _definition_filtered(logits, temperature, top_k, top_p):
-    """Steps 1-4 of tinyloop.core.sampling written plainly: sort every id, cut, renormalise."""
+    """Steps 1-4 of tinyloop.runtime.sampling written plainly: sort every id, cut, renormalise."""
     z = np.asarray(logits, np.float64) / temperature
     order = np.lexsort((np.arange(z.size), -z))[:min(top_k, z.size)]
     p = np.exp(z[order] - z[order[0]])
@@ -183,7 +183,7 @@ def _definition_filtered(logits, temperature, top_k, top_p):
 def test_sampler_equals_its_definition(vals, k, top_p, u, temperature):
     """sample_token and sampling_probs (top-k by partition, ids ranked only as far as needed)
     give the same token and the same probabilities, bit for bit, as the plain full sort."""
-    from tinyloop.core.sampling import sample_token, sampling_probs
+    from tinyloop.runtime.sampling import sample_token, sampling_probs
     logits = np.array(vals, np.float32)
     order, p = _definition_filtered(logits, temperature, k, top_p)
     c = np.cumsum(p)
@@ -195,7 +195,7 @@ def test_sampler_equals_its_definition(vals, k, top_p, u, temperature):
 
 
 def test_repetition_penalty_hf_convention(tiny_model, prompt):
-    from tinyloop.core.plugins import get_plugin_manager
+    from tinyloop.runtime.plugins import get_plugin_manager
     cls = get_plugin_manager().processors()["repetition_penalty"]
     p = cls.from_config(GenerateConfig(repetition_penalty=2.0))
     p.reset([1, 2])

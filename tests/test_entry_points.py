@@ -6,7 +6,7 @@ import sys
 import textwrap
 
 import tinyloop as tl
-from tinyloop.core.plugins import PluginManager
+from tinyloop.runtime.plugins import PluginManager
 
 
 def test_installed_package_entry_point(tmp_path, monkeypatch, tiny_model, prompt):
@@ -14,8 +14,8 @@ def test_installed_package_entry_point(tmp_path, monkeypatch, tiny_model, prompt
     pkg = site / "tl_example_plugin"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text(textwrap.dedent('''
-        from tinyloop.core.decoding import Decoder
-        from tinyloop.core.hookspecs import hookimpl
+        from tinyloop.runtime.decoding import Decoder
+        from tinyloop.runtime.hookspecs import hookimpl
 
         class SecondBest(Decoder):
             """Emits the second most likely token."""
@@ -41,7 +41,7 @@ def test_installed_package_entry_point(tmp_path, monkeypatch, tiny_model, prompt
     try:
         pm = PluginManager()
         assert "second_best" in pm.decoders()
-        import tinyloop.core.plugins as plugins
+        import tinyloop.runtime.plugins as plugins
         monkeypatch.setattr(plugins, "_manager", pm)
         out = tl.generate(tiny_model, prompt, tl.GenerateConfig(max_tokens=3, decoder="second_best"))
         first = tl.score_last_token(tiny_model, prompt)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import tinyloop as tl
-from tinyloop.core.plugins import PluginManager
-from tinyloop.core.reference import reference_logits
+from tinyloop.runtime.plugins import PluginManager
+from tinyloop.model.reference import reference_logits
 
 from conftest import logical_weights, write_tiny
 
@@ -58,7 +58,7 @@ def test_bf16_cache_matches_the_quantizing_oracle(tiny):
 
 
 def test_bf16_is_refused_where_it_has_no_implementation(tiny):
-    from tinyloop.core.plugins import get_plugin_manager
+    from tinyloop.runtime.plugins import get_plugin_manager
     codec = get_plugin_manager().codec("bf16")
     with pytest.raises(tl.PluginError, match="no implementation for the cuda backend"):
         codec.impl("cuda")

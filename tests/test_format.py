@@ -1,4 +1,4 @@
-"""The .tinyloop file format (tinyloop.core.format): round trips and one test per malformed-file class.
+"""The .tinyloop file format (tinyloop.model.format): round trips and one test per malformed-file class.
 
 Malformed files are made by parsing a valid file with an independent reader of the documented
 layout (docs/FORMAT.md), changing one thing, and serializing it again.
@@ -17,10 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tinyloop.core.arch import ModelConfig, TensorQuant, is_matrix, required_tensors
-from tinyloop.core.errors import ConfigError, ModelFormatError, ModelFreedError
-from tinyloop.core.format import ModelFile, open_model, read_header, write_model
-from tinyloop.core.quant import dequantize_tensor, quantize_tensor
+from tinyloop.model.arch import ModelConfig, TensorQuant, is_matrix, required_tensors
+from tinyloop.errors import ConfigError, ModelFormatError, ModelFreedError
+from tinyloop.model.format import ModelFile, open_model, read_header, write_model
+from tinyloop.model.quant import dequantize_tensor, quantize_tensor
 
 # --------------------------------------------------------------------------- fixtures
 CFG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, n_pre=1, n_loop=1, n_post=1,

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import tinyloop as tl
-from tinyloop.core.arch import ModelConfig, TensorQuant, required_tensors
-from tinyloop.core.format import write_model
+from tinyloop.model.arch import ModelConfig, TensorQuant, required_tensors
+from tinyloop.model.format import write_model
 
 CFG = ModelConfig(vocab_size=97, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96, n_pre=1, n_loop=2, n_post=1,
                   default_loops=3, max_loops=8, loop_inject="add")

@@ -11,11 +11,11 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import arrays
 
 import tinyloop as tl
-from tinyloop.core.cache import CacheMode, KVCodec, SlotMap, build_spec
-from tinyloop.core.compat import CompatWarning
-from tinyloop.core.hookspecs import hookimpl
-from tinyloop.core.plugins import get_plugin_manager
-from tinyloop.core.reference import reference_logits
+from tinyloop.runtime.cache import CacheMode, KVCodec, SlotMap, build_spec
+from tinyloop.runtime.compat import CompatWarning
+from tinyloop.runtime.hookspecs import hookimpl
+from tinyloop.runtime.plugins import get_plugin_manager
+from tinyloop.model.reference import reference_logits
 from tinyloop.plugins.caches.codecs import FP16Codec, FP32Codec, INT4Codec, INT8Codec
 
 from conftest import logical_weights, write_tiny
@@ -78,7 +78,7 @@ def test_row_bytes():
 
 
 def test_spec_layout_keeps_loop_layers_last():
-    from tinyloop.core.arch import ModelConfig
+    from tinyloop.model.arch import ModelConfig
     c = ModelConfig(vocab_size=97, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96, n_pre=2, n_loop=3,
                     n_post=1, default_loops=3, max_loops=8)
     modes = get_plugin_manager().cache_modes()

@@ -1,4 +1,4 @@
-"""Loop gain (tinyloop.core.loopgain, ``tinyloop inspect --measure``): per-iteration residuals against
+"""Loop gain (tinyloop.analysis.loopgain, ``tinyloop inspect --measure``): per-iteration residuals against
 the float64 oracle, logits at every depth bit-identical to tl.score, the statistics, and the CLI."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import pytest
 import tinyloop as tl
 from tinyloop.cli.main import main as cli_main
 from tinyloop.cli.synth import synth_model
-from tinyloop.core.errors import InvalidInputError, ModelBusyError
-from tinyloop.core.loopgain import (default_max_loops, format_table, measure_loop_gain,
+from tinyloop.errors import InvalidInputError, ModelBusyError
+from tinyloop.analysis.loopgain import (default_max_loops, format_table, measure_loop_gain,
                                     sample_token_ids, trace_loop)
-from tinyloop.core.reference import reference_logits, reference_loop_residuals
-from tinyloop.core.tokenizer import byte_to_unicode
+from tinyloop.model.reference import reference_logits, reference_loop_residuals
+from tinyloop.model.tokenizer import byte_to_unicode
 
 from conftest import logical_weights, write_tiny
 
@@ -52,7 +52,7 @@ def test_residuals_match_float64_reference(tiny, cache_mode, kv_round, tol):
 def test_reference_residuals_end_where_reference_hidden_continues(tiny):
     path, cfg, _ = tiny
     W = logical_weights(path)
-    from tinyloop.core.reference import reference_hidden
+    from tinyloop.model.reference import reference_hidden
     no_post = cfg.__class__(**{**cfg.to_dict(), "n_post": 0})
     assert np.array_equal(reference_loop_residuals(cfg, W, IDS, 3)[-1], reference_hidden(no_post, W, IDS, 3))
 

@@ -9,10 +9,10 @@ import pytest
 import yaml
 
 import tinyloop as tl
-from tinyloop.core import hookspecs
-from tinyloop.core.decoding import Decoder
-from tinyloop.core.hookspecs import hookimpl
-from tinyloop.core.plugins import DEFAULT_PLUGINS, PluginManager, get_plugin_manager
+from tinyloop.runtime import hookspecs
+from tinyloop.runtime.decoding import Decoder
+from tinyloop.runtime.hookspecs import hookimpl
+from tinyloop.runtime.plugins import DEFAULT_PLUGINS, PluginManager, get_plugin_manager
 
 
 class LowestIdDecoder(Decoder):
@@ -85,20 +85,41 @@ def test_plugin_author_api_is_exported():
         assert callable(getattr(tl.Session, meth))
 
 
-def test_core_imports_no_plugin_module():
-    """Core names no plugin: the only way in is DEFAULT_PLUGINS, registered like a third party."""
+def _imports(path, package):
+    """Absolute names of the modules a file imports (relative imports resolved)."""
     import ast
-    import pathlib
-    core = pathlib.Path(tl.__file__).parent / "core"
-    for path in core.glob("*.py"):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom):
-                mod = ("." * node.level) + (node.module or "")
-                assert "plugins." not in mod and not mod.startswith(".."), f"{path.name} imports {mod}"
-            elif isinstance(node, ast.Import):
-                assert not any(a.name.startswith("tinyloop.plugins") for a in node.names), path.name
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            if node.level:
+                base = base[:len(base) - node.level + 1]
+                yield ".".join(base + ([node.module] if node.module else []))
+            else:
+                yield node.module
+        elif isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
 
+
+def test_layers_import_no_plugin_module():
+    """The runtime, the model layer, analysis and the backends name no plugin: the only way in is
+    DEFAULT_PLUGINS, registered like a third party. The model layer imports nothing above it
+    (runtime, analysis, backends)."""
+    import pathlib
+    root = pathlib.Path(tl.__file__).parent
+    layers = {"model": ("tinyloop.runtime", "tinyloop.analysis", "tinyloop.cpu", "tinyloop.cuda"),
+              "runtime": ("tinyloop.analysis",), "analysis": (), "cpu": (), "cuda": ()}
+    checked = 0
+    for layer, above in layers.items():
+        for path in (root / layer).rglob("*.py"):
+            rel = path.relative_to(root.parent).with_suffix("")
+            package = ".".join(rel.parts[:-1])
+            for mod in _imports(path, package):
+                assert not mod.startswith("tinyloop.plugins"), f"{rel} imports {mod}"
+                assert not mod.startswith(above), f"{rel} (layer {layer}) imports {mod} from a layer above it"
+            checked += 1
+    assert checked > 30
+    for mod in _imports(root / "errors.py", "tinyloop"):
+        assert not mod.startswith("tinyloop"), f"errors.py imports {mod}"
 
 def test_builtins_registered_as_ordinary_plugins():
     pm = PluginManager(load_entrypoints=False)

@@ -1,4 +1,4 @@
-"""Group-wise quantization and bit packing (tinyloop.core.quant)."""
+"""Group-wise quantization and bit packing (tinyloop.model.quant)."""
 
 import numpy as np
 import pytest
@@ -6,10 +6,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from tinyloop.core import quant
-from tinyloop.core.arch import TensorQuant
-from tinyloop.core.errors import ConfigError
-from tinyloop.core.quant import dequantize, dequantize_tensor, pack, quantize, quantize_tensor, unpack
+from tinyloop.model import quant
+from tinyloop.model.arch import TensorQuant
+from tinyloop.errors import ConfigError
+from tinyloop.model.quant import dequantize, dequantize_tensor, pack, quantize, quantize_tensor, unpack
 
 
 @st.composite

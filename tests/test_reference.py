@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import tinyloop as tl
-from tinyloop.core.reference import reference_logits
+from tinyloop.model.reference import reference_logits
 
 from conftest import logical_weights, write_tiny
 

@@ -10,9 +10,9 @@ import yaml
 
 import tinyloop as tl
 from tinyloop.cli.main import main
-from tinyloop.core.config import load_run_config
-from tinyloop.core.models import demo_model_path
-from tinyloop.core.tokenizer import resolve_tokenizer
+from tinyloop.runtime.config import load_run_config
+from tinyloop.models import demo_model_path
+from tinyloop.model.tokenizer import resolve_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 

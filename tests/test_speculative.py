@@ -58,8 +58,8 @@ def test_stop_sequence(model, prompt):
 
 
 def test_demo_model_exact(prompt):
-    from tinyloop.core.models import demo_model_path
-    from tinyloop.core.tokenizer import resolve_tokenizer
+    from tinyloop.models import demo_model_path
+    from tinyloop.model.tokenizer import resolve_tokenizer
     m = tl.load_model(demo_model_path(), max_seq_len=256, backend="cpu")
     try:
         tok = resolve_tokenizer(m.header.tokenizer, None, m.vocab_size)
@@ -115,7 +115,7 @@ def _chi2_critical(df: int) -> float:
 def _exact_marginals(m, prompt, loops, temperature, top_k, top_p):
     """Distributions of generated tokens 1 and 2 under plain sampling at `loops`, by enumeration."""
     import numpy as np
-    from tinyloop.core.sampling import sampling_probs
+    from tinyloop.runtime.sampling import sampling_probs
 
     def probs(ids):
         return sampling_probs(tl.score_last_token(m, ids, loops=loops), temperature, top_k, top_p)

@@ -8,7 +8,7 @@ import pytest
 
 import tinyloop as tl
 from tinyloop import GenerateConfig, GenerateStats, StopReason
-from tinyloop.core.plugins import DEFAULT_PLUGINS, PluginManager, get_plugin_manager
+from tinyloop.runtime.plugins import DEFAULT_PLUGINS, PluginManager, get_plugin_manager
 
 SAW = StopReason("SAW_TOKEN")
 

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 pytest.importorskip("tokenizers")
 
-from tinyloop.core.errors import TokenizerError  # noqa: E402
-from tinyloop.core.tokenizer import (  # noqa: E402
+from tinyloop.errors import TokenizerError  # noqa: E402
+from tinyloop.model.tokenizer import (  # noqa: E402
     TOKENIZER_ENV, BPETokenizer, ByteTokenizer, Tokenizer, resolve_tokenizer)
 
 CORPUS = [
@@ -188,7 +188,7 @@ def test_vocab_missing_bytes_refuses_to_encode_lossily():
 
 def test_token_outside_byte_alphabet_decodes_verbatim():
     # the ByteLevel decoder keeps a token containing a non-alphabet char as its UTF-8 text
-    from tinyloop.core.tokenizer import byte_to_unicode
+    from tinyloop.model.tokenizer import byte_to_unicode
     vocab = {c: b for b, c in byte_to_unicode().items()}
     vocab["☃x"] = 256
     tok = BPETokenizer(vocab, [])

@@ -13,8 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tinyloop.core.arch import ModelConfig, required_tensors  # noqa: E402
-from tinyloop.core.errors import InvalidInputError, ModelFormatError  # noqa: E402
+from tinyloop.model.arch import ModelConfig, required_tensors  # noqa: E402
+from tinyloop.errors import InvalidInputError, ModelFormatError  # noqa: E402
 from tinyloop.torch_model import LoopedLM, apply_rope, rope_tables  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -95,8 +95,8 @@ def test_stats(model, prompt):
 
 
 def test_demo_model_exact_over_many_prompts():
-    from tinyloop.core.models import demo_model_path
-    from tinyloop.core.tokenizer import resolve_tokenizer
+    from tinyloop.models import demo_model_path
+    from tinyloop.model.tokenizer import resolve_tokenizer
     m = tl.load_model(demo_model_path(), max_seq_len=256, backend="cpu")
     try:
         tok = resolve_tokenizer(m.header.tokenizer, None, m.vocab_size)

@@ -4,24 +4,24 @@ Public API (and nothing else): model lifecycle, generation, scoring, configs, st
 the plugin author's API (hooks, base classes and the decode-session contract; docs/PLUGINS.md).
 """
 
-from .core.config import (GenerateConfig, GenerateStats, RunConfig, SpeculativeConfig, StopReason,
+from .runtime.config import (GenerateConfig, GenerateStats, RunConfig, SpeculativeConfig, StopReason,
                           TreeSpeculativeConfig)
-from .core.engine import (Model, free_model, generate, generate_batch, generate_iter, generate_stream,
+from .runtime.engine import (Model, free_model, generate, generate_batch, generate_iter, generate_stream,
                           load_model, score, score_last_token, vram_usage_bytes)
-from .core.errors import (BackendError, ConfigError, IncompatibleModesError, InvalidInputError,
+from .errors import (BackendError, ConfigError, IncompatibleModesError, InvalidInputError,
                           ModelBusyError, ModelFormatError, ModelFreedError, NotImplementedModeError,
                           OutOfMemoryError, PluginError, TinyLoopError, TokenizerError)
-from .core.inspect import inspect
+from .analysis.inspect import inspect
 from .api import generate_speculative, generate_tree_speculative
 from .plugins.decoders.autotune import DecoderChoice, calibrate
 # the plugin author's API
-from .core.backend import Backend, BackendEntry, DeviceChaining, TreeOps, Workspace
-from .core.cache import CacheMode, KVCodec, SlotMap, SlotMapMode
-from .core.decoding import DecodeSession, Decoder
-from .core.engine import Plan, Session
-from .core.hookspecs import hookimpl
-from .core.processors import LogitProcessor, ProcessorChain, Stage
-from .core.stopping import Stopper, StopperChain, StopOrder
+from .runtime.backend import Backend, BackendEntry, DeviceChaining, TreeOps, Workspace
+from .runtime.cache import CacheMode, KVCodec, SlotMap, SlotMapMode
+from .runtime.decoding import DecodeSession, Decoder
+from .runtime.engine import Plan, Session
+from .runtime.hookspecs import hookimpl
+from .runtime.processors import LogitProcessor, ProcessorChain, Stage
+from .runtime.stopping import Stopper, StopperChain, StopOrder
 from .plugins.decoders.spec_session import SpeculativeOptions, TreeSpeculativeOptions
 
 __version__ = "0.1.0"

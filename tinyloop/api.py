@@ -1,14 +1,14 @@
 """The public API's speculative entry points: thin wrappers that turn a SpeculativeConfig /
 TreeSpeculativeConfig into the GenerateConfig of the built-in "speculative" / "tree_speculative"
 decoder plugin and run it through the engine like any request. The public API layer may name
-built-in plugins; tinyloop.core does not."""
+built-in plugins; the runtime (tinyloop.runtime) does not."""
 
 from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
-from .core.config import GenerateStats, SpeculativeConfig, TreeSpeculativeConfig
-from .core.engine import Model, generate_stream
+from .runtime.config import GenerateStats, SpeculativeConfig, TreeSpeculativeConfig
+from .runtime.engine import Model, generate_stream
 from .plugins.decoders.spec_session import speculative_request
 
 

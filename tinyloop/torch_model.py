@@ -1,4 +1,4 @@
-"""PyTorch implementation of the looped-transformer family defined in :mod:`tinyloop.core.arch`.
+"""PyTorch implementation of the looped-transformer family defined in :mod:`tinyloop.model.arch`.
 
 Used to *train* the demo model (tools/train_demo.py) and as a GPU baseline for benchmarks. torch is
 an optional extra (``pip install tinyloop[torch]``); it is imported only by this module.
@@ -51,8 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .core.arch import BLOCK_NORMS, ModelConfig, required_tensors
-from .core.errors import ConfigError, InvalidInputError, ModelFormatError
+from .model.arch import BLOCK_NORMS, ModelConfig, required_tensors
+from .errors import ConfigError, InvalidInputError, ModelFormatError
 
 __all__ = ["LoopedLM", "rms_norm", "apply_rope", "rope_tables"]
 

@@ -29,7 +29,7 @@ Outputs (``--out``, default ``build/demo/``, git-ignored):
   train side, vocabulary 4096 with ``<|endoftext|>`` as id 0 (the EOS id);
 * ``train_ids.npy`` / ``heldout_ids.npy``: uint16 token ids, every file tokenized on its own and
   the files joined with the EOS id between them; tokenized with a tokenizer built from
-  vocab.json/merges.txt exactly as ``tinyloop.core.tokenizer.BPETokenizer`` builds it;
+  vocab.json/merges.txt exactly as ``tinyloop.model.tokenizer.BPETokenizer`` builds it;
 * ``meta.json``: vocab_size, eos_id, token and byte counts (read by tools/train_demo.py);
 * ``split.json``: Python version, the rules, the file lists of both sides and what was excluded.
 
@@ -234,7 +234,7 @@ def main(argv=None) -> int:
     cross = "skipped (tinyloop not importable)"
     try:
         sys.path.insert(0, repo)
-        from tinyloop.core.tokenizer import BPETokenizer
+        from tinyloop.model.tokenizer import BPETokenizer
         rt = BPETokenizer.from_dir(args.out)
         for r, t in held[:5]:
             if rt.encode(t) != tok.encode(t, add_special_tokens=False).ids:

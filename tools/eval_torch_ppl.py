@@ -24,8 +24,8 @@ def main() -> int:
     import torch
     from safetensors.numpy import load_file
 
-    from tinyloop.core.arch import ModelConfig
-    from tinyloop.core.tokenizer import BPETokenizer
+    from tinyloop.model.arch import ModelConfig
+    from tinyloop.model.tokenizer import BPETokenizer
     from tinyloop.torch_model import LoopedLM
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -2,7 +2,7 @@
 """Train TinyLoop's demo looped LM on the corpus made by tools/build_corpus.py.
 
 Runs on one GPU (bf16 autocast) or, for smoke tests, on the CPU (float32). Imports only the
-standard library, numpy, torch, safetensors and this repository's ``tinyloop.core.arch`` /
+standard library, numpy, torch, safetensors and this repository's ``tinyloop.model.arch`` /
 ``tinyloop.torch_model`` (found through the repository root, no install needed).
 
 Inputs (``--data-dir``, default ``build/demo``): ``train_ids.npy`` and ``heldout_ids.npy`` (uint16
@@ -67,12 +67,12 @@ if REPO not in sys.path:
 
 
 def _light_packages() -> None:
-    """Make ``tinyloop`` and ``tinyloop.core`` importable WITHOUT running their __init__.py (the
+    """Make ``tinyloop`` and ``tinyloop.model`` importable WITHOUT running their __init__.py (the
     runtime's public API pulls in pluggy, numba kernels ...): this script needs only
-    tinyloop.core.arch / errors and tinyloop.torch_model, which import nothing beyond torch.
+    tinyloop.model.arch / errors and tinyloop.torch_model, which import nothing beyond torch.
     Does nothing when the package is already imported (e.g. under pytest)."""
     import types
-    for name, rel in (("tinyloop", "tinyloop"), ("tinyloop.core", os.path.join("tinyloop", "core"))):
+    for name, rel in (("tinyloop", "tinyloop"), ("tinyloop.model", os.path.join("tinyloop", "model"))):
         if name not in sys.modules:
             mod = types.ModuleType(name)
             mod.__path__ = [os.path.join(REPO, rel)]
@@ -81,8 +81,8 @@ def _light_packages() -> None:
 
 
 _light_packages()
-from tinyloop.core.arch import ModelConfig, TensorQuant, is_matrix, required_tensors  # noqa: E402
-from tinyloop.core.errors import ConfigError  # noqa: E402
+from tinyloop.model.arch import ModelConfig, TensorQuant, is_matrix, required_tensors  # noqa: E402
+from tinyloop.errors import ConfigError  # noqa: E402
 
 BYTES = {"f32": 4, "f16": 2, "u8": 1}
 

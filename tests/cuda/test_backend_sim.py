@@ -28,12 +28,12 @@ if not numba.config.ENABLE_CUDASIM and not cuda.is_available():
                 allow_module_level=True)
 
 import tinyloop as tl  # noqa: E402
-from tinyloop.core.arch import ModelConfig, TensorQuant  # noqa: E402
-from tinyloop.core.backend import TreeRows  # noqa: E402
-from tinyloop.core.cache import CacheSpec, KVCodec, LayerGroup, SlotMap  # noqa: E402
-from tinyloop.core.errors import BackendError, PluginError  # noqa: E402
-from tinyloop.core.format import open_model, write_model  # noqa: E402
-from tinyloop.core.plugins import get_plugin_manager  # noqa: E402
+from tinyloop.model.arch import ModelConfig, TensorQuant  # noqa: E402
+from tinyloop.runtime.backend import TreeRows  # noqa: E402
+from tinyloop.runtime.cache import CacheSpec, KVCodec, LayerGroup, SlotMap  # noqa: E402
+from tinyloop.errors import BackendError, PluginError  # noqa: E402
+from tinyloop.model.format import open_model, write_model  # noqa: E402
+from tinyloop.runtime.plugins import get_plugin_manager  # noqa: E402
 
 from conftest import TINY, random_weights  # noqa: E402
 

@@ -28,9 +28,9 @@ if not numba.config.ENABLE_CUDASIM and not cuda.is_available():
     pytest.skip("needs NUMBA_ENABLE_CUDASIM=1 (set before numba is imported) or a CUDA GPU",
                 allow_module_level=True)
 
-from tinyloop.core.arch import QUANT_BITS  # noqa: E402
-from tinyloop.core.errors import BackendError  # noqa: E402
-from tinyloop.core.quant import unpack  # noqa: E402
+from tinyloop.model.arch import QUANT_BITS  # noqa: E402
+from tinyloop.errors import BackendError  # noqa: E402
+from tinyloop.model.quant import unpack  # noqa: E402
 from tinyloop.cuda import kv_codecs  # noqa: E402
 from tinyloop.cuda.kernels import (add, argmax, attention, cache_move, embed, kv_store, matmul,  # noqa: E402
                                    rmsnorm, rope, sample, swiglu)

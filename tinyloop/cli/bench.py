@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..core.errors import ConfigError
+from ..errors import ConfigError
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 

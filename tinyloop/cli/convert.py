@@ -1,8 +1,8 @@
 """``tinyloop convert``: turn a safetensors checkpoint of the model family into a .tinyloop file.
 
-The checkpoint's tensor names must be the logical names of :mod:`tinyloop.core.arch` (``embed``,
+The checkpoint's tensor names must be the logical names of :mod:`tinyloop.model.arch` (``embed``,
 ``pre.0.wq``, ``loop.0.w_down``, ``final_norm``, ``head`` ...) and the config JSON's keys the
-:class:`~tinyloop.core.arch.ModelConfig` fields; see docs/CONVERT.md. A checkpoint that does not fit
+:class:`~tinyloop.model.arch.ModelConfig` fields; see docs/CONVERT.md. A checkpoint that does not fit
 the family is refused with the reason (every missing / unexpected / misshaped tensor is named).
 
 Reading: tensor headers are parsed from the safetensors header (8-byte little-endian length + JSON)
@@ -26,9 +26,9 @@ from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from ..core.arch import QUANT_TYPES, ModelConfig, TensorQuant, required_tensors
-from ..core.errors import ConfigError, ModelFormatError, TinyLoopError
-from ..core.presets import check_quant_shapes, make_quant
+from ..model.arch import QUANT_TYPES, ModelConfig, TensorQuant, required_tensors
+from ..errors import ConfigError, ModelFormatError, TinyLoopError
+from ..model.presets import check_quant_shapes, make_quant
 
 FLOAT_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 ALL_DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
@@ -234,7 +234,7 @@ def convert(checkpoint: str, config: str, output: str, *, quant: str = "q4",
             head_quant: Optional[str] = None, tokenizer_dir: Optional[str] = None,
             metadata: Optional[Dict[str, str]] = None) -> dict:
     """Convert and verify; returns the summary dict (also what ``convert`` prints)."""
-    from ..core.format import open_model, write_model
+    from ..model.format import open_model, write_model
 
     cfg = load_config(config)
     index = index_checkpoint(checkpoint)
@@ -243,7 +243,7 @@ def convert(checkpoint: str, config: str, output: str, *, quant: str = "q4",
     check_quant_shapes(cfg, tq)
     tok = None
     if tokenizer_dir:
-        from ..core.tokenizer import BPETokenizer
+        from ..model.tokenizer import BPETokenizer
         t = BPETokenizer.from_dir(tokenizer_dir)
         if t.vocab_size > cfg.vocab_size:
             raise ConfigError(f"tokenizer {tokenizer_dir!r} has ids up to {t.vocab_size - 1}, but "
@@ -308,7 +308,7 @@ def _verify(open_model, path: str, cfg: ModelConfig, weights: CheckpointWeights,
             "max_rel": g["max_diff"] / g["max_orig"] if g["max_orig"] else 0.0,
             "rms_rel": math.sqrt(g["sq_diff"] / g["sq_orig"]) if g["sq_orig"] else 0.0,
         }
-    from ..core.memory import parameter_count
+    from ..analysis.memory import parameter_count
     return {"parameters": parameter_count(cfg), "f32_bytes": 4 * parameter_count(cfg),
             "quant_error": errors}
 
@@ -347,7 +347,7 @@ def run(args) -> int:
     except (TinyLoopError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from ..core.memory import format_bytes
+    from ..analysis.memory import format_bytes
     print(f"converted {s['checkpoint']} -> {s['output']}")
     print(f"  parameters: {s['parameters']:,}")
     print(f"  file size:  {format_bytes(s['file_size'])} (float32 would be "

@@ -1,6 +1,6 @@
 """``tinyloop inspect FILE``: print tinyloop.inspect() (header only, no weight is read) as text or
 JSON. ``--measure`` also loads the model on the CPU and measures its loop gain
-(tinyloop.core.loopgain), added as "loop_gain"."""
+(tinyloop.analysis.loopgain), added as "loop_gain"."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import argparse
 import json
 import sys
 
-from ..core.errors import TinyLoopError
-from ..core.inspect import inspect
-from ..core.memory import format_bytes
+from ..errors import TinyLoopError
+from ..analysis.inspect import inspect
+from ..analysis.memory import format_bytes
 
 
 def _print_text(d: dict, out) -> None:
@@ -87,7 +87,7 @@ def run(args) -> int:
     try:
         d = inspect(args.file, args.max_seq_len, args.loops)
         if args.measure:
-            from ..core.loopgain import measure_file
+            from ..analysis.loopgain import measure_file
             text = None
             if args.text is not None:
                 with open(args.text, encoding="utf-8") as f:
@@ -105,7 +105,7 @@ def run(args) -> int:
     else:
         _print_text(d, sys.stdout)
         if "loop_gain" in d:
-            from ..core.loopgain import format_table
+            from ..analysis.loopgain import format_table
             for line in format_table(d["loop_gain"]):
                 print(line)
     return 0

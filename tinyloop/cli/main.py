@@ -7,7 +7,7 @@ import importlib
 import sys
 from typing import List, Optional
 
-from ..core.errors import TinyLoopError
+from ..errors import TinyLoopError
 
 #: subcommand modules, each exposing add_parser(subparsers) and run(args) -> int
 COMMANDS = ("run", "inspect_cmd", "convert", "synth", "ppl", "bench")

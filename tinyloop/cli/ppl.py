@@ -7,11 +7,11 @@ import json
 import sys
 from pathlib import Path
 
-from ..core.engine import free_model, load_model
-from ..core.errors import ConfigError
-from ..core.plugins import get_plugin_manager
-from ..core.evaluate import perplexity
-from ..core.tokenizer import resolve_tokenizer
+from ..runtime.engine import free_model, load_model
+from ..errors import ConfigError
+from ..runtime.plugins import get_plugin_manager
+from ..analysis.evaluate import perplexity
+from ..model.tokenizer import resolve_tokenizer
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -1,6 +1,6 @@
 """``tinyloop run CFG.yaml``: load a model, tokenize prompts, decode, stream to the terminal.
 
-The YAML maps onto tinyloop.core.config.RunConfig (unknown keys are errors naming the key); its
+The YAML maps onto tinyloop.runtime.config.RunConfig (unknown keys are errors naming the key); its
 ``generate`` section onto GenerateConfig (a decoder's own settings under ``options``). Relative
 paths are relative to the YAML file. Every mode streams through generate_iter (a ``speculative:``
 section becomes the request of the speculative decoder plugin, as tl.generate_speculative does).
@@ -16,12 +16,12 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from ..core.config import GenerateStats, RunConfig, load_run_config
-from ..core.engine import free_model, generate_batch, generate_iter, load_model
-from ..core.errors import ConfigError
-from ..core.plugins import get_plugin_manager
-from ..core.models import demo_model_path
-from ..core.tokenizer import resolve_tokenizer
+from ..runtime.config import GenerateStats, RunConfig, load_run_config
+from ..runtime.engine import free_model, generate_batch, generate_iter, load_model
+from ..errors import ConfigError
+from ..runtime.plugins import get_plugin_manager
+from ..models import demo_model_path
+from ..model.tokenizer import resolve_tokenizer
 from ..plugins.decoders.spec_session import speculative_request
 
 

@@ -1,5 +1,5 @@
 """``tinyloop synth --preset NAME -o FILE``: write a random-weight model of a named shape
-(see :mod:`tinyloop.core.presets`). Also :func:`synth_model`, the same as a Python function.
+(see :mod:`tinyloop.model.presets`). Also :func:`synth_model`, the same as a Python function.
 
 Weights: seeded normal, std 0.02 for ``embed``, ``head`` and the input projections; the output
 projections ``wo`` and ``w_down`` use ``0.02 / sqrt(2 * n_layers(max_loops))`` so the residual stays
@@ -22,9 +22,9 @@ from typing import Iterator, Mapping, Optional
 
 import numpy as np
 
-from ..core.arch import QUANT_TYPES, ModelConfig, is_matrix, required_tensors
-from ..core.errors import TinyLoopError
-from ..core.presets import PRESETS, check_quant_shapes, get_preset, make_quant
+from ..model.arch import QUANT_TYPES, ModelConfig, is_matrix, required_tensors
+from ..errors import TinyLoopError
+from ..model.presets import PRESETS, check_quant_shapes, get_preset, make_quant
 
 
 class RandomWeights(Mapping):
@@ -67,7 +67,7 @@ def synth_model(preset: str, path, seed: int = 0, *, quant: Optional[str] = None
     `overrides` replace ModelConfig fields of the preset (e.g. ``tied_embeddings=True``);
     `quant` / `group_size` / `embed_quant` / `head_quant` replace the preset's storage choices
     (passing `quant` alone also sets embed/head to it)."""
-    from ..core.format import write_model
+    from ..model.format import write_model
 
     p = get_preset(preset)
     cfg = ModelConfig.from_dict({**p.config, **overrides})
@@ -108,7 +108,7 @@ def run(args) -> int:
     except (TinyLoopError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from ..core.memory import format_bytes, parameter_count
+    from ..analysis.memory import format_bytes, parameter_count
     size = os.path.getsize(args.output)
     print(f"wrote {args.output}: preset {args.preset}, {parameter_count(cfg):,} parameters, "
           f"{format_bytes(size)}")

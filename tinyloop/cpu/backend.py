@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from ..core.backend import Backend, ModelWeights, TreeOps, TreeRows, Workspace
-from ..core.errors import BackendError, OutOfMemoryError
+from ..runtime.backend import Backend, ModelWeights, TreeOps, TreeRows, Workspace
+from ..errors import BackendError, OutOfMemoryError
 from . import ops
 
 
@@ -35,7 +35,7 @@ class CPUCache:
     the K and V storage (tinyloop.cpu.kv_codecs.CPUStorage)."""
 
     def __init__(self, spec, n_kv: int, D: int):
-        from ..core.plugins import get_plugin_manager
+        from ..runtime.plugins import get_plugin_manager
         pm = get_plugin_manager()
         self.spec = spec
         self.n_layers, self.n_slots = spec.n_layers, spec.n_slots

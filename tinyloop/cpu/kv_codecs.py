@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import float32, njit
 
-from ..core.errors import OutOfMemoryError
+from ..errors import OutOfMemoryError
 from . import ops
 
 _SEQ = dict(fastmath=False, cache=True, nogil=True)

@@ -9,7 +9,7 @@ Memory (all taken at load, released by free()):
               position, the argmax token, the split-KV attention partials and counters
               (``ws.att_work``, ``ws.att_count``), the split argmax's candidates and counters
               (``ws.amax_work``), and pinned host staging buffers;
-  KV caches   laid out by a tinyloop.core.cache.CacheSpec: per layer group one K and one V storage
+  KV caches   laid out by a tinyloop.runtime.cache.CacheSpec: per layer group one K and one V storage
               in the group's codec (tinyloop/cuda/kv_codecs.py: codes (n_layers, slots, n_kv_heads,
               head_dim / pack), plus float32 scale / zero (n_layers, slots, n_kv_heads) for int8 /
               int4), slots rounded up (`round_slots`; the cache's ``spec`` says how many it has);
@@ -61,10 +61,10 @@ from numba.cuda.cudadrv.driver import device_memset
 
 from dataclasses import dataclass
 
-from ..core.backend import Backend, DeviceChaining, ModelWeights, TreeOps, TreeRows, Workspace
-from ..core.cache import CacheSpec, SlotMap
-from ..core.config import env_switch
-from ..core.errors import BackendError, OutOfMemoryError, PluginError
+from ..runtime.backend import Backend, DeviceChaining, ModelWeights, TreeOps, TreeRows, Workspace
+from ..runtime.cache import CacheSpec, SlotMap
+from ..runtime.config import env_switch
+from ..errors import BackendError, OutOfMemoryError, PluginError
 from .graphs import Graph
 from .kv_codecs import CUDAKVCodec
 from .kernels._common import no_tree
@@ -103,7 +103,7 @@ def round_slots(n_slots: int, window: int = 0) -> int:
 
 def _codec_class(name: str):
     """The registered KVCodec class of codec `name` (PluginError when none is)."""
-    from ..core.plugins import get_plugin_manager
+    from ..runtime.plugins import get_plugin_manager
     return get_plugin_manager().codec(name)
 
 
@@ -377,7 +377,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining):
         least spec.n_slots slots, else a new one with the slots rounded up (`round_slots`). Every
         group's codec is resolved first (PluginError before anything is allocated)."""
         if not isinstance(spec, CacheSpec):
-            raise BackendError(f"alloc_cache takes a tinyloop.core.cache.CacheSpec, got {type(spec).__name__}")
+            raise BackendError(f"alloc_cache takes a tinyloop.runtime.cache.CacheSpec, got {type(spec).__name__}")
         impls = [resolve_codec(g.codec) for g in spec.groups]
         key = _spec_key(spec)
         fits = [c for c in self._spares if c.key == key and c.n_slots >= spec.n_slots]

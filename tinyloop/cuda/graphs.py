@@ -13,7 +13,7 @@ kernel of this package executes before its first memory access. Edges from or to
 
 from __future__ import annotations
 
-from ..core.errors import BackendError
+from ..errors import BackendError
 
 
 def _drv():

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 
-from ..core.backend import BackendEntry
-from ..core.hookspecs import hookimpl
+from ..runtime.backend import BackendEntry
+from ..runtime.hookspecs import hookimpl
 
 
 class CPUEntry(BackendEntry):

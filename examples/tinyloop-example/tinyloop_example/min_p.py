@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import tinyloop as tl
-from tinyloop.core.config import GREEDY_TEMPERATURE, check_float
+from tinyloop.runtime.config import GREEDY_TEMPERATURE, check_float
 
 
 @dataclass(frozen=True)

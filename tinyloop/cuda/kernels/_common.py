@@ -30,7 +30,7 @@ import numba
 import numpy as np
 from numba import cuda, float32, uint32
 
-from ...core.errors import BackendError
+from ...errors import BackendError
 
 SIM = bool(numba.config.ENABLE_CUDASIM)
 FULL_MASK = 0xFFFFFFFF

@@ -24,7 +24,7 @@ device of compute capability 9.0 or later (`enabled`, decided at the first compi
 is a plain no-op.
 """
 
-from ...core.config import env_switch
+from ...runtime.config import env_switch
 from ._common import SIM
 
 #: Smallest compute capability with griddepcontrol.

@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32, int32
 
-from ...core.errors import BackendError
+from ...errors import BackendError
 from ._common import NEG_INF, SIM, check_array, check_workspace
 from ._pdl import grid_dep_wait
 

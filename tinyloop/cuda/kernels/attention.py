@@ -115,7 +115,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint64
 
-from ...core.errors import BackendError
+from ...errors import BackendError
 from ..kv_codecs import FP16, FP32, INT4, INT8, as_rows, codec_for
 from ._common import (NEG_INF, SIM, block_max_once, block_sum_once, check_array, check_tree,
                       check_workspace, warp_sum)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from ...core.errors import BackendError
+from ...errors import BackendError
 from ._common import cdiv, check_array
 from ._pdl import grid_dep_wait
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32
 
-from ...core.errors import BackendError
+from ...errors import BackendError
 from ..kv_codecs import INT4, INT8, as_rows
 from ._common import SIM, cdiv, check_array, check_tree, warp_max
 from ._pdl import grid_dep_wait

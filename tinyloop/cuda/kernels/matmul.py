@@ -78,8 +78,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from ...core.arch import QUANT_BITS
-from ...core.errors import BackendError
+from ...model.arch import QUANT_BITS
+from ...errors import BackendError
 from ._common import SIM, Epilogue, as_float, cdiv, check_array, device_pointer, warp_sum
 from ._pdl import grid_dep_wait
 from .rmsnorm import NT as NORM_NT
@@ -88,7 +88,7 @@ from .rmsnorm import check_eps, inv_rms, sumsq_partial
 
 #: Elements per 8-byte word for each storage kind.
 WORD_ELEMS = {"f32": 2, "f16": 4, "q8": 8, "q4": 16, "q2": 32}
-#: Storage kind of each quantized width (the inverse of core.arch.QUANT_BITS).
+#: Storage kind of each quantized width (the inverse of tinyloop.model.arch.QUANT_BITS).
 QBITS = {b: k for k, b in QUANT_BITS.items()}
 
 #: (TT token rows per block, R output rows per warp, NW warps per block, KC x elements staged per

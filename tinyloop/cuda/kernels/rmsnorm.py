@@ -25,7 +25,7 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from ...core.errors import BackendError
+from ...errors import BackendError
 from ._common import block_sum, check_array
 from ._pdl import grid_dep_wait
 

@@ -23,7 +23,7 @@ The table must cover every position a launch reaches; the kernels do not check i
 what the host can know (pos is a device array): the kernels writing a linear cache need
 ``P >= max_seq + POSITION_MARGIN`` (the cache's slots plus a draft tree of depth <= 64 rooted at
 its end), plain `rope` needs ``P >= T`` and leaves ``pos[0] + T <= P`` to the caller. A ring
-(``window`` W > 0: position p in slot p % S, tinyloop.core.cache.SlotMap) keeps absolute positions,
+(``window`` W > 0: position p in slot p % S, tinyloop.runtime.cache.SlotMap) keeps absolute positions,
 which pass S as the request goes on, so no check against S can hold: the caller's table must cover
 the request's positions (the CUDA backend's covers every position its sessions reach).
 
@@ -48,7 +48,7 @@ Shapes (T rows, H query heads, Hkv kv heads, hd head width, L cache layers, S ma
                       written (the host keeps pos[0] + T <= S); with a ring, slot p % S
     depth, path       int32 (T,), (T, D+1)   optional draft-tree tables (linear caches only):
                       row t is then at position pos[0] + depth[t] and its K/V go to slot
-                      pos[0] + path[t, depth[t]] (tinyloop.core.backend.TreeRows); empty tables
+                      pos[0] + path[t, depth[t]] (tinyloop.runtime.backend.TreeRows); empty tables
                       (0,) and (0, 1) mean the causal layout above
     k_stage, v_stage  float32 (T, Hkv * hd)   (qkv_stage_epilogue only) receive the rotated k
                       and the v rows (kv_store's input)
@@ -70,7 +70,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from ...core.errors import BackendError
+from ...errors import BackendError
 from ._common import Epilogue, cdiv, check_array, check_tree
 from ._pdl import grid_dep_wait
 

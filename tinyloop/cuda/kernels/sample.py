@@ -54,7 +54,7 @@ import math
 import numpy as np
 from numba import cuda, float32, float64, int32, int64, uint32, uint64
 
-from ...core.errors import BackendError
+from ...errors import BackendError
 from ._common import NEG_INF, SIM, as_bits, block_max, check_array
 from ._pdl import grid_dep_wait
 

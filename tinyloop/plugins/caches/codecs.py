@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...core.cache import KVCodec
-from ...core.hookspecs import hookimpl
+from ...runtime.cache import KVCodec
+from ...runtime.hookspecs import hookimpl
 
 _F = np.float32
 #: Rows with a range below this store q = 0 (127 / TINY still fits a float32).

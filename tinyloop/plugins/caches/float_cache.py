@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from ...core.cache import CacheMode
-from ...core.hookspecs import hookimpl
+from ...runtime.cache import CacheMode
+from ...runtime.hookspecs import hookimpl
 from .. import ALL_CONTEXTS_OK
 
 

@@ -6,8 +6,8 @@ tinyloop/cuda/kv_codecs.py)."""
 
 from __future__ import annotations
 
-from ...core.cache import CacheMode
-from ...core.hookspecs import hookimpl
+from ...runtime.cache import CacheMode
+from ...runtime.hookspecs import hookimpl
 
 
 class INT8Cache(CacheMode):

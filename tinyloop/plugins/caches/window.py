@@ -9,9 +9,9 @@ rows of a speculative verify launch)."""
 
 from __future__ import annotations
 
-from ...core.cache import SlotMap, SlotMapMode
-from ...core.errors import ConfigError
-from ...core.hookspecs import hookimpl
+from ...runtime.cache import SlotMap, SlotMapMode
+from ...errors import ConfigError
+from ...runtime.hookspecs import hookimpl
 
 
 class RingWindow(SlotMapMode):

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from ...core.compat import check_request
-from ...core.config import GenerateConfig
-from ...core.decoding import Decoder
-from ...core.engine import resolve_loops
-from ...core.errors import TinyLoopError
-from ...core.hookspecs import hookimpl
-from ...core.plugins import get_plugin_manager
+from ...runtime.compat import check_request
+from ...runtime.config import GenerateConfig
+from ...runtime.decoding import Decoder
+from ...runtime.engine import resolve_loops
+from ...errors import TinyLoopError
+from ...runtime.hookspecs import hookimpl
+from ...runtime.plugins import get_plugin_manager
 from .autotune import calibrate
 from .spec_session import options_of
 

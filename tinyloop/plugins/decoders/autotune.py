@@ -17,9 +17,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
-from ...core.config import GenerateConfig, GenerateStats, SpeculativeConfig, TreeSpeculativeConfig
-from ...core.engine import generate_stream, resolve_loops
-from ...core.errors import ConfigError
+from ...runtime.config import GenerateConfig, GenerateStats, SpeculativeConfig, TreeSpeculativeConfig
+from ...runtime.engine import generate_stream, resolve_loops
+from ...errors import ConfigError
 from .spec_session import speculative_request
 
 #: Texts the default calibration prompts are made from (with the model's tokenizer, if it has one).
@@ -71,7 +71,7 @@ def _decoder_name(config: SpeculativeConfig) -> str:
 
 
 def _default_prompts(model) -> List[List[int]]:
-    from ...core.tokenizer import resolve_tokenizer
+    from ...model.tokenizer import resolve_tokenizer
     try:
         tok = resolve_tokenizer(model.header.tokenizer, None, model.vocab_size)
         prompts = [tok.encode(t) for t in DEFAULT_TEXTS]

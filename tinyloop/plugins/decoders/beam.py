@@ -33,10 +33,10 @@ from typing import List, Tuple
 
 import numpy as np
 
-from ...core.config import StopReason
-from ...core.decoding import Decoder
-from ...core.errors import IncompatibleModesError
-from ...core.hookspecs import hookimpl
+from ...runtime.config import StopReason
+from ...runtime.decoding import Decoder
+from ...errors import IncompatibleModesError
+from ...runtime.hookspecs import hookimpl
 
 BEAM_COMPAT = {"single": "ok", "batched": "rejected", "speculative": "rejected", "tree_speculative": "rejected",
                "prefix_reuse": "rejected", "warm_start": "rejected"}

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ...core.config import GREEDY_TEMPERATURE
-from ...core.decoding import Decoder
-from ...core.hookspecs import hookimpl
+from ...runtime.config import GREEDY_TEMPERATURE
+from ...runtime.decoding import Decoder
+from ...runtime.hookspecs import hookimpl
 from .. import ALL_CONTEXTS_OK
 
 

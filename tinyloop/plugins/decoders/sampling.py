@@ -1,14 +1,14 @@
-"""Stochastic sampling: temperature -> top-k -> top-p -> draw (tinyloop.core.sampling), seeded."""
+"""Stochastic sampling: temperature -> top-k -> top-p -> draw (tinyloop.runtime.sampling), seeded."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from ...core.config import GREEDY_TEMPERATURE
-from ...core.decoding import SAMPLING_FIELDS, Decoder
-from ...core.errors import IncompatibleModesError
-from ...core.hookspecs import hookimpl
-from ...core.sampling import sample_token, uniform
+from ...runtime.config import GREEDY_TEMPERATURE
+from ...runtime.decoding import SAMPLING_FIELDS, Decoder
+from ...errors import IncompatibleModesError
+from ...runtime.hookspecs import hookimpl
+from ...runtime.sampling import sample_token, uniform
 from .. import ALL_CONTEXTS_OK
 
 

@@ -38,10 +38,10 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ...core.config import (GREEDY_TEMPERATURE, GenerateConfig, GenerateStats, SpeculativeConfig,
+from ...runtime.config import (GREEDY_TEMPERATURE, GenerateConfig, GenerateStats, SpeculativeConfig,
                             TreeSpeculativeConfig, check_bool, check_int)
-from ...core.engine import Model, Plan, Session
-from ...core.errors import ConfigError
+from ...runtime.engine import Model, Plan, Session
+from ...errors import ConfigError
 
 #: Most tokens one chain cycle drafts (the backends size their id rows for it).
 MAX_DRAFT_AHEAD = 64
@@ -291,7 +291,7 @@ class DraftTree:
     ``level_start[d] .. level_start[d+1]-1``; the children of node i (level d < D) are the K
     consecutive nodes starting at ``level_start[d+1] + (i - level_start[d]) * K``, in the order of
     the draft's top-K (best first). ``depth`` and ``path`` are the int32 tables of
-    tinyloop.core.backend.TreeRows."""
+    tinyloop.runtime.backend.TreeRows."""
 
     def __init__(self, K: int, D: int):
         self.K, self.D = K, D

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...core.decoding import SAMPLING_FIELDS, Decoder
-from ...core.hookspecs import hookimpl
-from ...core.sampling import draw, sampling_probs, uniform
+from ...runtime.decoding import SAMPLING_FIELDS, Decoder
+from ...runtime.hookspecs import hookimpl
+from ...runtime.sampling import draw, sampling_probs, uniform
 from . import spec_session
 from .spec_session import SpeculativeOptions, SpeculativeSession
 

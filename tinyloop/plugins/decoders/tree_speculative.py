@@ -17,7 +17,7 @@ from r / sum(r) and stop. An accepted child becomes the current node (its own ch
 against its verify row); a leaf ends the walk with a draw from its row. Telescoping the products
 shows each emitted token is distributed exactly as p: plain sampling at verify_loops.
 
-On a backend without the ``tree`` capability (tinyloop.core.backend.TreeOps) the request is handed
+On a backend without the ``tree`` capability (tinyloop.runtime.backend.TreeOps) the request is handed
 to the chain decoder with the same options less K_branches: the one-branch tree, whose tokens are
 the same (greedy) or distributed the same (sampling).
 """
@@ -28,8 +28,8 @@ import dataclasses
 
 import numpy as np
 
-from ...core.hookspecs import hookimpl
-from ...core.sampling import draw, sampling_probs, uniform
+from ...runtime.hookspecs import hookimpl
+from ...runtime.sampling import draw, sampling_probs, uniform
 from .spec_session import TreeSpeculativeOptions, TreeSpeculativeSession
 from .speculative import ChainSpeculativeDecoder
 

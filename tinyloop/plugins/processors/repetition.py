@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...core.hookspecs import hookimpl
-from ...core.processors import LogitProcessor, Stage
+from ...runtime.hookspecs import hookimpl
+from ...runtime.processors import LogitProcessor, Stage
 
 
 class RepetitionPenalty(LogitProcessor):

@@ -1,13 +1,13 @@
-"""The built-in stop rules: EOS, stop sequences and max_tokens (tinyloop.core.stopping gives
+"""The built-in stop rules: EOS, stop sequences and max_tokens (tinyloop.runtime.stopping gives
 their order). Registered like any third-party stopper."""
 
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
 
-from ...core.config import StopReason
-from ...core.hookspecs import hookimpl
-from ...core.stopping import StopOrder, Stopper
+from ...runtime.config import StopReason
+from ...runtime.hookspecs import hookimpl
+from ...runtime.stopping import StopOrder, Stopper
 
 
 def tail_match(out: Sequence[int], seqs) -> bool:

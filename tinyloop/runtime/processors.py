@@ -5,7 +5,7 @@ Processing order, written once (the chain sorts processors by ``stage``):
 1. ``Stage.PENALTY`` - history-based rescaling (repetition penalty), on raw logits.
 2. ``Stage.MASK``    - constraint masks (grammar). A mask that would leave nothing allowed ends
    the request through the stop rules instead: the processor also derives from
-   tinyloop.core.stopping.Stopper and returns GRAMMAR_DEAD_END (or a reason of its own) from
+   tinyloop.runtime.stopping.Stopper and returns GRAMMAR_DEAD_END (or a reason of its own) from
    ``check`` once its ``accept`` has seen the token that leads there.
 3. The decoder's own selection, which is not a processor: greedy argmax, or
    temperature -> top-k -> top-p -> draw for sampling.

@@ -23,7 +23,7 @@ from typing import Dict, Mapping, Tuple
 import numpy as np
 
 from .arch import TensorQuant
-from .errors import ConfigError
+from ..errors import ConfigError
 
 #: Elements processed per step by :func:`quantize`; bounds the float64 temporaries.
 _CHUNK_ELEMENTS = 1 << 22
@@ -221,7 +221,7 @@ def quantize_tensor(name: str, w: np.ndarray, tq: TensorQuant) -> Dict[str, np.n
 def dequantize_tensor(name: str, physical: Mapping[str, np.ndarray], tq: TensorQuant,
                       shape: Tuple[int, ...]) -> np.ndarray:
     """:func:`dequantize` of logical tensor ``name`` taking its parts from ``physical`` (keyed by
-    physical name, e.g. a :class:`~tinyloop.core.format.ModelFile`'s ``tensors``)."""
+    physical name, e.g. a :class:`~tinyloop.model.format.ModelFile`'s ``tensors``)."""
     if not isinstance(tq, TensorQuant):
         raise ConfigError(f"{name}: quantization must be a TensorQuant, got {type(tq).__name__}")
     names = tq.physical(name, tuple(shape))

@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 from typing import Mapping, Optional
 
-from .arch import ModelConfig, TensorQuant, is_matrix, required_tensors
-from .errors import ConfigError
+from ..model.arch import ModelConfig, TensorQuant, is_matrix, required_tensors
+from ..errors import ConfigError
 
 DTYPE_BYTES = {"f32": 4, "f16": 2, "u8": 1, "float32": 4, "float16": 2, "uint8": 1}
 ACTIVATION_BYTES = 4
@@ -79,7 +79,7 @@ def estimate_memory(source, max_seq_len: int, loops: Optional[int] = None,
             raise ConfigError(f"estimate_memory needs a ModelConfig or a model header, got "
                               f"{type(source).__name__}")
         stored = sum(int(t.nbytes) for t in tensors)
-    from .plugins import get_plugin_manager
+    from ..runtime.plugins import get_plugin_manager
     entries = get_plugin_manager().backends()
     if not isinstance(backend, str) or backend not in entries:
         raise ConfigError(f"backend {backend!r} is not one of {', '.join(entries)}")

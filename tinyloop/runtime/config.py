@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, Mapping, Optional, Sequence, Tuple, Type, TypeVar
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def env_switch(name: str) -> bool:
@@ -289,7 +289,7 @@ RUN_MODES = ("generate", "batch", "speculative", "tree_speculative")
 class StopReason(str):
     """Why a generation ended: a name. The built-in reasons are class attributes (``EOS``,
     ``STOP_SEQUENCE``, ``MAX_TOKENS``, ``CALLBACK_ABORT``, ``GRAMMAR_DEAD_END``); a plugin's stopper
-    (tinyloop.core.stopping.Stopper) may end a request with its own, ``StopReason("MY_RULE")``.
+    (tinyloop.runtime.stopping.Stopper) may end a request with its own, ``StopReason("MY_RULE")``.
     One object per name (``StopReason("EOS") is StopReason.EOS``); a reason compares equal to its
     name and ``.value`` / ``.name`` give the name, as the former enum did."""
 

@@ -21,7 +21,7 @@ each window, scored like ``tl.score`` on that window):
   ``tv`` = mean total variation distance (1 - tv is the per-token acceptance probability of
   speculative sampling at temperature 1), ``nll`` = mean next-token loss on the ids themselves.
 
-The measurement runs on the model's own backend through :class:`~tinyloop.core.forward.Forward`
+The measurement runs on the model's own backend through :class:`~tinyloop.runtime.forward.Forward`
 (prefix, then one ``run_loop_iters_range(k, k + 1)`` at a time, residual copied to the host after
 each iteration, post blocks + head at every depth) and is exact with respect to the engine: the
 logits at depth L equal ``tl.score(model, ids, loops=L, cache_mode=...)``. The post blocks of each
@@ -38,11 +38,11 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .arch import ModelConfig
-from .config import GenerateConfig, GenerateStats
-from .engine import Model, Plan, Session, _locked, resolve_loops, validate_request
-from .errors import InvalidInputError
-from .processors import ProcessorChain
+from ..model.arch import ModelConfig
+from ..runtime.config import GenerateConfig, GenerateStats
+from ..runtime.engine import Model, Plan, Session, _locked, resolve_loops, validate_request
+from ..errors import InvalidInputError
+from ..runtime.processors import ProcessorChain
 
 #: committed held-out text of the demo model (present in a repository checkout, not in a wheel)
 HELDOUT_TEXT = Path(__file__).resolve().parents[2] / "data" / "heldout_eval.txt"
@@ -250,11 +250,11 @@ def measure_loop_gain(model: Model, token_ids: Sequence[int], max_loops: Optiona
 def sample_token_ids(model: Model, text: Optional[str] = None, n_tokens: int = 1024,
                      seed: int = RANDOM_SEED) -> Tuple[List[int], str]:
     """Token ids to measure on, and where they came from. With `text`: the model's tokenizer
-    (:func:`~tinyloop.core.tokenizer.resolve_tokenizer`, no directory override) on it. Without: when
+    (:func:`~tinyloop.model.tokenizer.resolve_tokenizer`, no directory override) on it. Without: when
     a tokenizer is configured (embedded, or TINYLOOP_TOKENIZER_DIR), the repository's
     data/heldout_eval.txt if present, else a fixed Python snippet; with no tokenizer configured
     (byte fallback), `n_tokens` uniformly random ids from a generator seeded with `seed`."""
-    from .tokenizer import TOKENIZER_ENV, resolve_tokenizer
+    from ..model.tokenizer import TOKENIZER_ENV, resolve_tokenizer
     configured = model.header.tokenizer is not None or bool(os.environ.get(TOKENIZER_ENV))
     if text is None and not configured:
         rng = np.random.default_rng(seed)
@@ -279,7 +279,7 @@ def measure_file(path: str, text: Optional[str] = None, max_loops: Optional[int]
                  text_label: Optional[str] = None) -> dict:
     """Load the model file on the CPU backend, pick sample ids (:func:`sample_token_ids`) and
     return :func:`measure_loop_gain` plus ``sample`` (where the ids came from)."""
-    from .engine import free_model, load_model
+    from ..runtime.engine import free_model, load_model
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise InvalidInputError(f"window={window!r} must be an integer >= 1")
     model = load_model(path, max_seq_len=window, backend="cpu")

@@ -34,7 +34,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import numpy as np
 
 from .arch import ModelConfig, TensorQuant, is_matrix, required_tensors
-from .errors import ConfigError, ModelFormatError, ModelFreedError
+from ..errors import ConfigError, ModelFormatError, ModelFreedError
 from .quant import dequantize_tensor, quantize_tensor
 
 MAGIC = b"TINYLOOP"

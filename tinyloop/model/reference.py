@@ -1,7 +1,7 @@
 """Float64 numpy reference forward: the oracle every backend is checked against.
 
 Deliberately naive: full-sequence causal attention recomputed from scratch, no cache, no fusion.
-Follows the family definition in tinyloop.core.arch exactly.
+Follows the family definition in tinyloop.model.arch exactly.
 """
 
 from __future__ import annotations

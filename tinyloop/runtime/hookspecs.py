@@ -15,7 +15,7 @@ hookimpl = pluggy.HookimplMarker("tinyloop")
 
 @hookspec
 def tinyloop_decoders():
-    """Return a list of Decoder subclasses (tinyloop.core.decoding.Decoder).
+    """Return a list of Decoder subclasses (tinyloop.runtime.decoding.Decoder).
 
     A decoder turns a decode session (prefill / logits / greedy / advance) into a stream of tokens.
     Its ``name`` selects it (GenerateConfig.decoder); ``matches(config)`` lets it be picked
@@ -27,7 +27,7 @@ def tinyloop_decoders():
 
 @hookspec
 def tinyloop_cache_modes():
-    """Return a list of CacheMode subclasses (tinyloop.core.cache.CacheMode).
+    """Return a list of CacheMode subclasses (tinyloop.runtime.cache.CacheMode).
 
     A cache mode (GenerateConfig.cache_mode) says which KV codec each layer group of the cache
     uses. Result: all implementations' lists, concatenated."""
@@ -35,7 +35,7 @@ def tinyloop_cache_modes():
 
 @hookspec
 def tinyloop_kv_codecs():
-    """Return a list of KVCodec subclasses (tinyloop.core.cache.KVCodec).
+    """Return a list of KVCodec subclasses (tinyloop.runtime.cache.KVCodec).
 
     A codec defines how one K or V row is stored (codes, scale, zero point) with a numpy reference,
     and names each backend's implementation (``backend_impls``). Result: all lists, concatenated."""
@@ -43,15 +43,15 @@ def tinyloop_kv_codecs():
 
 @hookspec
 def tinyloop_slot_maps():
-    """Return a list of SlotMapMode subclasses (tinyloop.core.cache.SlotMapMode).
+    """Return a list of SlotMapMode subclasses (tinyloop.runtime.cache.SlotMapMode).
 
     ``from_config(config)`` returns an instance when the request enables the slot map (at most one
-    may); it sizes the cache's ring (tinyloop.core.cache.SlotMap). Result: all lists, concatenated."""
+    may); it sizes the cache's ring (tinyloop.runtime.cache.SlotMap). Result: all lists, concatenated."""
 
 
 @hookspec
 def tinyloop_processors():
-    """Return a list of LogitProcessor subclasses (tinyloop.core.processors.LogitProcessor).
+    """Return a list of LogitProcessor subclasses (tinyloop.runtime.processors.LogitProcessor).
 
     ``from_config(config)`` builds an instance when the request enables it; the chain orders
     processors by ``stage``. Result: all implementations' lists, concatenated."""
@@ -59,7 +59,7 @@ def tinyloop_processors():
 
 @hookspec
 def tinyloop_stoppers():
-    """Return a list of Stopper subclasses (tinyloop.core.stopping.Stopper).
+    """Return a list of Stopper subclasses (tinyloop.runtime.stopping.Stopper).
 
     ``from_config(config, model_config)`` builds an instance when the request needs the rule; the
     decode loop asks the chain (ordered by ``order``) after every emitted token, and the first
@@ -68,7 +68,7 @@ def tinyloop_stoppers():
 
 @hookspec
 def tinyloop_backends():
-    """Return a list of BackendEntry subclasses (tinyloop.core.backend.BackendEntry).
+    """Return a list of BackendEntry subclasses (tinyloop.runtime.backend.BackendEntry).
 
     An entry names a backend (RunConfig.backend, load_model(backend=...), --backend), the
     "module:Class" of its Backend implementation, whether this machine can run it, and its rank

@@ -9,7 +9,7 @@ Canonical decode state machine (generate / generate_stream / generate_iter):
    decoder's session may ask for more: ``extra_slots`` / ``extra_groups``).
 3. The decoder drives the session: prefill, then per token: processors (penalty, mask) -> pick ->
    emit -> stop rules -> advance the cache with a one-token forward.
-4. Stop rules, asked after each emitted token (tinyloop.core.stopping gives their order: the
+4. Stop rules, asked after each emitted token (tinyloop.runtime.stopping gives their order: the
    consumer's callback, EOS, stop sequences, plugins' own rules, max_tokens). The emitted token
    that triggers a stop is included in the output; a consumer that stops reading early is
    CALLBACK_ABORT.
@@ -30,14 +30,14 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import numpy as np
 
-from .arch import ModelConfig
+from ..model.arch import ModelConfig
 from .backend import Backend
 from .cache import build_spec, linear_slots
 from .compat import check_request
 from .config import GenerateConfig, GenerateStats, StopReason, env_switch
-from .errors import (BackendError, ConfigError, InvalidInputError, ModelBusyError,
+from ..errors import (BackendError, ConfigError, InvalidInputError, ModelBusyError,
                      ModelFreedError, PluginError)
-from .format import open_model
+from ..model.format import open_model
 from .forward import Forward
 from .decoding import check_honoured, parse_options
 from .plugins import get_plugin_manager
@@ -267,7 +267,7 @@ def _nbytes(cache) -> int:
 
 
 class Session:
-    """The decode session a decoder drives (tinyloop.core.decoding.DecodeSession).
+    """The decode session a decoder drives (tinyloop.runtime.decoding.DecodeSession).
 
     Lanes: a session holds one decode state (lane 0) unless a decoder asks for more with
     fork_pool(n). Each lane has its own KV cache, token list and position; the lane in use keeps its

@@ -27,7 +27,7 @@ import os
 from functools import lru_cache
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .errors import TokenizerError
+from ..errors import TokenizerError
 
 #: Environment variable naming a tokenizer directory (vocab.json + merges.txt).
 TOKENIZER_ENV = "TINYLOOP_TOKENIZER_DIR"

@@ -11,7 +11,7 @@ A request's cache is described, not implemented, by the plugins that shape it:
   slots. Backends execute one parametric family, :class:`SlotMap`: a ring of ``n_slots`` slots in
   which a query at position p attends to the last ``window`` positions (``window = 0``: every
   position 0..p, slot = position). Tree rows (speculative trees) are a position handle
-  (tinyloop.core.backend.TreeRows) over the linear map.
+  (tinyloop.runtime.backend.TreeRows) over the linear map.
 
 :class:`CacheSpec` puts them together: layer groups in the order pre | post | extra groups (a
 speculative draft's post layers) | loop iterations. The loop group is last, so the number of loop
@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .errors import ConfigError, PluginError
+from ..errors import ConfigError, PluginError
 
 
 # --------------------------------------------------------------------------- codecs

@@ -42,7 +42,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 #: Upper bounds that keep size arithmetic sane; a file declaring more is refused.
 MAX_DIM = 1 << 20

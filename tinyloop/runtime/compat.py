@@ -20,7 +20,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from .errors import ConfigError, IncompatibleModesError, NotImplementedModeError
+from ..errors import ConfigError, IncompatibleModesError, NotImplementedModeError
 
 CELLS = ("ok", "partial", "rejected")
 STATUSES = ("implemented", "planned")

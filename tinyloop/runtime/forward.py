@@ -1,4 +1,4 @@
-"""The looped forward, written once against the backend ops (tinyloop.core.backend).
+"""The looped forward, written once against the backend ops (tinyloop.runtime.backend).
 
 One call moves T token rows at positions pos .. pos+T-1 through the model and appends their K/V to
 the cache. It is split into three pieces so that later modes can resume in the middle of the loop:
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .arch import ModelConfig
+from ..model.arch import ModelConfig
 from .backend import Backend, ModelWeights, Workspace
 
 

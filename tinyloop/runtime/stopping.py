@@ -30,7 +30,7 @@ import enum
 from typing import Any, Callable, ClassVar, List, Optional, Sequence
 
 from .config import StopReason
-from .errors import PluginError
+from ..errors import PluginError
 
 
 class StopOrder(enum.IntEnum):

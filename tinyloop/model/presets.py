@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Dict, NamedTuple, Optional
 
 from .arch import ModelConfig, TensorQuant, is_matrix, required_tensors
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 class Preset(NamedTuple):

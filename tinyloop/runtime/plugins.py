@@ -17,7 +17,7 @@ from . import hookspecs
 from .backend import BackendEntry
 from .cache import CacheMode, KVCodec, SlotMapMode
 from .decoding import Decoder
-from .errors import BackendError, ConfigError, PluginError
+from ..errors import BackendError, ConfigError, PluginError
 from .processors import LogitProcessor
 from .stopping import Stopper
 

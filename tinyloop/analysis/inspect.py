@@ -1,6 +1,6 @@
 """inspect(): what a .tinyloop file holds and what running it costs, from its header alone.
 
-Memory estimates (see :mod:`tinyloop.core.memory`): backend ``cpu`` dequantizes every weight to
+Memory estimates (see :mod:`tinyloop.analysis.memory`): backend ``cpu`` dequantizes every weight to
 float32; backend ``cuda`` keeps the weights packed as stored. KV-cache modes are the registered
 cache-mode plugins (their ``kv_bytes_per_element``).
 """
@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 from typing import Dict, Optional
 
-from .arch import TensorQuant, required_tensors
-from .errors import ModelFormatError
-from .format import read_header
+from ..model.arch import TensorQuant, required_tensors
+from ..errors import ModelFormatError
+from ..model.format import read_header
 from .memory import estimate_memory, parameter_count
-from .plugins import get_plugin_manager
+from ..runtime.plugins import get_plugin_manager
 
 N_LARGEST = 5
 
@@ -23,7 +23,7 @@ def cache_modes(head_dim: int) -> Dict[str, float]:
     """{cache mode: KV bytes per element} of every registered cache-mode plugin whose codecs are
     registered, for rows of `head_dim` values (scales and zero points included): the loop group's
     codec, which holds all but the pre and post layers."""
-    from .plugins import get_plugin_manager
+    from ..runtime.plugins import get_plugin_manager
     pm = get_plugin_manager()
     codecs = pm.kv_codecs()
     out = {}
@@ -43,7 +43,7 @@ def inspect(path: str, max_seq_len: int = 2048, loops: Optional[int] = None, mea
     backend and cache mode, as a JSON-serializable dict. Reads the header only, never the weights.
 
     ``measure=True`` is the exception: it also loads the model on the CPU backend and runs it to add
-    "loop_gain" (:func:`tinyloop.core.loopgain.measure_file` with its defaults: the sample text, 4
+    "loop_gain" (:func:`tinyloop.analysis.loopgain.measure_file` with its defaults: the sample text, 4
     windows of 256 tokens, depths 1 .. min(2 x default_loops, max_loops)); seconds to minutes."""
     if not os.path.exists(path):
         raise ModelFormatError(f"no such file: {path}")

@@ -7,8 +7,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .engine import Model, score
-from .errors import InvalidInputError
+from ..runtime.engine import Model, score
+from ..errors import InvalidInputError
 
 
 def perplexity(model: Model, ids: Sequence[int], loops: Optional[int] = None, window: int = 256,

@@ -2,7 +2,7 @@
 
 A decoder is a generator of tokens over a :class:`DecodeSession` that the engine hands it. The
 engine owns everything else: validation, the compat check, cache allocation, processors'
-``accept``, the stop rules (tinyloop.core.stopping: EOS, stop sequences, max_tokens, callback
+``accept``, the stop rules (tinyloop.runtime.stopping: EOS, stop sequences, max_tokens, callback
 abort, plugins' own) and statistics. When the engine stops consuming, it closes the generator;
 decoders hold no resources of their own.
 
@@ -12,7 +12,7 @@ What a decoder class declares (all class attributes, read once per request):
 * ``options_class``  a frozen dataclass of its own settings, parsed from GenerateConfig.options
   (:func:`parse_options`; unknown keys and bad values are errors before any work). None: the
   decoder takes no options.
-* ``session_class``  the session it drives: a subclass of tinyloop.core.engine.Session, or any
+* ``session_class``  the session it drives: a subclass of tinyloop.runtime.engine.Session, or any
   factory ``(model, prompt, plan, chain, stats) -> session``; None: the engine's Session.
 * ``honours``  the GenerateConfig fields it reads besides the engine's own (:data:`ENGINE_FIELDS`,
   and :data:`PROCESSOR_FIELDS` when ``applies_processors``). A request that sets any other field
@@ -26,7 +26,7 @@ What a decoder class declares (all class attributes, read once per request):
 * ``resolve(model, config, context)``  a decoder may hand a request to another one (the auto
   decoder), returning the new GenerateConfig.
 
-DecodeSession (implemented by tinyloop.core.engine.Session): see :class:`DecodeSession`.
+DecodeSession (implemented by tinyloop.runtime.engine.Session): see :class:`DecodeSession`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import dataclasses
 from typing import Any, ClassVar, FrozenSet, Iterator, List, Mapping, Optional, Protocol
 
 from .config import GenerateConfig
-from .errors import ConfigError, IncompatibleModesError
+from ..errors import ConfigError, IncompatibleModesError
 
 #: GenerateConfig fields every decoder honours: the engine applies them whatever the decoder
 #: (cache allocation and layout, the loop depth, the stop rules, plugin selection).
@@ -49,7 +49,7 @@ SAMPLING_FIELDS = frozenset({"temperature", "top_k", "top_p", "sample_seed"})
 
 
 class DecodeSession(Protocol):
-    """What a decoder may call on the session the engine hands it (tinyloop.core.engine.Session;
+    """What a decoder may call on the session the engine hands it (tinyloop.runtime.engine.Session;
     a decoder's ``session_class`` adds its own operations on top).
 
     Several decode states (lanes) exist for decoders that follow more than one sequence (beam
@@ -67,7 +67,7 @@ class DecodeSession(Protocol):
     position: int
     """Tokens of the lane in use whose K/V are in the cache."""
     stoppers: Any
-    """The request's per-sequence stop rules (a tinyloop.core.stopping.StopperChain, reset with the
+    """The request's per-sequence stop rules (a tinyloop.runtime.stopping.StopperChain, reset with the
     prompt). The engine applies them to what the decoder yields; a decoder that explores candidate
     sequences checks *clones* of it (``clone().check(tokens)``), never the chain itself."""
 
@@ -121,7 +121,7 @@ class Decoder:
     applies_processors: ClassVar[bool] = True
     """The decoder's tokens come through the processor chain (session.logits() / greedy())."""
     requires: ClassVar[FrozenSet[str]] = frozenset()
-    """Optional backend capabilities (tinyloop.core.backend.CAPABILITIES) the decoder cannot run
+    """Optional backend capabilities (tinyloop.runtime.backend.CAPABILITIES) the decoder cannot run
     without; a request on a backend that lacks one is a BackendError before any allocation. A
     decoder that can run without a capability asks ``model.backend.supports(name)`` instead and
     falls back (its ``resolve`` or its session)."""

@@ -33,8 +33,8 @@ from typing import Any, Dict, FrozenSet, Mapping
 
 import numpy as np
 
-from .arch import ModelConfig
-from .errors import BackendError
+from ..model.arch import ModelConfig
+from ..errors import BackendError
 
 
 @dataclass(slots=True)
@@ -168,7 +168,7 @@ class Backend(ABC):
 
     @abstractmethod
     def alloc_cache(self, spec) -> Any:
-        """A zeroed KV cache laid out as `spec` (tinyloop.core.cache.CacheSpec): one K and one V
+        """A zeroed KV cache laid out as `spec` (tinyloop.runtime.cache.CacheSpec): one K and one V
         storage per layer group, in the group's codec, with spec.n_slots slots per layer. The
         returned object has ``spec`` (the spec it was made for, possibly with more slots: the
         attribute is authoritative), ``n_slots`` and ``nbytes``. Ops that take a global `layer`
@@ -220,7 +220,7 @@ class Backend(ABC):
     @abstractmethod
     def rows_to_host(self, buf, n: int):
         """Rows 0..n-1 of an activation buffer (ws.x, ws.e, ...) as a new host float32 array, after
-        every op queued before it has finished (diagnostics such as tinyloop.core.loopgain, and
+        every op queued before it has finished (diagnostics such as tinyloop.analysis.loopgain, and
         the conformance suite; allocates)."""
 
     @abstractmethod

@@ -1,0 +1,1 @@
+"""Analysis on top of the runtime: loop gain, model inspection, held-out evaluation."""
