@@ -67,11 +67,8 @@ class Plugin:
 
 @pytest.fixture
 def plugin():
-    pm = get_plugin_manager()
-    p = Plugin()
-    pm.register(p, name="backend-contract-test")
-    yield pm
-    pm.unregister(p)
+    with get_plugin_manager().registered(Plugin(), name="backend-contract-test") as pm:
+        yield pm
 
 
 def test_builtin_registry():

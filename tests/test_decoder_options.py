@@ -231,12 +231,9 @@ class RankPlugin:
 
 @pytest.fixture
 def rank_plugin():
-    pm = get_plugin_manager()
-    plugin = RankPlugin()
-    pm.register(plugin, name="test-rank-decoder")
     RankDecoder.seen = []
-    yield pm
-    pm.unregister(plugin)
+    with get_plugin_manager().registered(RankPlugin(), name="test-rank-decoder") as pm:
+        yield pm
 
 
 def test_third_party_decoder_with_options_and_session(rank_plugin, tiny_model, prompt):

@@ -39,11 +39,8 @@ class ThirdParty:
 
 @pytest.fixture
 def third_party():
-    pm = get_plugin_manager()
-    plugin = ThirdParty()
-    pm.register(plugin, name="third-party-test")
-    yield pm
-    pm.unregister(plugin)
+    with get_plugin_manager().registered(ThirdParty(), name="third-party-test") as pm:
+        yield pm
 
 
 def test_every_hook_is_prefixed_and_documented():

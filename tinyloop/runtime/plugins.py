@@ -7,6 +7,7 @@ called once. Registries are built once and cached; nothing here runs per token.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import threading
 from typing import Dict, Iterable, List, Optional, Type
@@ -66,6 +67,15 @@ class PluginManager:
     def unregister(self, plugin=None, name: Optional[str] = None) -> None:
         self.pm.unregister(plugin=plugin, name=name)
         self._cache.clear()
+
+    @contextlib.contextmanager
+    def registered(self, plugin, name: Optional[str] = None):
+        """``with pm.registered(obj):`` the plugin is registered inside the block (tests)."""
+        self.register(plugin, name=name)
+        try:
+            yield self
+        finally:
+            self.unregister(plugin)
 
     def _registry(self, hook: str, base: type) -> Dict[str, type]:
         if hook not in self._cache:
