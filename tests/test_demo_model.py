@@ -69,3 +69,6 @@ def test_main_job_runs():
     assert r.returncode == 0, r.stderr
     assert "def fibonacci(n):" in r.stdout and "class Stack:" in r.stdout
     assert r.stderr.count("stop MAX_TOKENS") + r.stderr.count("stop EOS") == 3
+    # the shipped settings do not fall into a loop: no completion repeats one line 4 times
+    lines = [ln.strip() for ln in r.stdout.splitlines() if len(ln.strip()) > 8]
+    assert all(lines.count(ln) < 4 for ln in lines), r.stdout

@@ -239,7 +239,7 @@ def test_top_k_validated_only_while_sampling(tiny_model, prompt):
     ([1] * 100, dict(max_tokens=29), "exceeds max_seq_len=128"),
     ([1], dict(loops=9), r"loops=9 is outside the allowed range \[1, 8\]"),
     ([1], dict(stop_sequences=[[200]]), "stop_sequences"),
-    ("text", {}, "not text"),
+    (b"text", {}, "not bytes"),
     ([[1, 2]], {}, "flat sequence"),
 ])
 def test_request_validation_before_work(tiny_model, monkeypatch, prompt_, kw, match):
@@ -247,6 +247,9 @@ def test_request_validation_before_work(tiny_model, monkeypatch, prompt_, kw, ma
     monkeypatch.setattr(tiny_model.backend, "alloc_cache", lambda *a: calls.append(a))
     with pytest.raises(tl.InvalidInputError, match=match):
         tl.generate(tiny_model, prompt_, GenerateConfig(**kw))
+    # a text prompt on a model without a usable tokenizer (97 ids, none embedded)
+    with pytest.raises(tl.TokenizerError, match="configure a tokenizer"):
+        tl.generate(tiny_model, "text", GenerateConfig())
     assert calls == []
 
 

@@ -12,7 +12,8 @@ from .errors import (BackendError, ConfigError, IncompatibleModesError, InvalidI
                           ModelBusyError, ModelFormatError, ModelFreedError, NotImplementedModeError,
                           OutOfMemoryError, PluginError, TinyLoopError, TokenizerError)
 from .analysis.inspect import inspect
-from .api import generate_speculative, generate_tree_speculative
+from .api import generate_speculative, generate_text, generate_tree_speculative, stream_text
+from .model.tokenizer import Tokenizer
 from .plugins.decoders.autotune import DecoderChoice, calibrate
 # the plugin author's API
 from .runtime.backend import Backend, BackendEntry, DeviceChaining, TreeOps, Workspace
@@ -28,7 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "load_model", "free_model", "vram_usage_bytes", "inspect", "Model",
-    "generate", "generate_stream", "generate_iter", "generate_batch",
+    "generate", "generate_stream", "generate_iter", "generate_batch", "generate_text", "stream_text", "Tokenizer",
     "generate_speculative", "generate_tree_speculative", "calibrate", "DecoderChoice", "score",
     "score_last_token",
     "GenerateConfig", "GenerateStats", "SpeculativeConfig", "TreeSpeculativeConfig", "StopReason",

@@ -1,14 +1,15 @@
-"""The public API's speculative entry points: thin wrappers that turn a SpeculativeConfig /
+"""The public API's convenience entry points: text in / text out (generate_text, stream_text), and
+the speculative entry points, thin wrappers that turn a SpeculativeConfig /
 TreeSpeculativeConfig into the GenerateConfig of the built-in "speculative" / "tree_speculative"
 decoder plugin and run it through the engine like any request. The public API layer may name
 built-in plugins; the runtime (tinyloop.runtime) does not."""
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence, Union
 
-from .runtime.config import GenerateStats, SpeculativeConfig, TreeSpeculativeConfig
-from .runtime.engine import Model, generate_stream
+from .runtime.config import GenerateConfig, GenerateStats, SpeculativeConfig, TreeSpeculativeConfig
+from .runtime.engine import Model, generate_iter, generate_stream
 from .plugins.decoders.spec_session import speculative_request
 
 
@@ -33,3 +34,34 @@ def generate_tree_speculative(model: Model, prompt: Sequence[int],
     prompt + tokens. Same as generate with decoder="tree_speculative" (options also K_branches)."""
     request = speculative_request(config if config is not None else TreeSpeculativeConfig(), tree=True)
     return generate_stream(model, prompt, request, stats=stats)
+
+
+# --------------------------------------------------------------------------- text in, text out
+def stream_text(model: Model, prompt: Union[str, Sequence[int]], config: Optional[GenerateConfig] = None,
+                stats: Optional[GenerateStats] = None) -> Iterator[str]:
+    """Yield the completion as text while it is generated: each piece is the text the tokens so
+    far complete (a character split across tokens comes whole, once its last byte arrives; bytes
+    that never complete a character end as U+FFFD). Validation runs before the first ``next()``,
+    like generate_iter; closing the generator early stops decoding."""
+    tokens = generate_iter(model, prompt, config, stats=stats)
+    return _pieces(model.tokenizer.stream_decoder(), tokens)
+
+
+def _pieces(decoder, tokens) -> Iterator[str]:
+    try:
+        for tok in tokens:
+            piece = decoder.push(tok)
+            if piece:
+                yield piece
+        tail = decoder.flush()
+        if tail:
+            yield tail
+    finally:
+        tokens.close()
+
+
+def generate_text(model: Model, prompt: Union[str, Sequence[int]], config: Optional[GenerateConfig] = None,
+                  stats: Optional[GenerateStats] = None) -> str:
+    """The completion of `prompt` (text or ids) as text, prompt excluded: generate, then the new
+    tokens decoded with ``model.tokenizer``."""
+    return "".join(stream_text(model, prompt, config, stats=stats))

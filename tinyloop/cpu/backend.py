@@ -79,11 +79,12 @@ class CPUBackend(Backend, TreeOps):
         handles = {}
         nbytes = 0
         for name, tq in model_file.header.quant.items():
+            # a copy, never a view of the file's memory map: the file is closed after loading, and
+            # a file rewritten under a loaded model must not reach it (docs/FORMAT.md)
+            arr = np.ascontiguousarray(model_file.logical(name), dtype=np.float32)
             if tq.type == "f32":
-                arr = model_file.tensors[name]        # memory-mapped, read-only, no copy
-            else:
-                arr = np.ascontiguousarray(model_file.logical(name), dtype=np.float32)
-                nbytes += arr.nbytes
+                arr = arr.copy()                     # logical() of an f32 tensor is the view itself
+            nbytes += arr.nbytes
             handles[name] = arr
         self._held += nbytes
         return ModelWeights.from_handles(self.cfg, handles, nbytes=nbytes)

@@ -25,6 +25,7 @@ import json
 import math
 import mmap
 import os
+import stat
 import struct
 import tempfile
 import traceback
@@ -343,10 +344,28 @@ def _read_header(f, path) -> ModelHeader:
 
 
 def _open(path):
+    """The file `path` names, opened for reading: a str or os.PathLike naming a regular file (an
+    int is never taken for a file descriptor; a FIFO, directory or device is refused before it is
+    opened, so nothing blocks)."""
+    if isinstance(path, bool) or not isinstance(path, (str, os.PathLike)):
+        raise ModelFormatError(f"model path {path!r} must be a str or os.PathLike, not {type(path).__name__}")
+    name = os.fspath(path)
     try:
-        return open(path, "rb")
+        st = os.stat(name)
+    except (OSError, ValueError) as e:
+        raise ModelFormatError(f"cannot open model file {name!r}: {getattr(e, 'strerror', None) or e}") from e
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise ModelFormatError(f"model file {name!r} is {kind}")
+    try:
+        # non-blocking: a FIFO swapped in after the stat must not block the open
+        fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
-        raise ModelFormatError(f"cannot open model file {os.fspath(path)!r}: {e.strerror or e}") from e
+        raise ModelFormatError(f"cannot open model file {name!r}: {e.strerror or e}") from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ModelFormatError(f"model file {name!r} is not a regular file")
+    return os.fdopen(fd, "rb")
 
 
 def read_header(path) -> ModelHeader:

@@ -159,7 +159,9 @@ class Backend(ABC):
     # ------------------------------------------------------------------ memory
     @abstractmethod
     def load_weights(self, model_file) -> ModelWeights:
-        """Take the model's tensors (a format.ModelFile) into backend memory."""
+        """Take the model's tensors (a format.ModelFile) into backend memory: copies, with every
+        transfer finished on return, since the caller closes the file right after (nothing may
+        keep a view of its memory map)."""
 
     @abstractmethod
     def alloc_workspace(self, rows: int) -> Workspace:

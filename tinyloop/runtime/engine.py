@@ -36,8 +36,10 @@ from .cache import build_spec, linear_slots
 from .compat import check_request
 from .config import GenerateConfig, GenerateStats, StopReason, env_switch
 from ..errors import (BackendError, ConfigError, InvalidInputError, ModelBusyError,
-                     ModelFreedError, PluginError)
+                      ModelFreedError, PluginError, TokenizerError)
 from ..model.format import open_model
+from ..model.tokenizer import Tokenizer, resolve_tokenizer
+from ..models import demo_model_path
 from .forward import Forward
 from .decoding import check_honoured, parse_options
 from .plugins import get_plugin_manager
@@ -47,35 +49,81 @@ from .stopping import CallbackStopper, Stopper, StopperChain
 DEFAULT_PREFILL_CHUNK = 512
 
 
+DEMO = "demo"
+
+
+def _model_path(path) -> str:
+    """The file `path` names: None or "demo" is the shipped demo model; else a str or os.PathLike
+    (an int is refused: it would be taken for a file descriptor)."""
+    if path is None or (isinstance(path, str) and path == DEMO):
+        return demo_model_path()
+    if isinstance(path, bool) or not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"path={path!r} must be a model file path (str or os.PathLike), None or "
+                          f"{DEMO!r} (the shipped demo model), not {type(path).__name__}")
+    p = os.fspath(path)
+    if not isinstance(p, str):
+        raise ConfigError(f"path={path!r} must name a file by a str path, not bytes")
+    return p
+
+
 class Model:
     """A loaded .tinyloop model on one backend. Not reentrant: a second concurrent call raises
-    ModelBusyError. Release with free_model()."""
+    ModelBusyError. Release with free_model().
 
-    def __init__(self, path: str, max_seq_len: int, backend: str, prefill_chunk: int):
+    The backend takes a copy of every tensor it uses and the file is closed once loading ends, so
+    the model never reads its file again: rewriting or truncating it later cannot affect it."""
+
+    def __init__(self, path, max_seq_len: int, backend: str, prefill_chunk: int, tokenizer=None):
+        path = _model_path(path)
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or not 1 <= max_seq_len <= 1 << 20:
             raise ConfigError(f"max_seq_len={max_seq_len!r} is outside the allowed range [1, 1048576]")
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 0:
             raise ConfigError(f"prefill_chunk={prefill_chunk!r} must be an integer >= 0 (0 = automatic)")
+        if not (tokenizer is None or isinstance(tokenizer, Tokenizer)
+                or (isinstance(tokenizer, str) and tokenizer)):
+            raise ConfigError(f"tokenizer={tokenizer!r} must be None (the documented precedence), a tokenizer "
+                              f"directory (vocab.json + merges.txt) or a tinyloop Tokenizer")
         entry = get_plugin_manager().backend_entry(backend)
         backend_cls = entry.load_class()
-        self.path = str(path)
+        self.path = path
         self.max_seq_len = max_seq_len
         self.file = open_model(path)
         self._lock = threading.Lock()
         self._freed = False
         self._live_cache_bytes = 0
+        self._tokenizer = None
         self.decoder_choices = {}           # loop depth -> the auto decoder's calibration (its own record)
         try:
             self.header = self.file.header
             self.cfg: ModelConfig = self.header.config
+            if tokenizer is not None:
+                self._tokenizer = self._resolve_tokenizer(tokenizer)
             self.backend: Backend = backend_cls(self.cfg, max_seq_len)
             self.weights = self.backend.load_weights(self.file)
+            self.file.close()               # the backend holds copies (Backend.load_weights)
             rows = min(max_seq_len, prefill_chunk or DEFAULT_PREFILL_CHUNK)
             self.ws = self.backend.alloc_workspace(rows)
             self.fwd = Forward(self.cfg, self.backend, self.weights, self.ws)
         except BaseException:
             self._release()
             raise
+
+    def _resolve_tokenizer(self, tokenizer=None) -> Tokenizer:
+        if isinstance(tokenizer, Tokenizer):
+            if tokenizer.vocab_size > self.cfg.vocab_size:
+                raise TokenizerError(f"tokenizer {tokenizer!r} has ids up to {tokenizer.vocab_size - 1}, but the "
+                                     f"model's vocab_size is {self.cfg.vocab_size}")
+            return tokenizer
+        return resolve_tokenizer(self.header.tokenizer, tokenizer, self.cfg.vocab_size)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer: the one given to load_model, else by precedence
+        TINYLOOP_TOKENIZER_DIR > the tokenizer embedded in the file > raw bytes (resolved on first
+        use, then kept). ``model.tokenizer.encode(text)`` / ``.decode(ids)``."""
+        if self._tokenizer is None:
+            self._tokenizer = self._resolve_tokenizer()
+        return self._tokenizer
 
     @property
     def backend_name(self) -> str:
@@ -103,12 +151,15 @@ class Model:
         free_model(self)
 
 
-def load_model(path: str, max_seq_len: int = 2048, backend: str = "auto", prefill_chunk: int = 0) -> Model:
+def load_model(path=None, max_seq_len: int = 2048, backend: str = "auto", prefill_chunk: int = 0,
+               tokenizer=None) -> Model:
     """Load a .tinyloop file onto a backend ("auto" picks CUDA when a GPU is present, else CPU).
 
-    prefill_chunk bounds the rows of one forward launch (0 = min(max_seq_len, 512)); it sizes the
-    activation buffer pool, which is allocated here once."""
-    return Model(path, max_seq_len, backend, prefill_chunk)
+    `path` None or "demo" loads the shipped demo model. prefill_chunk bounds the rows of one
+    forward launch (0 = min(max_seq_len, 512)); it sizes the activation buffer pool, which is
+    allocated here once. `tokenizer`: a directory (vocab.json + merges.txt) or a Tokenizer to use
+    for text prompts; None resolves ``model.tokenizer`` by the documented precedence."""
+    return Model(path, max_seq_len, backend, prefill_chunk, tokenizer)
 
 
 def free_model(model: Model) -> None:
@@ -124,9 +175,12 @@ def vram_usage_bytes(model: Model) -> int:
 
 
 # --------------------------------------------------------------------------- validation
-def _as_ids(tokens: Any, what: str) -> List[int]:
-    if isinstance(tokens, (str, bytes)):
-        raise InvalidInputError(f"{what} must be a sequence of token ids, not text; tokenize it first")
+def _as_ids(tokens: Any, what: str, model: Optional[Model] = None) -> List[int]:
+    if isinstance(tokens, str) and model is not None:
+        return model.tokenizer.encode(tokens)
+    if isinstance(tokens, (str, bytes, bytearray)):
+        raise InvalidInputError(f"{what} must be text (str) or a sequence of token ids, not "
+                                f"{type(tokens).__name__}")
     try:
         arr = np.asarray(tokens)
     except Exception:
@@ -139,7 +193,7 @@ def _as_ids(tokens: Any, what: str) -> List[int]:
 
 def validate_request(model: Model, prompt: Any, config: GenerateConfig, what: str = "prompt") -> List[int]:
     """Model-dependent checks of one request; returns the prompt as a list of ints."""
-    ids = _as_ids(prompt, what)
+    ids = _as_ids(prompt, what, model)
     V = model.cfg.vocab_size
     if len(ids) < 1:
         raise InvalidInputError(f"{what}_len=0: a prompt needs at least 1 token")
