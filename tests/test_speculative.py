@@ -180,3 +180,18 @@ def test_speculative_sampling_deterministic_per_seed(model, prompt):
     others = {tuple(tl.generate_speculative(model, prompt, SpeculativeConfig(
         max_tokens=20, draft_loops=1, verify_loops=4, draft_ahead=3, temperature=0.8, seed=s))) for s in range(4)}
     assert len(others) > 1
+
+
+def test_disable_kv_cache_is_refused_by_speculative_decoders(spec_model, monkeypatch):
+    """TINYLOOP_DISABLE_KV_CACHE asks for the uncached path, which speculative decoding has not:
+    a typed error naming the variable, for chain and tree, before any allocation."""
+    m = spec_model
+    monkeypatch.setenv("TINYLOOP_DISABLE_KV_CACHE", "1")
+    calls = []
+    monkeypatch.setattr(m.backend, "alloc_cache", lambda *a: calls.append(a))
+    for fn, cfg in ((tl.generate_speculative, tl.SpeculativeConfig(max_tokens=3, draft_loops=1, verify_loops=2)),
+                    (tl.generate_tree_speculative, tl.TreeSpeculativeConfig(max_tokens=3, draft_loops=1,
+                                                                            verify_loops=2))):
+        with pytest.raises(tl.IncompatibleModesError, match="TINYLOOP_DISABLE_KV_CACHE='1'"):
+            fn(m, [1, 2, 3], cfg)
+    assert calls == []

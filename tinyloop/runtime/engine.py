@@ -47,6 +47,13 @@ from .processors import ProcessorChain
 from .stopping import CallbackStopper, Stopper, StopperChain
 
 DEFAULT_PREFILL_CHUNK = 512
+#: Environment switch: recompute the whole sequence for every token (the uncached reference path).
+DISABLE_KV_CACHE_ENV = "TINYLOOP_DISABLE_KV_CACHE"
+
+
+def kv_cache_disabled() -> bool:
+    """TINYLOOP_DISABLE_KV_CACHE is set (to anything but "" or "0")."""
+    return os.environ.get(DISABLE_KV_CACHE_ENV, "") not in ("", "0")
 
 
 DEMO = "demo"
@@ -347,7 +354,7 @@ class Session:
         self.position = 0                       # tokens whose K/V are in the cache
         self.chain = chain
         self.stats = stats
-        self.uncached = os.environ.get("TINYLOOP_DISABLE_KV_CACHE", "") not in ("", "0")
+        self.uncached = kv_cache_disabled()
         n_positions = len(prompt) + plan.config.max_tokens + extra_slots
         # rows per forward launch: the workspace's, or fewer where the slot map asks (a window)
         self.launch_rows = model.ws.rows

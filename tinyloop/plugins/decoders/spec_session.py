@@ -33,6 +33,7 @@ later: cache slots past the committed position are rewritten before any query re
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -40,8 +41,8 @@ import numpy as np
 
 from ...runtime.config import (GREEDY_TEMPERATURE, GenerateConfig, GenerateStats, SpeculativeConfig,
                             TreeSpeculativeConfig, check_bool, check_int)
-from ...runtime.engine import Model, Plan, Session
-from ...errors import ConfigError
+from ...runtime.engine import DISABLE_KV_CACHE_ENV, Model, Plan, Session, kv_cache_disabled
+from ...errors import ConfigError, IncompatibleModesError
 
 #: Most tokens one chain cycle drafts (the backends size their id rows for it).
 MAX_DRAFT_AHEAD = 64
@@ -89,6 +90,10 @@ class TreeSpeculativeOptions(SpeculativeOptions):
 
 def validate(model: Model, config: GenerateConfig, opts: SpeculativeOptions) -> None:
     """The model-dependent checks of a speculative request (before any allocation)."""
+    if kv_cache_disabled():
+        raise IncompatibleModesError(f"{DISABLE_KV_CACHE_ENV}={os.environ[DISABLE_KV_CACHE_ENV]!r} asks for the uncached "
+                                     f"reference path, which speculative decoding does not have (its verify pass "
+                                     f"reads the drafts' cache); unset it, or decode greedily for the reference")
     cfg = model.cfg
     if opts.verify_loops is not None:
         if opts.verify_loops > cfg.max_loops:
