@@ -9,6 +9,7 @@ import numpy as np
 
 from ..runtime.engine import Model, score
 from ..errors import InvalidInputError
+from ..progress import bar
 
 
 def perplexity(model: Model, ids: Sequence[int], loops: Optional[int] = None, window: int = 256,
@@ -28,7 +29,8 @@ def perplexity(model: Model, ids: Sequence[int], loops: Optional[int] = None, wi
         raise InvalidInputError(f"{len(ids)} tokens do not fill one window of {window}")
     nll = 0.0
     count = 0
-    for w in range(n_win):
+    for w in bar(range(n_win), f"ppl L={loops if loops is not None else model.cfg.default_loops} {cache_mode}",
+                 unit="window"):
         chunk = ids[w * window:(w + 1) * window]
         logits = score(model, chunk, loops=loops, cache_mode=cache_mode).astype(np.float64)
         m = logits.max(axis=1, keepdims=True)

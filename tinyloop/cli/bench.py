@@ -21,7 +21,10 @@ def _module():
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("bench", help="GPU decode benchmark vs PyTorch (bench/decode_bench.py)")
+    p = subparsers.add_parser("bench", aliases=["benchmark"],
+                              help="GPU decode benchmark vs PyTorch (bench/decode_bench.py); alias: benchmark",
+                              description="GPU decode benchmark: TinyLoop against PyTorch baselines in the same "
+                                          "process (bench/decode_bench.py; a source checkout is needed)")
     mod = _module()
     if mod is not None:
         mod.add_arguments(p)

@@ -26,6 +26,7 @@ from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
 import numpy as np
 
+from ..progress import bar
 from ..model.arch import QUANT_TYPES, ModelConfig, TensorQuant, required_tensors
 from ..errors import ConfigError, ModelFormatError, TinyLoopError
 from ..model.presets import check_quant_shapes, make_quant
@@ -280,7 +281,8 @@ def _verify(open_model, path: str, cfg: ModelConfig, weights: CheckpointWeights,
     """Reopen the written file and compare every dequantized tensor with the original."""
     groups: Dict[str, dict] = {}
     with open_model(path) as m:
-        for name in required_tensors(cfg):
+        names = list(required_tensors(cfg))
+        for name in bar(names, "verify", total=len(names), unit="tensor"):
             orig = weights.load(name)
             got = np.asarray(m.logical(name), dtype=np.float32)
             if got.shape != orig.shape:

@@ -11,18 +11,21 @@ from ..runtime.engine import free_model, load_model
 from ..errors import ConfigError
 from ..runtime.plugins import get_plugin_manager
 from ..analysis.evaluate import perplexity
-from ..model.tokenizer import resolve_tokenizer
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("ppl", help="held-out perplexity of a text file at several loop counts")
+    p = subparsers.add_parser("ppl", help="held-out perplexity of a text file at several loop counts",
+                              description="Held-out perplexity of a UTF-8 text file: the text is tokenized, split into "
+                                          "non-overlapping windows, and every token after a window's first is scored "
+                                          "from the tokens before it, at each loop count and KV cache mode asked for.")
     p.add_argument("model", help=".tinyloop file")
     p.add_argument("--text", required=True, help="UTF-8 text file to score")
     p.add_argument("--loops", default="", help="comma-separated loop counts (default: the model's default)")
     p.add_argument("--window", type=int, default=256, help="tokens per scored window (default 256)")
     p.add_argument("--max-windows", type=int, default=None, help="score at most this many windows")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: embedded)")
-    p.add_argument("--backend", default="auto", choices=get_plugin_manager().backend_names())
+    p.add_argument("--backend", default="auto", choices=get_plugin_manager().backend_names(),
+                   help="where to run (default auto: CUDA when a GPU is present, else CPU)")
     p.add_argument("--cache-mode", default="fp16",
                    help="KV cache mode(s), comma-separated (fp16, fp32, int8, int4, ...; default fp16)")
     p.add_argument("--json", default=None, help="write the results as JSON to this file")
@@ -38,9 +41,10 @@ def run(args) -> int:
         loops = [int(x) for x in args.loops.split(",") if x.strip()]
     except ValueError:
         raise ConfigError(f"--loops={args.loops!r} must be comma-separated integers") from None
-    model = load_model(args.model, max_seq_len=max(args.window, 2), backend=args.backend)
+    model = load_model(args.model, max_seq_len=max(args.window, 2), backend=args.backend,
+                       tokenizer=args.tokenizer or None)
     try:
-        tok = resolve_tokenizer(model.header.tokenizer, args.tokenizer, model.vocab_size)
+        tok = model.tokenizer
         ids = tok.encode(text)
         results = []
         modes = [m.strip() for m in args.cache_mode.split(",") if m.strip()]

@@ -21,7 +21,6 @@ from ..runtime.engine import free_model, generate_batch, generate_iter, load_mod
 from ..errors import ConfigError
 from ..runtime.plugins import get_plugin_manager
 from ..models import demo_model_path
-from ..model.tokenizer import resolve_tokenizer
 from ..plugins.decoders.spec_session import speculative_request
 
 
@@ -57,6 +56,15 @@ def read_prompts(cfg: RunConfig, base: Path) -> List[str]:
     return prompts
 
 
+def _print_stats(st: GenerateStats) -> None:
+    rate = (f"{(st.tokens_emitted - 1) / (st.decode_ms / 1e3):.1f} tok/s"
+            if st.tokens_emitted > 1 and st.decode_ms > 0 else "n/a")
+    spec = (f", accepted {st.accepted_tokens}/{st.drafted_tokens} drafts, "
+            f"{st.mean_accepted_length:.2f} tokens per verify" if st.verify_forwards else "")
+    print(f"[tinyloop] {st.tokens_emitted} tokens, stop {st.stop_reason.value}, prefill "
+          f"{st.prefill_ms:.1f} ms, decode {rate}{spec}", file=sys.stderr)
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("run", help="decode the prompts of a YAML run config",
                               description="Run a YAML-configured generation job.")
@@ -64,6 +72,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=get_plugin_manager().backend_names(), help="override the config's backend")
     p.add_argument("--no-stream", action="store_true", help="print each completion when it is done")
     p.add_argument("--output-jsonl", help="override the config's output_jsonl")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="tokenizer directory (vocab.json + merges.txt); overrides the config's tokenizer")
     return p
 
 
@@ -80,10 +90,11 @@ def run(args) -> int:
     base = Path(args.config).resolve().parent
     prompts = read_prompts(cfg, base)
     model_path = _resolve(base, cfg.model) if cfg.model else demo_model_path()
+    tokenizer_dir = args.tokenizer or _resolve(base, cfg.tokenizer)
     model = load_model(model_path, max_seq_len=cfg.max_seq_len, backend=cfg.backend,
-                       prefill_chunk=cfg.prefill_chunk)
+                       prefill_chunk=cfg.prefill_chunk, tokenizer=tokenizer_dir or None)
     try:
-        tok = resolve_tokenizer(model.header.tokenizer, _resolve(base, cfg.tokenizer), model.vocab_size)
+        tok = model.tokenizer
         bos = [model.cfg.bos_id] if model.cfg.bos_id is not None else []
         encoded = [bos + tok.encode(p) for p in prompts]
         eos = model.cfg.eos_id
@@ -103,38 +114,43 @@ def run(args) -> int:
         print(f"[tinyloop] {Path(model_path).name} on {model.backend_name}, {depth}, tokenizer {tok.name}",
               file=sys.stderr)
         if cfg.mode == "batch":
+            if cfg.stream:
+                print("[tinyloop] mode batch does not stream: each completion is printed when the batch is "
+                      "done (set stream: false to silence this)", file=sys.stderr)
             stats_list: List[GenerateStats] = []
             results = generate_batch(model, encoded, cfg.generate, stats=stats_list)
             for prompt, ids, res, st in zip(prompts, encoded, results, stats_list):
                 gen = [t for t in res[len(ids):] if t != eos]
                 text = tok.decode(gen)
-                out.write(prompt + text + "\n\n")
+                out.write(prompt + text + "\n")
+                out.flush()
+                _print_stats(st)
+                out.write("\n")
                 records.append((prompt, ids, res[len(ids):], text, st))
         else:
             for prompt, ids in zip(prompts, encoded):
                 st = GenerateStats()
                 dec = tok.stream_decoder()
                 gen: List[int] = []
+                tokens = generate_iter(model, ids, request, st)      # validated here, before any echo
                 if cfg.stream:
                     out.write(prompt)
                     out.flush()
-                tokens = generate_iter(model, ids, request, st)
-                for t in tokens:
-                    gen.append(t)
-                    if cfg.stream and t != eos:
-                        out.write(dec.push(t))
+                try:
+                    for t in tokens:
+                        gen.append(t)
+                        if cfg.stream and t != eos:
+                            out.write(dec.push(t))
+                            out.flush()
+                finally:
+                    if cfg.stream:              # end the echoed line, so an error starts on its own line
+                        out.write(dec.flush() + "\n")
                         out.flush()
                 text = tok.decode([t for t in gen if t != eos])
-                if cfg.stream:
-                    out.write(dec.flush() + "\n")
-                else:
+                if not cfg.stream:
                     out.write(prompt + text + "\n")
-                rate = (f"{(st.tokens_emitted - 1) / (st.decode_ms / 1e3):.1f} tok/s"
-                        if st.tokens_emitted > 1 and st.decode_ms > 0 else "n/a")
-                spec = (f", accepted {st.accepted_tokens}/{st.drafted_tokens} drafts, "
-                        f"{st.mean_accepted_length:.2f} tokens per verify" if st.verify_forwards else "")
-                print(f"[tinyloop] {st.tokens_emitted} tokens, stop {st.stop_reason.value}, prefill "
-                      f"{st.prefill_ms:.1f} ms, decode {rate}{spec}", file=sys.stderr)
+                    out.flush()
+                _print_stats(st)
                 out.write("\n")
                 records.append((prompt, ids, gen, text, st))
         if cfg.output_jsonl:

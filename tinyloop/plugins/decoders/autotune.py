@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
+from ...progress import bar
 from ...runtime.config import GenerateConfig, GenerateStats, SpeculativeConfig, TreeSpeculativeConfig
 from ...runtime.engine import generate_stream, resolve_loops
 from ...errors import ConfigError
@@ -93,8 +94,9 @@ def calibrate(model, loops: Optional[int] = None, prompts: Optional[Sequence[Seq
     timing."""
     model._check_live()
     L = resolve_loops(model, loops)
-    if isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float)) or min_speedup <= 0:
-        raise ConfigError(f"min_speedup={min_speedup!r} must be a number > 0")
+    if (isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float))
+            or not 0 < min_speedup < float("inf")):
+        raise ConfigError(f"min_speedup={min_speedup!r} must be a finite number > 0")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
         raise ConfigError(f"max_tokens={max_tokens!r} must be an integer >= 2 for a calibration run")
     prompts = [list(p) for p in (prompts if prompts is not None else _default_prompts(model))]
@@ -121,7 +123,7 @@ def calibrate(model, loops: Optional[int] = None, prompts: Optional[Sequence[Seq
     ref, base_rate = timed(lambda p, st=None: generate_stream(model, p, base_cfg, stats=st))
     results = [{"decoder": "greedy", "loops": L, "tokens_per_s": base_rate, "exact": True}]
     best, best_rate = None, base_rate
-    for c in cands:
+    for c in bar(cands, "calibrate", total=len(cands), unit="candidate"):
         c = dataclasses.replace(c, max_tokens=max_tokens, temperature=0.0)
         tree = isinstance(c, TreeSpeculativeConfig)
         req = speculative_request(c, tree)
