@@ -96,3 +96,23 @@ def test_auto_calibrates_on_first_use(model, prompt, monkeypatch):
 def test_calibrate_errors(model, kw, match):
     with pytest.raises(tl.TinyLoopError, match=match):
         tl.calibrate(model, **{"loops": 4, **kw})
+
+
+@pytest.mark.parametrize("max_seq_len", [3, 8, 24])
+def test_auto_decoder_fits_a_short_max_seq_len(max_seq_len):
+    """decoder="auto" calibrates within the model's own limits (its built-in prompts cut to fit),
+    or decodes plainly where no calibration run fits: a valid request is never refused."""
+    m = tl.load_model("demo", backend="cpu", max_seq_len=max_seq_len)
+    try:
+        cfg = tl.GenerateConfig(max_tokens=2)
+        st = tl.GenerateStats()
+        out = tl.generate(m, [5], tl.GenerateConfig(max_tokens=2, decoder="auto"), stats=st)
+        assert out == tl.generate(m, [5], cfg) and st.decoder in ("greedy", "speculative", "tree_speculative")
+    finally:
+        tl.free_model(m)
+
+
+def test_calibrate_rejects_bad_thresholds(tiny_model):
+    for bad in (float("nan"), float("inf"), 0, -1.0, "2", True):
+        with pytest.raises(tl.ConfigError, match="min_speedup"):
+            tl.calibrate(tiny_model, min_speedup=bad)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Dict, Optional
 
+from ..models import model_path
 from ..model.arch import TensorQuant, required_tensors
 from ..errors import ModelFormatError
 from ..model.format import read_header
@@ -38,13 +39,14 @@ def _part_of(name: str) -> str:
     return name.split(".", 1)[0] if "." in name else name
 
 
-def inspect(path: str, max_seq_len: int = 2048, loops: Optional[int] = None, measure: bool = False) -> dict:
+def inspect(path=None, max_seq_len: int = 2048, loops: Optional[int] = None, measure: bool = False) -> dict:
     """Metadata, architecture, tensor-table summary, embedded tokenizer and memory estimates per
     backend and cache mode, as a JSON-serializable dict. Reads the header only, never the weights.
 
     ``measure=True`` is the exception: it also loads the model on the CPU backend and runs it to add
     "loop_gain" (:func:`tinyloop.analysis.loopgain.measure_file` with its defaults: the sample text, 4
     windows of 256 tokens, depths 1 .. min(2 x default_loops, max_loops)); seconds to minutes."""
+    path = model_path(path)
     if not os.path.exists(path):
         raise ModelFormatError(f"no such file: {path}")
     if os.path.isdir(path):

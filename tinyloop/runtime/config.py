@@ -7,6 +7,8 @@ parsed into these classes here and nowhere else; an unknown key is an error nami
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
 import os
 from dataclasses import dataclass, field
@@ -53,6 +55,35 @@ def check_bool(name: str, v: Any) -> None:
 
 
 _int, _float = check_int, check_float
+
+#: Upper bounds of the counts that size memory or work, checked when a config is made (before any
+#: allocation); the model's own limits (max_seq_len, vocab, loops) are checked per request.
+MAX_TOKENS = 1 << 20
+MAX_BEAM = 64
+MAX_WINDOW = 1 << 20
+#: Float knobs are bounded so no arithmetic on them overflows float32 (penalties divide logits).
+MAX_PENALTY = 1e6
+MAX_LENGTH_PENALTY = 10.0
+
+
+def typed_init(cls):
+    """Make a config dataclass's constructor raise ConfigError (naming the allowed fields) for an
+    unknown keyword or too many positional arguments, instead of Python's TypeError."""
+    init = cls.__init__
+    sig = inspect.signature(init)
+    names = [n for n in sig.parameters if n != "self"]
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        try:
+            sig.bind(self, *args, **kwargs)
+        except TypeError as exc:
+            unknown = [k for k in kwargs if k not in names]
+            what = (f"unknown field {unknown[0]!r}" if unknown else str(exc))
+            raise ConfigError(f"{cls.__name__}: {what}; allowed fields: {', '.join(names)}") from None
+        init(self, *args, **kwargs)
+    cls.__init__ = __init__
+    return cls
 
 
 def _stop_sequences(v: Any) -> Tuple[Tuple[int, ...], ...]:
@@ -114,6 +145,7 @@ def _options(v: Any) -> Any:
     return FrozenOptions(v)
 
 
+@typed_init
 @dataclass(frozen=True)
 class GenerateConfig:
     """Decode configuration shared by generate, generate_stream, generate_iter and generate_batch.
@@ -174,24 +206,29 @@ class GenerateConfig:
     }
 
     def __post_init__(self) -> None:
-        _int("max_tokens", self.max_tokens, 0)
+        _int("max_tokens", self.max_tokens, 0, MAX_TOKENS)
         if self.loops is not None:
             _int("loops", self.loops, 1)
         _check_sampling(self)
-        _int("cache_window", self.cache_window, 0)
+        _int("cache_window", self.cache_window, 0, MAX_WINDOW)
         rp = _float("repetition_penalty", self.repetition_penalty)
-        if rp <= 0:
-            raise ConfigError(f"repetition_penalty={self.repetition_penalty} must be > 0")
+        if not 0 < rp <= MAX_PENALTY:
+            raise ConfigError(f"repetition_penalty={self.repetition_penalty} is outside the allowed range "
+                              f"(0, {MAX_PENALTY:g}]")
         object.__setattr__(self, "repetition_penalty", rp)
         object.__setattr__(self, "stop_sequences", _stop_sequences(self.stop_sequences))
-        _int("beam_size", self.beam_size, 0)
-        object.__setattr__(self, "length_penalty", _float("length_penalty", self.length_penalty))
-        _int("early_exit_patience", self.early_exit_patience, 0)
-        _int("early_exit_min_L", self.early_exit_min_L, 1)
-        _int("early_exit_peek_every", self.early_exit_peek_every, 1)
+        _int("beam_size", self.beam_size, 0, MAX_BEAM)
+        lp = _float("length_penalty", self.length_penalty)
+        if abs(lp) > MAX_LENGTH_PENALTY:
+            raise ConfigError(f"length_penalty={self.length_penalty} is outside the allowed range "
+                              f"[{-MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]")
+        object.__setattr__(self, "length_penalty", lp)
+        _int("early_exit_patience", self.early_exit_patience, 0, MAX_TOKENS)
+        _int("early_exit_min_L", self.early_exit_min_L, 1, MAX_TOKENS)
+        _int("early_exit_peek_every", self.early_exit_peek_every, 1, MAX_TOKENS)
         m = _float("early_exit_logit_margin", self.early_exit_logit_margin)
-        if m < 0:
-            raise ConfigError(f"early_exit_logit_margin={m} must be >= 0")
+        if not 0 <= m <= MAX_PENALTY:
+            raise ConfigError(f"early_exit_logit_margin={m} is outside the allowed range [0, {MAX_PENALTY:g}]")
         object.__setattr__(self, "early_exit_logit_margin", m)
         _int("sample_seed", self.sample_seed, 0, MAX_SEED)
         if not isinstance(self.cache_mode, str) or not self.cache_mode:
@@ -223,6 +260,7 @@ class GenerateConfig:
         return dataclasses.replace(self, **changes)
 
 
+@typed_init
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Chain self-speculative decoding: draft at draft_loops, verify at verify_loops."""
@@ -256,8 +294,8 @@ class SpeculativeConfig:
     Chain speculation only (trees are rejected)."""
 
     def __post_init__(self) -> None:
-        _int("max_tokens", self.max_tokens, 0)
-        _int("cache_window", self.cache_window, 0)
+        _int("max_tokens", self.max_tokens, 0, MAX_TOKENS)
+        _int("cache_window", self.cache_window, 0, MAX_WINDOW)
         if not isinstance(self.cache_mode, str) or not self.cache_mode:
             raise ConfigError(f"cache_mode must be a plugin name, got {self.cache_mode!r}")
         if not isinstance(self.verify_resume, bool):
@@ -270,6 +308,7 @@ class SpeculativeConfig:
         _int("seed", self.seed, 0, MAX_SEED)
 
 
+@typed_init
 @dataclass(frozen=True)
 class TreeSpeculativeConfig(SpeculativeConfig):
     """Tree self-speculative decoding: K_branches candidates per draft step, depth draft_ahead."""
@@ -335,6 +374,7 @@ for _name in ("EOS", "STOP_SEQUENCE", "MAX_TOKENS", "CALLBACK_ABORT", "GRAMMAR_D
 del _name
 
 
+@typed_init
 @dataclass
 class GenerateStats:
     """Per-call statistics, filled by generate_stream / generate_iter when passed in."""
@@ -402,6 +442,7 @@ def from_mapping(cls: Type[T], data: Mapping[str, Any], where: str) -> T:
         raise ConfigError(f"{where}: {exc}") from None
 
 
+@typed_init
 @dataclass(frozen=True)
 class RunConfig:
     """A YAML-configured run (``python -m tinyloop run CFG.yaml``)."""

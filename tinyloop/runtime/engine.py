@@ -39,7 +39,7 @@ from ..errors import (BackendError, ConfigError, InvalidInputError, ModelBusyErr
                       ModelFreedError, PluginError, TokenizerError)
 from ..model.format import open_model
 from ..model.tokenizer import Tokenizer, resolve_tokenizer
-from ..models import demo_model_path
+from ..models import model_path
 from .forward import Forward
 from .decoding import check_honoured, parse_options
 from .plugins import get_plugin_manager
@@ -56,23 +56,6 @@ def kv_cache_disabled() -> bool:
     return os.environ.get(DISABLE_KV_CACHE_ENV, "") not in ("", "0")
 
 
-DEMO = "demo"
-
-
-def _model_path(path) -> str:
-    """The file `path` names: None or "demo" is the shipped demo model; else a str or os.PathLike
-    (an int is refused: it would be taken for a file descriptor)."""
-    if path is None or (isinstance(path, str) and path == DEMO):
-        return demo_model_path()
-    if isinstance(path, bool) or not isinstance(path, (str, os.PathLike)):
-        raise ConfigError(f"path={path!r} must be a model file path (str or os.PathLike), None or "
-                          f"{DEMO!r} (the shipped demo model), not {type(path).__name__}")
-    p = os.fspath(path)
-    if not isinstance(p, str):
-        raise ConfigError(f"path={path!r} must name a file by a str path, not bytes")
-    return p
-
-
 class Model:
     """A loaded .tinyloop model on one backend. Not reentrant: a second concurrent call raises
     ModelBusyError. Release with free_model().
@@ -81,7 +64,7 @@ class Model:
     the model never reads its file again: rewriting or truncating it later cannot affect it."""
 
     def __init__(self, path, max_seq_len: int, backend: str, prefill_chunk: int, tokenizer=None):
-        path = _model_path(path)
+        path = model_path(path)
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or not 1 <= max_seq_len <= 1 << 20:
             raise ConfigError(f"max_seq_len={max_seq_len!r} is outside the allowed range [1, 1048576]")
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 0:
@@ -171,12 +154,14 @@ def load_model(path=None, max_seq_len: int = 2048, backend: str = "auto", prefil
 
 def free_model(model: Model) -> None:
     """Release the model's backend memory and file. Idempotent."""
+    check_call(model)
     if not model._freed:
         model._release()
 
 
 def vram_usage_bytes(model: Model) -> int:
     """Bytes the model holds on its backend: weights + buffer pool + live KV caches."""
+    check_call(model)
     model._check_live()
     return model.backend.memory_bytes() + model._live_cache_bytes
 
@@ -619,8 +604,27 @@ def _locked(model: Model):
     return model._lock
 
 
-def _prepare(model: Model, prompt: Sequence[int], config: Optional[GenerateConfig], context: str):
+def check_call(model: Any, config: Any = None, stats: Any = None, on_token: Any = None,
+               config_cls: type = GenerateConfig) -> None:
+    """The argument types every public entry point shares (InvalidInputError / ConfigError naming
+    the argument), checked before any work."""
+    if not isinstance(model, Model):
+        raise InvalidInputError(f"model must be a Model from tinyloop.load_model, got {type(model).__name__} "
+                                f"{model!r:.80}")
+    if config is not None and not isinstance(config, config_cls):
+        raise ConfigError(f"config must be a {config_cls.__name__} (or None for the defaults), got "
+                          f"{type(config).__name__} {config!r:.80}")
+    if stats is not None and not isinstance(stats, GenerateStats):
+        raise InvalidInputError(f"stats must be a GenerateStats (or None), got {type(stats).__name__}")
+    if on_token is not None and not callable(on_token):
+        raise InvalidInputError(f"on_token must be a callable on_token(token, position) -> bool (or None), "
+                                f"got {type(on_token).__name__}")
+
+
+def _prepare(model: Model, prompt: Sequence[int], config: Optional[GenerateConfig], context: str,
+             stats: Any = None, on_token: Any = None):
     """Every check of a single request, before any work: (validated ids, plan)."""
+    check_call(model, config, stats, on_token)
     config = config or GenerateConfig()
     plan = Plan(model, config, context)
     ids = validate_request(model, prompt, config)
@@ -634,7 +638,7 @@ def generate_iter(model: Model, prompt: Sequence[int], config: Optional[Generate
 
     Validation and the compat check run immediately, before the first ``next()``; closing the
     generator early stops decoding (stop_reason CALLBACK_ABORT) and frees the cache."""
-    ids, plan = _prepare(model, prompt, config, "single")
+    ids, plan = _prepare(model, prompt, config, "single", stats)
     stats = stats if stats is not None else GenerateStats()
     return _iter_locked(model, ids, plan, stats)
 
@@ -653,15 +657,17 @@ def generate_stream(model: Model, prompt: Sequence[int], config: Optional[Genera
     """Decode with a per-token callback ``on_token(token, position) -> bool``; returning False aborts
     after that token (it is still included; stop_reason CALLBACK_ABORT). Returns prompt +
     generated tokens; fills `stats`."""
-    ids, plan = _prepare(model, prompt, config, "single")
+    ids, plan = _prepare(model, prompt, config, "single", stats, on_token)
     stats = stats if stats is not None else GenerateStats()
     consumer = [CallbackStopper(on_token)] if on_token is not None else []
     return ids + list(_iter_locked(model, ids, plan, stats, consumer))
 
 
-def generate(model: Model, prompt: Sequence[int], config: Optional[GenerateConfig] = None) -> List[int]:
-    """Blocking decode; returns prompt + generated tokens."""
-    return generate_stream(model, prompt, config)
+def generate(model: Model, prompt: Sequence[int], config: Optional[GenerateConfig] = None,
+             stats: Optional[GenerateStats] = None) -> List[int]:
+    """Blocking decode; returns prompt + generated tokens (a str prompt is encoded with
+    model.tokenizer); fills `stats` when given."""
+    return generate_stream(model, prompt, config, stats=stats)
 
 
 def generate_batch(model: Model, prompts: Sequence[Sequence[int]], config: Optional[GenerateConfig] = None,
@@ -670,6 +676,10 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], config: Optio
 
     Every prompt is validated before any work. Lanes are decoded one after another on the same
     model (the spec's sequential batch); `stats`, if given, receives one GenerateStats per prompt."""
+    check_call(model, config)
+    if stats is not None and not isinstance(stats, list):
+        raise InvalidInputError(f"stats must be a list (it receives one GenerateStats per prompt) or None, got "
+                                f"{type(stats).__name__}")
     config = config or GenerateConfig()
     plan = Plan(model, config, "batched")
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
@@ -693,6 +703,7 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], config: Optio
 @contextlib.contextmanager
 def _scoring(model: Model, tokens: Sequence[int], loops: Optional[int], cache_mode: str):
     """Validated ids and a live session (cache allocated, model locked) for a scoring call."""
+    check_call(model)
     model._check_live()
     cfg = GenerateConfig(max_tokens=0, loops=loops, cache_mode=cache_mode)
     plan = Plan(model, cfg, "single")

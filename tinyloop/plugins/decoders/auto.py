@@ -20,7 +20,7 @@ from ...runtime.compat import check_request
 from ...runtime.config import GenerateConfig
 from ...runtime.decoding import Decoder
 from ...runtime.engine import resolve_loops
-from ...errors import TinyLoopError
+from ...errors import ConfigError, TinyLoopError
 from ...runtime.hookspecs import hookimpl
 from ...runtime.plugins import get_plugin_manager
 from .autotune import calibrate
@@ -41,7 +41,12 @@ class AutoDecoder(Decoder):
         if context != "single":
             return fallback
         loops = resolve_loops(model, config.loops)
-        choice = model.decoder_choices.get(loops) or calibrate(model, loops)
+        choice = model.decoder_choices.get(loops)
+        if choice is None:
+            try:
+                choice = calibrate(model, loops)
+            except ConfigError:         # the model's limits leave no room to measure: decode plainly
+                return fallback
         if choice.config is None:
             return fallback
         target = pm.decoders()[choice.decoder]

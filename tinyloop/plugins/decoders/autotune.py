@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence
 
 from ...progress import bar
 from ...runtime.config import GenerateConfig, GenerateStats, SpeculativeConfig, TreeSpeculativeConfig
-from ...runtime.engine import generate_stream, resolve_loops
+from ...runtime.engine import check_call, generate_stream, resolve_loops
 from ...errors import ConfigError
 from .spec_session import speculative_request
 
@@ -72,9 +72,8 @@ def _decoder_name(config: SpeculativeConfig) -> str:
 
 
 def _default_prompts(model) -> List[List[int]]:
-    from ...model.tokenizer import resolve_tokenizer
     try:
-        tok = resolve_tokenizer(model.header.tokenizer, None, model.vocab_size)
+        tok = model.tokenizer
         prompts = [tok.encode(t) for t in DEFAULT_TEXTS]
         if all(0 < len(p) and all(0 <= i < model.vocab_size for i in p) for p in prompts):
             return prompts
@@ -84,24 +83,41 @@ def _default_prompts(model) -> List[List[int]]:
     return [[(7 * i + 13 * j + 1) % V for j in range(6 + i)] for i in range(len(DEFAULT_TEXTS))]
 
 
+#: New tokens per calibration run when calibrate() is not told (less where max_seq_len is short).
+DEFAULT_MAX_TOKENS = 32
+
+
 def calibrate(model, loops: Optional[int] = None, prompts: Optional[Sequence[Sequence[int]]] = None,
-              max_tokens: int = 32, min_speedup: float = DEFAULT_MIN_SPEEDUP,
+              max_tokens: Optional[int] = None, min_speedup: float = DEFAULT_MIN_SPEEDUP,
               candidates: Optional[Sequence[SpeculativeConfig]] = None) -> DecoderChoice:
     """Benchmark plain greedy decoding against each speculative candidate at `loops` (default: the
     model's default depth) on `prompts` (default: a few generic prompts), `max_tokens` new tokens
     each, and cache the choice on the model. Speculative wins only when its decode tokens/s beat
     plain's by `min_speedup`. Every candidate is warmed up on every prompt (kernels, graphs) before
     timing."""
+    check_call(model)
     model._check_live()
     L = resolve_loops(model, loops)
     if (isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float))
             or not 0 < min_speedup < float("inf")):
         raise ConfigError(f"min_speedup={min_speedup!r} must be a finite number > 0")
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
-        raise ConfigError(f"max_tokens={max_tokens!r} must be an integer >= 2 for a calibration run")
-    prompts = [list(p) for p in (prompts if prompts is not None else _default_prompts(model))]
+    if prompts is None:
+        # the built-in prompts, cut to fit the model's own limits (half of max_seq_len at most)
+        keep = max(1, model.max_seq_len // 2)
+        prompts = [p[-keep:] for p in _default_prompts(model)]
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise ConfigError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    prompts = [list(p) for p in prompts]
     if not prompts:
         raise ConfigError("calibrate needs at least one prompt")
+    room = model.max_seq_len - max(len(p) for p in prompts)
+    if max_tokens is None:
+        max_tokens = min(DEFAULT_MAX_TOKENS, room)
+        if max_tokens < 2:
+            raise ConfigError(f"max_seq_len={model.max_seq_len} leaves no room for a calibration run "
+                              f"(prompts of {model.max_seq_len - room} tokens + at least 2 new ones)")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
+        raise ConfigError(f"max_tokens={max_tokens!r} must be an integer >= 2 for a calibration run")
     cands = list(default_candidates(L) if candidates is None else candidates)
     for c in cands:
         if not isinstance(c, SpeculativeConfig) or c.verify_loops != L:
