@@ -80,6 +80,7 @@ class Model:
         self.file = open_model(path)
         self._lock = threading.Lock()
         self._freed = False
+        self._free_pending = False          # free_model called while a request held the lock
         self._live_cache_bytes = 0
         self._tokenizer = None
         self.decoder_choices = {}           # loop depth -> the auto decoder's calibration (its own record)
@@ -131,7 +132,7 @@ class Model:
         self._freed = True
 
     def _check_live(self) -> None:
-        if self._freed:
+        if self._freed or self._free_pending:
             raise ModelFreedError(f"model {self.path!r} was freed; load it again")
 
     def __enter__(self) -> "Model":
@@ -153,10 +154,23 @@ def load_model(path=None, max_seq_len: int = 2048, backend: str = "auto", prefil
 
 
 def free_model(model: Model) -> None:
-    """Release the model's backend memory and file. Idempotent."""
+    """Release the model's backend memory and file. Idempotent.
+
+    While a request runs on the model (from another thread, from inside its on_token callback, or
+    an unfinished generate_iter), the release is deferred: the request ends at its next token with
+    ModelFreedError, frees its cache, and the model is released as it lets go (a generator that is
+    never resumed lets go when it is closed or collected). Nothing is freed under a running op."""
     check_call(model)
-    if not model._freed:
-        model._release()
+    if model._freed:
+        return
+    if model._lock.acquire(blocking=False):
+        try:
+            if not model._freed:
+                model._release()
+        finally:
+            model._lock.release()
+    else:
+        model._free_pending = True
 
 
 def vram_usage_bytes(model: Model) -> int:
@@ -578,6 +592,10 @@ def _decode(model: Model, prompt: List[int], plan: Plan, stats: GenerateStats,
                 t_first = time.perf_counter()
                 stats.first_token_ms = (t_first - t0) * 1e3
             reason = stoppers.check(out)
+            if model._free_pending:
+                stats.stop_reason = StopReason.CALLBACK_ABORT
+                raise ModelFreedError(f"free_model({model.path!r}) was called while this request ran: the "
+                                      f"request ended after {len(out)} tokens and the model is released")
             if reason is not None:
                 stats.stop_reason = reason
             yield tok
@@ -597,11 +615,31 @@ def _decode(model: Model, prompt: List[int], plan: Plan, stats: GenerateStats,
         model.backend.report(stats)
 
 
-def _locked(model: Model):
+class _RequestLock:
+    """The model's lock held by one request; release() also carries out a free_model that was
+    deferred while the request ran."""
+
+    def __init__(self, model: Model):
+        self.model = model
+
+    def release(self) -> None:
+        m = self.model
+        try:
+            if m._free_pending and not m._freed:
+                m._release()
+        finally:
+            m._lock.release()
+
+
+def _locked(model: Model) -> _RequestLock:
+    model._check_live()
     if not model._lock.acquire(blocking=False):
         raise ModelBusyError(f"model {model.path!r} is already running a request; models are not "
                              f"reentrant (use one model per worker or a lock)")
-    return model._lock
+    if model._freed or model._free_pending:
+        model._lock.release()
+        raise ModelFreedError(f"model {model.path!r} was freed; load it again")
+    return _RequestLock(model)
 
 
 def check_call(model: Any, config: Any = None, stats: Any = None, on_token: Any = None,
