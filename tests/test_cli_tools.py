@@ -356,10 +356,16 @@ def test_memory_estimate_arithmetic(tiny_file):
     b = estimate_memory(cfg, 100, 3, 2.0, quant=quant)
     assert a == b
     assert a["n_layers"] == cfg.n_pre + 3 * cfg.n_loop + cfg.n_post == 5
-    assert a["kv_cache_bytes"] == 5 * 100 * 2 * cfg.kv_dim * 2
-    row = cfg.d_model + cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.d_ff
-    assert a["scratch_bytes"] == 4 * (100 * row + cfg.vocab_size)
-    assert estimate_memory(h, 100, 3, 0.53)["kv_cache_bytes"] == int(np.ceil(5 * 100 * 2 * 32 * 0.53))
+    # CUDA allocates a power of two >= 128 slots for a request of 100 (round_slots); the CPU, 100
+    assert a["kv_cache_bytes"] == 5 * 128 * 2 * cfg.kv_dim * 2
+    assert estimate_memory(h, 100, 3, 2.0, backend="cpu")["kv_cache_bytes"] == 5 * 100 * 2 * cfg.kv_dim * 2
+    from tinyloop.cpu.backend import CPUBackend
+    from tinyloop.cuda.backend import CUDABackend
+    # the workspace of 100 rows (min(max_seq_len, 512)) as each backend lays it out
+    assert a["scratch_bytes"] == CUDABackend.workspace_nbytes(cfg, 100, 100) > 4 * 100 * cfg.vocab_size
+    assert estimate_memory(h, 100, 3, 2.0, backend="cpu", prefill_chunk=8)["scratch_bytes"] == \
+        CPUBackend.workspace_nbytes(cfg, 8, 100)
+    assert estimate_memory(h, 100, 3, 0.53, backend="cpu")["kv_cache_bytes"] == int(np.ceil(5 * 100 * 2 * 32 * 0.53))
     cpu = estimate_memory(h, 100, None, 4, backend="cpu")
     assert cpu["weights_bytes"] == 4 * parameter_count(cfg) and cpu["loops"] == cfg.default_loops
     big = ModelConfig(**PRESETS["360m"].config)

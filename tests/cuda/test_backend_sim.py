@@ -362,3 +362,21 @@ def test_window_generation_matches_cpu(small_path, monkeypatch):
     finally:
         tl.free_model(cpu)
         tl.free_model(gpu)
+
+
+def test_memory_estimate_equals_held_memory(small_path):
+    """On CUDA too, inspect's estimate is what the model holds: weights + workspace at load, plus
+    the KV cache of a request of max_seq_len tokens."""
+    from tinyloop.analysis.memory import estimate_memory
+    for max_seq_len, chunk in ((16, 0), (24, 8)):
+        m = tl.load_model(str(small_path), max_seq_len=max_seq_len, backend="cuda", prefill_chunk=chunk)
+        try:
+            est = estimate_memory(m.header, max_seq_len, kv_bytes_per_element=4.0, backend="cuda",
+                                  prefill_chunk=chunk)
+            assert tl.vram_usage_bytes(m) == est["weights_bytes"] + est["scratch_bytes"], est
+            seen = []
+            tl.generate_stream(m, [1] * (max_seq_len - 1), tl.GenerateConfig(max_tokens=1, cache_mode="fp32"),
+                               on_token=lambda t, p: seen.append(tl.vram_usage_bytes(m)) or True)
+            assert seen[0] == est["total_bytes"], (seen[0], est)
+        finally:
+            tl.free_model(m)

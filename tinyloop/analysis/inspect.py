@@ -39,7 +39,8 @@ def _part_of(name: str) -> str:
     return name.split(".", 1)[0] if "." in name else name
 
 
-def inspect(path=None, max_seq_len: int = 2048, loops: Optional[int] = None, measure: bool = False) -> dict:
+def inspect(path=None, max_seq_len: int = 2048, loops: Optional[int] = None, measure: bool = False,
+            prefill_chunk: int = 0) -> dict:
     """Metadata, architecture, tensor-table summary, embedded tokenizer and memory estimates per
     backend and cache mode, as a JSON-serializable dict. Reads the header only, never the weights.
 
@@ -104,7 +105,7 @@ def inspect(path=None, max_seq_len: int = 2048, loops: Optional[int] = None, mea
         memory[backend] = {"note": entry.description, "cache_modes": {}}
         for mode, kvb in modes.items():
             memory[backend]["cache_modes"][mode] = estimate_memory(
-                h, max_seq_len, loops, kvb, backend=backend)
+                h, max_seq_len, loops, kvb, backend=backend, prefill_chunk=prefill_chunk)
 
     d = {
         "file": path,

@@ -6,14 +6,20 @@ Components (bytes):
 * **weights** -- backend "cuda" (and any backend that keeps weights packed): the physical tensors as
   stored in the file (quantized ``.q``/``.scales``/``.zeros`` parts, f16, f32). Backend "cpu": every
   logical tensor dequantized to float32, i.e. ``4 * parameter_count``.
-* **kv_cache** -- ``batch * n_layers(loops) * max_seq_len * 2 (K and V) * kv_dim * kv_bytes_per_element``,
+* **kv_cache** -- ``batch * n_layers(loops) * slots * 2 (K and V) * kv_dim * kv_bytes_per_element``,
+  slots = the cache slots the backend allocates for a request of max_seq_len (``Backend.cache_slots``:
+  max_seq_len on the CPU, rounded up to a power of two >= 128 on CUDA),
   rounded up; ``kv_bytes_per_element`` comes from the cache mode (4 for fp32, 2 for fp16, fractional
   for packed modes that include their scales).
-* **scratch** -- an *estimate* of the activation buffer pool, float32: ``batch * max_seq_len`` rows of
-  ``d_model + q_dim + 2 * kv_dim + 2 * d_ff`` floats (residual, queries, keys+values, gate+up),
-  one more row-set of ``d_model`` when ``loop_inject == "add"`` (the saved loop input), plus one
-  logits row of ``vocab_size`` floats per sequence. Attention score tiles, allocator slack and the
+* **scratch** -- the workspace the backend allocates at load: exactly its buffers
+  (``Backend.workspace_layout`` for ``min(max_seq_len, prefill_chunk or 512)`` rows: activations,
+  logits, attention scores or split-reduction partials, id buffers); one pool per model, whatever
+  the batch. A backend that does not describe its workspace gets the generic formula (rows x
+  ``d_model + q_dim + 2 * kv_dim + 2 * d_ff`` floats plus a logits row). Allocator slack and the
   runtime itself (CUDA context, numba) are not counted.
+
+weights + scratch is what ``vram_usage_bytes`` reports for a loaded model; a request adds its KV
+cache (kv_cache for a request of max_seq_len tokens; tests/test_memory_accounting.py).
 """
 
 from __future__ import annotations
@@ -60,14 +66,16 @@ def estimate_memory(source, max_seq_len: int, loops: Optional[int] = None,
                     kv_bytes_per_element: float = 4.0, *,
                     quant: Optional[Mapping[str, TensorQuant]] = None,
                     default_quant: Optional[TensorQuant] = None,
-                    backend: str = "cuda", batch: int = 1) -> dict:
+                    backend: str = "cuda", batch: int = 1, prefill_chunk: int = 0) -> dict:
     """Estimate the memory of running a model (see the module docstring for the formulas).
 
     `source` is a ModelHeader (anything with ``.config`` and ``.tensors`` entries that have
     ``.nbytes``) or a :class:`ModelConfig` (then `quant` / `default_quant` describe the storage).
     `loops` defaults to ``config.default_loops``. Returns a dict of ints (bytes) and the inputs:
     ``weights_bytes, kv_cache_bytes, scratch_bytes, total_bytes, stored_weights_bytes,
-    parameters, n_layers, loops, max_seq_len, batch, kv_bytes_per_element, backend, weights_dtype``.
+    parameters, n_layers, loops, max_seq_len, batch, kv_bytes_per_element, backend, weights_dtype,
+    prefill_chunk``. `prefill_chunk` is load_model's (0: min(max_seq_len, 512)): it sets the rows of
+    the workspace.
     """
     if isinstance(source, ModelConfig):
         cfg = source
@@ -79,11 +87,13 @@ def estimate_memory(source, max_seq_len: int, loops: Optional[int] = None,
             raise ConfigError(f"estimate_memory needs a ModelConfig or a model header, got "
                               f"{type(source).__name__}")
         stored = sum(int(t.nbytes) for t in tensors)
+    from ..runtime.engine import DEFAULT_PREFILL_CHUNK
     from ..runtime.plugins import get_plugin_manager
     entries = get_plugin_manager().backends()
     if not isinstance(backend, str) or backend not in entries:
         raise ConfigError(f"backend {backend!r} is not one of {', '.join(entries)}")
-    dequantized = entries[backend].weights_dtype == "dequantized"
+    entry = entries[backend]
+    dequantized = entry.weights_dtype == "dequantized"
     if loops is None:
         loops = cfg.default_loops
     for name, v, hi in (("max_seq_len", max_seq_len, 1 << 30), ("loops", loops, cfg.max_loops),
@@ -97,11 +107,16 @@ def estimate_memory(source, max_seq_len: int, loops: Optional[int] = None,
     params = parameter_count(cfg)
     weights = params * 4 if dequantized else stored
     n_layers = cfg.n_layers(loops)
-    kv = int(math.ceil(batch * n_layers * max_seq_len * 2 * cfg.kv_dim * kvb))
-    row = cfg.d_model + cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.d_ff
-    if cfg.loop_inject == "add":
-        row += cfg.d_model
-    scratch = ACTIVATION_BYTES * (batch * max_seq_len * row + batch * cfg.vocab_size)
+    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or not 0 <= prefill_chunk <= 1 << 20:
+        raise ConfigError(f"prefill_chunk={prefill_chunk!r} must be an integer in [0, 1048576] (0 = automatic)")
+    rows = min(max_seq_len, prefill_chunk or DEFAULT_PREFILL_CHUNK)
+    scratch, slots = entry.memory_model(cfg, rows, max_seq_len)
+    kv = int(math.ceil(batch * n_layers * slots * 2 * cfg.kv_dim * kvb))
+    if scratch is None:         # a backend that does not describe its workspace: the generic formula
+        row = cfg.d_model + cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.d_ff
+        if cfg.loop_inject == "add":
+            row += cfg.d_model
+        scratch = ACTIVATION_BYTES * (rows * row + cfg.vocab_size)
     return {
         "backend": backend,
         "weights_dtype": "float32 (dequantized)" if dequantized else "as stored (packed)",
@@ -116,6 +131,7 @@ def estimate_memory(source, max_seq_len: int, loops: Optional[int] = None,
         "max_seq_len": max_seq_len,
         "batch": batch,
         "kv_bytes_per_element": kvb,
+        "prefill_chunk": rows,
     }
 
 

@@ -89,19 +89,24 @@ class CPUBackend(Backend, TreeOps):
         self._held += nbytes
         return ModelWeights.from_handles(self.cfg, handles, nbytes=nbytes)
 
-    def alloc_workspace(self, rows: int) -> Workspace:
-        c = self.cfg
+    @classmethod
+    def workspace_layout(cls, cfg, rows: int, max_seq_len: int) -> dict:
         f = np.float32
+        width = dict(x=cfg.d_model, h=cfg.d_model, e=cfg.d_model, q=cfg.q_dim, k=cfg.kv_dim, v=cfg.kv_dim,
+                     att=cfg.q_dim, g=cfg.d_ff, u=cfg.d_ff, logits=cfg.vocab_size, snap_x=cfg.d_model,
+                     snap_e=cfg.d_model)
+        out = {n: ((rows, w), f) for n, w in width.items()}
+        out["ids"] = ((rows,), np.int64)
+        # attention scores of every (row, head) over the keys (+ a margin for a speculative verify)
+        out["scores"] = ((rows * cfg.n_heads, max_seq_len + 65), f)
+        return out
 
-        def z(n):
-            return np.zeros((rows, n), f)
-        ws = Workspace(rows=rows, x=z(c.d_model), h=z(c.d_model), e=z(c.d_model), q=z(c.q_dim),
-                       k=z(c.kv_dim), v=z(c.kv_dim), att=z(c.q_dim), g=z(c.d_ff), u=z(c.d_ff),
-                       logits=z(c.vocab_size), snap_x=z(c.d_model), snap_e=z(c.d_model))
-        ws.ids = np.zeros(rows, np.int64)
-        self._scores = np.zeros((rows * c.n_heads, self.max_seq_len + 65), f)
-        self._held += sum(a.nbytes for a in (ws.x, ws.h, ws.e, ws.q, ws.k, ws.v, ws.att, ws.g, ws.u,
-                                            ws.logits, ws.snap_x, ws.snap_e, self._scores))
+    def alloc_workspace(self, rows: int) -> Workspace:
+        arrays = {n: np.zeros(shape, dt)
+                  for n, (shape, dt) in self.workspace_layout(self.cfg, rows, self.max_seq_len).items()}
+        self._scores = arrays.pop("scores")
+        ws = Workspace(rows=rows, **arrays)
+        self._held += sum(a.nbytes for a in arrays.values()) + self._scores.nbytes
         return ws
 
     def alloc_cache(self, spec) -> CPUCache:

@@ -234,9 +234,8 @@ class CUDABackend(Backend, TreeOps, DeviceChaining):
         self.stream = cuda.stream()
         self._held = 0
         self._ws = None                   # the workspace (alloc_workspace)
-        # cos/sin for every position a launch into any of this backend's caches can reach (the
-        # launchers check cache slots + POSITION_MARGIN); read-only, shared by every graph
-        n_pos = max_cache_slots(max_seq_len) + k_rope.POSITION_MARGIN
+        # cos/sin for every position a launch can reach; read-only, shared by every graph
+        n_pos = self.rope_positions(max_seq_len)
         self.rope_table = self._to_device(k_rope.rope_table(cfg.head_dim, cfg.rope_theta, n_pos))
         self.stream.synchronize()
         self.pos = cuda.device_array(1, np.int32)
@@ -338,37 +337,55 @@ class CUDABackend(Backend, TreeOps, DeviceChaining):
             r0 += rows
         return whole
 
+    @classmethod
+    def cache_slots(cls, n_slots: int, window: int = 0) -> int:
+        return round_slots(n_slots, window)
+
+    @classmethod
+    def rope_positions(cls, max_seq_len: int) -> int:
+        """Rows of the cos/sin table: every position a launch into any of this backend's caches can
+        reach (the launchers check cache slots + POSITION_MARGIN)."""
+        return max_cache_slots(max_seq_len) + k_rope.POSITION_MARGIN
+
+    @classmethod
+    def workspace_nbytes(cls, cfg, rows: int, max_seq_len: int) -> int:
+        # the workspace, and the cos/sin table made with the backend
+        table = cls.rope_positions(max_seq_len) * (cfg.head_dim // 2) * 2 * np.dtype(np.float32).itemsize
+        return super().workspace_nbytes(cfg, rows, max_seq_len) + table
+
+    @classmethod
+    def workspace_layout(cls, cfg, rows: int, max_seq_len: int) -> dict:
+        c, f, i32 = cfg, np.float32, np.int32
+        width = dict(x=c.d_model, h=c.d_model, e=c.d_model, q=c.q_dim, k=c.kv_dim, v=c.kv_dim, att=c.q_dim,
+                     g=c.d_ff, u=c.d_ff, logits=c.vocab_size, snap_x=c.d_model, snap_e=c.d_model)
+        out = {n: ((rows, w), f) for n, w in width.items()}
+        out.update(ids=((rows,), i32), tok=((1,), i32), toks=((rows,), i32),
+                   topk=((rows * MAX_TOPK,), i32),            # (n, k) views over the start
+                   moves=((2, rows), i32),
+                   # split-KV attention: per-split partials and per-(row, head) arrival counters
+                   att_work=(k_attention.workspace_shape(rows, c.n_heads, c.head_dim), f),
+                   att_count=(k_attention.counter_shape(rows, c.n_heads), i32))
+        # split argmax: per-slice candidates and per-row arrival counters
+        av, ai, ac = k_argmax.work_shapes(rows)
+        out.update(amax_v=(av, f), amax_i=(ai, i32), amax_c=(ac, i32))
+        return out
+
     def alloc_workspace(self, rows: int) -> Workspace:
         c = self.cfg
-        f = np.float32
-        bufs = dict(x=(rows, c.d_model), h=(rows, c.d_model), e=(rows, c.d_model), q=(rows, c.q_dim),
-                    k=(rows, c.kv_dim), v=(rows, c.kv_dim), att=(rows, c.q_dim), g=(rows, c.d_ff),
-                    u=(rows, c.d_ff), logits=(rows, c.vocab_size), snap_x=(rows, c.d_model),
-                    snap_e=(rows, c.d_model))
-        arrays = {n: self._empty(s, f) for n, s in bufs.items()}
-        ws = CUDAWorkspace(rows=rows, **arrays)
-        ws.ids = self._empty(rows, np.int32)
-        ws.tok = self._empty(1, np.int32)
-        ws.toks = self._empty(rows, np.int32)
+        dev = {n: self._empty(shape, dt)
+               for n, (shape, dt) in self.workspace_layout(c, rows, self.max_seq_len).items()}
+        amax = (dev.pop("amax_v"), dev.pop("amax_i"), dev.pop("amax_c"))
+        ws = CUDAWorkspace(rows=rows, amax_work=amax, **dev)
         ws.toks_host = cuda.pinned_array(rows, np.int32)
-        ws.topk = self._empty(rows * MAX_TOPK, np.int32)       # (n, k) views over the start
         ws.topk_host = cuda.pinned_array(rows * MAX_TOPK, np.int32)
-        ws.moves = self._empty((2, rows), np.int32)
         ws.moves_host = cuda.pinned_array((2, rows), np.int32)
         ws.ids_host = cuda.pinned_array(rows, np.int32)
         ws.logits_host = cuda.pinned_array(c.vocab_size, np.float32)
-        # split-KV attention: per-split partials and per-(row, head) arrival counters, zeroed here
-        # once (every launch leaves them zero, graph replays included)
-        ws.att_work = self._empty(k_attention.workspace_shape(rows, c.n_heads, c.head_dim), f)
-        ws.att_count = self._empty(k_attention.counter_shape(rows, c.n_heads), np.int32)
-        # split argmax: per-slice candidates and per-row arrival counters, zeroed here once
-        av, ai, ac = k_argmax.work_shapes(rows)
-        ws.amax_work = (self._empty(av, f), self._empty(ai, np.int32), self._empty(ac, np.int32))
+        # the arrival counters are zeroed here once (every launch leaves them zero, graph replays
+        # included)
         for counter in self._counters(ws):
             self._memset0(counter)
-        device = [*arrays.values(), ws.ids, ws.tok, ws.toks, ws.topk, ws.moves, ws.att_work,
-                  ws.att_count, *ws.amax_work]
-        self._held += sum(int(a.nbytes) for a in device)
+        self._held += sum(int(a.nbytes) for a in (*dev.values(), *amax))
         self._ws = ws
         return ws
 
@@ -387,7 +404,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining):
             self._zero(best)
             return best
         window = spec.slots.window
-        spec = CacheSpec(spec.groups, SlotMap(round_slots(spec.n_slots, window), window), spec.n_loop)
+        spec = CacheSpec(spec.groups, SlotMap(self.cache_slots(spec.n_slots, window), window), spec.n_loop)
         try:
             cache = self._new_cache(spec, impls)
         except OutOfMemoryError:

@@ -163,6 +163,26 @@ class Backend(ABC):
         transfer finished on return, since the caller closes the file right after (nothing may
         keep a view of its memory map)."""
 
+    @classmethod
+    def workspace_layout(cls, cfg: ModelConfig, rows: int, max_seq_len: int) -> Dict[str, tuple]:
+        """{buffer name: (shape, numpy dtype)} of every device buffer alloc_workspace(rows) makes
+        for a model loaded with max_seq_len: the one description both the allocation and
+        estimate_memory read, so the estimate is what is held."""
+        raise NotImplementedError(f"{cls.__name__} does not describe its workspace")
+
+    @classmethod
+    def workspace_nbytes(cls, cfg: ModelConfig, rows: int, max_seq_len: int) -> int:
+        """Device bytes the backend holds besides weights and KV caches once alloc_workspace(rows)
+        ran: the workspace (from workspace_layout), plus any table a backend makes at construction
+        (a subclass adds it)."""
+        return sum(int(np.prod(shape)) * np.dtype(dt).itemsize
+                   for shape, dt in cls.workspace_layout(cfg, rows, max_seq_len).values())
+
+    @classmethod
+    def cache_slots(cls, n_slots: int, window: int = 0) -> int:
+        """Slots alloc_cache allocates per layer for a spec of n_slots (a backend may round up)."""
+        return n_slots
+
     @abstractmethod
     def alloc_workspace(self, rows: int) -> Workspace:
         """Activation buffers for launches of up to `rows` rows (every buffer a declared field of
@@ -402,6 +422,18 @@ class BackendEntry:
     def available(cls, simulator_ok: bool = False) -> tuple:
         """(True, "") when this machine can run the backend, else (False, the reason)."""
         return True, ""
+
+    @classmethod
+    def memory_model(cls, cfg: ModelConfig, rows: int, max_seq_len: int):
+        """(workspace bytes, cache slots per layer of a max_seq_len request) as the backend lays
+        them out (Backend.workspace_nbytes / cache_slots; imports the backend class); the
+        workspace is None where the backend does not describe it."""
+        be = cls.load_class()
+        try:
+            ws = be.workspace_nbytes(cfg, rows, max_seq_len)
+        except NotImplementedError:
+            ws = None
+        return ws, be.cache_slots(max_seq_len)
 
     @classmethod
     def load_class(cls) -> type:
