@@ -64,3 +64,12 @@ def test_progress_bars_hidden_when_stdout_is_not_a_terminal(monkeypatch, capsys)
     assert list(progress.bar(items, "x")) == items and progress.bar(items, "x") is not items
     monkeypatch.setenv(progress.PROGRESS_ENV, "0")
     assert progress.bar(items, "x") is items
+
+
+def test_every_bench_option_has_help():
+    import argparse
+    from tinyloop.cli import bench
+    p = bench.add_parser(argparse.ArgumentParser().add_subparsers())
+    for action in p._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help, f"bench option {action.option_strings} has no help"
