@@ -28,6 +28,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return int(args._run(args) or 0)
     except TinyLoopError as exc:
+        print(f"error: {' '.join(str(exc).splitlines())}", file=sys.stderr)
+        return 2
+    except (OSError, UnicodeError) as exc:     # the environment (files, disks, pipes), not a bug
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -10,6 +10,7 @@ from pathlib import Path
 from ..runtime.engine import free_model, load_model
 from ..errors import ConfigError
 from ..runtime.plugins import get_plugin_manager
+from .run import _check_writable
 from ..analysis.evaluate import perplexity
 
 
@@ -33,10 +34,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    if args.window < 2:
+        raise ConfigError(f"--window={args.window} must be at least 2 (tokens per scored window)")
+    if args.max_windows is not None and args.max_windows < 1:
+        raise ConfigError(f"--max-windows={args.max_windows} must be at least 1")
+    if args.json:
+        _check_writable(args.json, "--json")
     try:
         text = Path(args.text).read_text(encoding="utf-8")
     except OSError as exc:
-        raise ConfigError(f"cannot read --text {args.text!r}: {exc.strerror}") from None
+        raise ConfigError(f"cannot read --text {args.text!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--text {args.text!r} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     try:
         loops = [int(x) for x in args.loops.split(",") if x.strip()]
     except ValueError:

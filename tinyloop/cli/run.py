@@ -39,7 +39,9 @@ def read_prompts(cfg: RunConfig, base: Path) -> List[str]:
         try:
             text = Path(path).read_text(encoding="utf-8")
         except OSError as exc:
-            raise ConfigError(f"cannot read prompts_file {path!r}: {exc.strerror}") from None
+            raise ConfigError(f"cannot read prompts_file {path!r}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"prompts_file {path!r} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
         for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
@@ -54,6 +56,18 @@ def read_prompts(cfg: RunConfig, base: Path) -> List[str]:
     if not prompts:
         raise ConfigError("the run config gives no prompts (set prompts or prompts_file)")
     return prompts
+
+
+def _check_writable(path: str, what: str) -> None:
+    """ConfigError, before any work, unless `path` can be written as a file."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{what} {path!r} is a directory; give a file path")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise ConfigError(f"{what} {path!r}: the folder {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise ConfigError(f"{what} {path!r} is not writable")
 
 
 def _print_stats(st: GenerateStats) -> None:
@@ -89,6 +103,10 @@ def run(args) -> int:
     cfg = dataclasses.replace(cfg, **over)
     base = Path(args.config).resolve().parent
     prompts = read_prompts(cfg, base)
+    out_path = None
+    if cfg.output_jsonl:
+        out_path = _resolve(base, cfg.output_jsonl) if not args.output_jsonl else args.output_jsonl
+        _check_writable(out_path, "output_jsonl")
     model_path = _resolve(base, cfg.model) if cfg.model else demo_model_path()
     tokenizer_dir = args.tokenizer or _resolve(base, cfg.tokenizer)
     model = load_model(model_path, max_seq_len=cfg.max_seq_len, backend=cfg.backend,
@@ -153,9 +171,12 @@ def run(args) -> int:
                 _print_stats(st)
                 out.write("\n")
                 records.append((prompt, ids, gen, text, st))
-        if cfg.output_jsonl:
-            path = _resolve(base, cfg.output_jsonl) if not args.output_jsonl else args.output_jsonl
-            with open(path, "w", encoding="utf-8") as fh:
+        if out_path:
+            try:
+                fh = open(out_path, "w", encoding="utf-8")
+            except OSError as exc:
+                raise ConfigError(f"cannot write output_jsonl {out_path!r}: {exc.strerror or exc}") from None
+            with fh:
                 for prompt, ids, gen, text, st in records:
                     fh.write(json.dumps({"prompt": prompt, "completion": text, "prompt_ids": ids,
                                          "output_ids": gen, "stats": st.to_dict()}) + "\n")

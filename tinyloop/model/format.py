@@ -585,8 +585,15 @@ def write_model(path, config: ModelConfig, weights: Mapping[str, np.ndarray],
     head += b"\0" * (_align(len(head)) - len(head))
 
     path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tinyloop.tmp",
-                               dir=os.path.dirname(os.path.abspath(path)))
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ModelFormatError(f"cannot write model file {path!r}: it is a directory")
+    if not os.path.isdir(folder):
+        raise ModelFormatError(f"cannot write model file {path!r}: the folder {folder!r} does not exist")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tinyloop.tmp", dir=folder)
+    except OSError as exc:
+        raise ModelFormatError(f"cannot write model file {path!r}: {exc.strerror or exc}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(head)

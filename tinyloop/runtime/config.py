@@ -527,9 +527,12 @@ def load_run_config(path: str) -> RunConfig:
         with open(path, "r", encoding="utf-8") as fh:
             data = yaml.safe_load(fh)
     except OSError as exc:
-        raise ConfigError(f"cannot read config {path!r}: {exc.strerror}") from None
+        raise ConfigError(f"cannot read config {path!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config {path!r} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+        what = " ".join(str(exc).split())           # one line
+        raise ConfigError(f"{path} is not valid YAML: {what}") from None
     try:
         return from_mapping(RunConfig, data, "run config")
     except ConfigError as exc:
