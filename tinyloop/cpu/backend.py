@@ -1,7 +1,7 @@
 """The CPU backend: the embedded default where no GPU is present.
 
-Weights: float32 tensors stay memory-mapped from the file (no copy); f16 and quantized tensors are
-dequantized once at load into float32 (measured in docs/BENCHMARKS.md: the float32 GEMV in
+Weights: every tensor is held as a float32 copy (float32 tensors copied, f16 and quantized ones
+dequantized once at load; the file is closed after loading) (measured in docs/BENCHMARKS.md: the float32 GEMV in
 tinyloop.cpu.ops runs at ~23 GB/s on one core, faster than unpacking INT4 per token in numba).
 Activations are float32; the KV cache is stored per layer group in its codec (tinyloop/cpu/kv_codecs.py:
 float32, IEEE fp16 as uint16 bit patterns, int8 or int4 codes with per-row scales).
@@ -15,7 +15,7 @@ import numpy as np
 
 from ..runtime.backend import Backend, ModelWeights, TreeOps, TreeRows, Workspace
 from ..errors import BackendError, OutOfMemoryError
-from . import ops
+from . import ops, threads
 
 
 _NO_DEPTH = np.zeros(0, np.int32)
@@ -73,6 +73,9 @@ class CPUBackend(Backend, TreeOps):
         self.sin = np.sin(ang).astype(np.float32)
         self._held = 0
         self._scores = None
+        #: threads of the parallel kernels (TINYLOOP_CPU_THREADS; tinyloop/cpu/threads.py)
+        self.threads = threads.configure()
+        self._par = threads.Region(self.threads)
 
     # ------------------------------------------------------------------ memory
     def load_weights(self, model_file) -> ModelWeights:
@@ -159,7 +162,8 @@ class CPUBackend(Backend, TreeOps):
         ops.rmsnorm(x, w, out, T, self.cfg.norm_eps)
 
     def matmul(self, x, W, out, T: int, accumulate: bool = False) -> None:
-        ops.matmul(x, W, out, T, accumulate)
+        with self._par:
+            ops.matmul(x, W, out, T, accumulate)
 
     def rope_kv_append(self, q, k, v, cache: CPUCache, layer: int, pos, T: int) -> None:
         c = self.cfg
@@ -186,9 +190,10 @@ class CPUBackend(Backend, TreeOps):
         p0, depth, path, _ = _layout(pos, T)
         gi, local = cache.spec.group_of(layer)
         _, impl, kst, vst = cache.groups[gi]
-        kernel = ops.attention_for(impl.load)
-        kernel(q, *kst.arrays, *vst.arrays, local, p0, T, c.n_heads, c.n_kv_heads, c.head_dim, out,
-               self._scores, impl.lut, depth, path, cache.spec.slots.window, cache.n_slots)
+        kernel = impl.attention_kernel()
+        with self._par:
+            kernel(q, *kst.arrays, *vst.arrays, local, p0, T, c.n_heads, c.n_kv_heads, c.head_dim,
+                   out, self._scores, impl.lut, depth, path, cache.spec.slots.window, cache.n_slots)
 
     def move_cache_slots(self, cache: CPUCache, moves) -> None:
         for st in cache.storages():

@@ -3,22 +3,25 @@ tinyloop/plugins/caches/codecs.py).
 
 An implementation gives the storage of one layer group (:meth:`CPUCodec.alloc`), the store of a
 block of rows (:meth:`CPUCodec.store`: the codec's own numpy ``encode``, so the stored codes are the
-reference's by construction) and ``load``, an inline numba function that reads one value back inside
-the attention kernel (tinyloop.cpu.ops.attention_for): ``load(data, scale, zero, layer, slot, head,
-d, lut) -> float32``. fp16 is stored as uint16 bit patterns (numba has no float16 on the CPU) and
-read through the 65536-entry table ``lut``. A third-party codec provides an object of the same shape
-(``load`` compiled with ``numba.njit(inline="always")``).
+reference's by construction), ``load``, an inline numba function that reads one value back inside
+the attention kernel: ``load(data, scale, zero, layer, slot, head, d, lut) -> float32``, and
+:meth:`CPUCodec.attention_kernel`, that kernel. fp16 is stored as uint16 bit patterns (numba has no
+float16 on the CPU) and read through the 65536-entry table ``lut``.
+
+The built-ins' loads and kernels are module-level functions in tinyloop/cpu/ops.py (``load_fp16``,
+``attention_fp16``, ...), so numba's disk cache serves them to every process after the first. A
+third-party codec provides an object of the same shape with its own ``load`` (compiled with
+``numba.njit(inline="always")``); its kernel is built by tinyloop.cpu.ops.attention_for and
+compiles once in each process (a kernel made in a factory cannot be served from numba's cache).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import float32, njit
 
 from ..errors import OutOfMemoryError
 from . import ops
 
-_SEQ = dict(fastmath=False, cache=True, nogil=True)
 _EMPTY = np.zeros((0, 0, 0), np.float32)
 
 
@@ -42,11 +45,18 @@ class CPUStorage:
 
 class CPUCodec:
     """A codec's storage and store on the CPU (stateless; the codec class is passed in); subclasses
-    set ``load``."""
+    set ``load`` (and the built-ins ``attention``)."""
 
     #: numpy dtype the codes are held in on the CPU (None: the codec's data_dtype)
     host_dtype = None
     lut = np.zeros(0, np.float32)
+    #: the attention kernel (a built-in's module-level kernel in tinyloop.cpu.ops, as a staticmethod);
+    #: None: built from ``load`` by ops.attention_for, once per process
+    attention = None
+
+    def attention_kernel(self):
+        """The attention kernel reading this codec's storage through ``load``."""
+        return self.attention if self.attention is not None else ops.attention_for(self.load)
 
     def alloc(self, codec, n_layers: int, n_slots: int, n_kv: int, head_dim: int) -> CPUStorage:
         dt = np.dtype(self.host_dtype or codec.data_dtype)
@@ -70,30 +80,9 @@ class CPUCodec:
             st.zero[layer, slots] = zero
 
 
-@njit(inline="always", **_SEQ)
-def _load_f32(data, scale, zero, layer, s, h, d, lut):
-    return data[layer, s, h, d]
-
-
-@njit(inline="always", **_SEQ)
-def _load_f16(data, scale, zero, layer, s, h, d, lut):
-    return lut[data[layer, s, h, d]]
-
-
-@njit(inline="always", **_SEQ)
-def _load_i8(data, scale, zero, layer, s, h, d, lut):
-    return float32(data[layer, s, h, d]) * scale[layer, s, h]
-
-
-@njit(inline="always", **_SEQ)
-def _load_i4(data, scale, zero, layer, s, h, d, lut):
-    b = data[layer, s, h, d >> 1]
-    q = (b >> ((d & 1) * 4)) & 15
-    return float32(q) * scale[layer, s, h] + zero[layer, s, h]
-
-
 class _FP32(CPUCodec):
-    load = staticmethod(_load_f32)
+    load = staticmethod(ops.load_fp32)
+    attention = staticmethod(ops.attention_fp32)
 
     def store(self, codec, st, layer, slots, rows):
         st.data[layer, slots] = rows
@@ -102,7 +91,8 @@ class _FP32(CPUCodec):
 class _FP16(CPUCodec):
     host_dtype = "uint16"
     lut = ops.HALF_TO_FLOAT
-    load = staticmethod(_load_f16)
+    load = staticmethod(ops.load_fp16)
+    attention = staticmethod(ops.attention_fp16)
 
     def store(self, codec, st, layer, slots, rows):
         # the cast of the float32 rows to half, written through a float16 view of the bits
@@ -110,11 +100,13 @@ class _FP16(CPUCodec):
 
 
 class _INT8(CPUCodec):
-    load = staticmethod(_load_i8)
+    load = staticmethod(ops.load_int8)
+    attention = staticmethod(ops.attention_int8)
 
 
 class _INT4(CPUCodec):
-    load = staticmethod(_load_i4)
+    load = staticmethod(ops.load_int4)
+    attention = staticmethod(ops.attention_int4)
 
 
 FP32, FP16, INT8, INT4 = _FP32(), _FP16(), _INT8(), _INT4()

@@ -10,9 +10,13 @@ thread computes the element, or on how many threads run, so row t of a T-row lau
 row computed alone (prefill == decode == uncached, bit for bit). fastmath stays off: reassociation
 would let LLVM change the order.
 
-KV caches are read through a codec's inline load function (tinyloop.cpu.kv_codecs); the fp16
-cache is stored as uint16 bit patterns (numba has no float16 on the CPU) and read through a
-65536-entry float32 table, which is exact.
+KV caches are read through a codec's inline load function (the built-ins' below, beside their
+attention kernels; tinyloop.cpu.kv_codecs); the fp16 cache is stored as uint16 bit patterns (numba
+has no float16 on the CPU) and read through a 65536-entry float32 table, which is exact.
+
+Every kernel here is a module-level function with cache=True, so a process after the first loads
+compiled code from numba's disk cache (tinyloop/cpu/__pycache__) instead of compiling; only a
+third-party codec's attention kernel (attention_for) compiles in each process.
 """
 
 from __future__ import annotations
@@ -127,63 +131,139 @@ def _slot(j, pos, t, tree, path, window, ring):
     return j
 
 
-def _make_attention(_load):
-    @njit(**_PAR)
+# ---------------------------------------------------------------- attention
+# One module-level kernel per built-in KV codec, so that numba's disk cache (cache=True) serves it
+# to every later process: a kernel built in a factory closes over its load function, and numba keys
+# a closure's cache entry on the pickled closure contents -- a dispatcher pickles with a uuid drawn
+# per process, so such a kernel missed the cache in every process and added a new entry (one file)
+# each time. The loads live in this file beside the kernels that inline them because numba's cache
+# checks the source stamp of the kernel's own file only: a kernel inlining a function of another file
+# would keep its stale code when that file changed.
+
+
+@njit(inline="always", **_SEQ)
+def load_fp32(data, scale, zero, layer, s, h, d, lut):
+    return data[layer, s, h, d]
+
+
+@njit(inline="always", **_SEQ)
+def load_fp16(data, scale, zero, layer, s, h, d, lut):
+    return lut[data[layer, s, h, d]]
+
+
+@njit(inline="always", **_SEQ)
+def load_int8(data, scale, zero, layer, s, h, d, lut):
+    return float32(data[layer, s, h, d]) * scale[layer, s, h]
+
+
+@njit(inline="always", **_SEQ)
+def load_int4(data, scale, zero, layer, s, h, d, lut):
+    b = data[layer, s, h, d >> 1]
+    q = (b >> ((d & 1) * 4)) & 15
+    return float32(q) * scale[layer, s, h] + zero[layer, s, h]
+
+
+@njit(inline="always", **_SEQ)
+def _attend(load, th, q, kd, ks, kz, vd, vs, vz, layer, pos, n_heads, n_kv, D, out, scores, lut,
+            depth, path, window, ring):
+    """Task th = t * n_heads + h of GQA attention: out[t, head h] = softmax_j(q[t,h] . k[slot_j] /
+    sqrt(D)) . v[slot_j].
+
+    Causal (depth empty): keys j = 0 .. pos + t at slot j; with a window W > 0 only the last W
+    of them, j = max(0, pos + t - W + 1) .. pos + t, at slot j % ring. Tree layout: keys j = 0
+    .. pos + depth[t], slot j for j < pos (the committed context), then slot pos + path[t, j -
+    pos] (the row's tree path, root first). Either way the keys reduce in j order, so a tree
+    row equals the causal row of the same token sequence bit for bit.
+
+    (kd, ks, kz) / (vd, vs, vz): a layer group's K / V codes, scales and zero points, read
+    through the codec's `load` (tinyloop.cpu.kv_codecs). scores: (T*H, S) float32 scratch."""
+    group = n_heads // n_kv
+    scale = float32(1.0) / np.sqrt(float32(D))
+    tree = depth.shape[0] > 0
+    t = th // n_heads
+    h = th % n_heads
+    kvh = h // group
+    n = pos + (depth[t] if tree else t) + 1
+    j0 = n - window if window > 0 and n > window else 0
+    sc = scores[th]
+    m = float32(-np.inf)
+    for j in range(j0, n):
+        s = _slot(j, pos, t, tree, path, window, ring)
+        p0 = float32(0.0); p1 = float32(0.0); p2 = float32(0.0); p3 = float32(0.0)
+        d = 0
+        while d + 4 <= D:
+            p0 += q[t, h * D + d] * load(kd, ks, kz, layer, s, kvh, d, lut)
+            p1 += q[t, h * D + d + 1] * load(kd, ks, kz, layer, s, kvh, d + 1, lut)
+            p2 += q[t, h * D + d + 2] * load(kd, ks, kz, layer, s, kvh, d + 2, lut)
+            p3 += q[t, h * D + d + 3] * load(kd, ks, kz, layer, s, kvh, d + 3, lut)
+            d += 4
+        a = (p0 + p1) + (p2 + p3)
+        while d < D:
+            a += q[t, h * D + d] * load(kd, ks, kz, layer, s, kvh, d, lut)
+            d += 1
+        a *= scale
+        sc[j - j0] = a
+        if a > m:
+            m = a
+    total = float32(0.0)
+    for j in range(j0, n):
+        e = np.exp(sc[j - j0] - m)
+        sc[j - j0] = e
+        total += e
+    inv = float32(1.0) / total
+    for d in range(D):
+        out[t, h * D + d] = float32(0.0)
+    for j in range(j0, n):
+        s = _slot(j, pos, t, tree, path, window, ring)
+        w = sc[j - j0] * inv
+        for d in range(D):
+            out[t, h * D + d] += w * load(vd, vs, vz, layer, s, kvh, d, lut)
+
+
+# The kernels: attention_<codec>(q, kd, ks, kz, vd, vs, vz, layer, pos, T, n_heads, n_kv, D, out,
+# scores, lut, depth, path, window, ring), each (t, h) of the T rows one task (_attend).
+
+@njit(**_PAR)
+def attention_fp32(q, kd, ks, kz, vd, vs, vz, layer, pos, T, n_heads, n_kv, D, out, scores, lut,
+                   depth, path, window, ring):
+    for th in prange(T * n_heads):
+        _attend(load_fp32, th, q, kd, ks, kz, vd, vs, vz, layer, pos, n_heads, n_kv, D, out, scores,
+                lut, depth, path, window, ring)
+
+
+@njit(**_PAR)
+def attention_fp16(q, kd, ks, kz, vd, vs, vz, layer, pos, T, n_heads, n_kv, D, out, scores, lut,
+                   depth, path, window, ring):
+    for th in prange(T * n_heads):
+        _attend(load_fp16, th, q, kd, ks, kz, vd, vs, vz, layer, pos, n_heads, n_kv, D, out, scores,
+                lut, depth, path, window, ring)
+
+
+@njit(**_PAR)
+def attention_int8(q, kd, ks, kz, vd, vs, vz, layer, pos, T, n_heads, n_kv, D, out, scores, lut,
+                   depth, path, window, ring):
+    for th in prange(T * n_heads):
+        _attend(load_int8, th, q, kd, ks, kz, vd, vs, vz, layer, pos, n_heads, n_kv, D, out, scores,
+                lut, depth, path, window, ring)
+
+
+@njit(**_PAR)
+def attention_int4(q, kd, ks, kz, vd, vs, vz, layer, pos, T, n_heads, n_kv, D, out, scores, lut,
+                   depth, path, window, ring):
+    for th in prange(T * n_heads):
+        _attend(load_int4, th, q, kd, ks, kz, vd, vs, vz, layer, pos, n_heads, n_kv, D, out, scores,
+                lut, depth, path, window, ring)
+
+
+def _make_attention(load):
+    # not cache=True: the closure's cache key would change in every process (see above), so each
+    # process would compile anyway and leave one more file behind
+    @njit(parallel=True, fastmath=False, cache=False, nogil=True)
     def attention(q, kd, ks, kz, vd, vs, vz, layer, pos, T, n_heads, n_kv, D, out, scores, lut, depth,
                   path, window, ring):
-        """GQA attention: out[t, head h] = softmax_j(q[t,h] . k[slot_j] / sqrt(D)) . v[slot_j].
-
-        Causal (depth empty): keys j = 0 .. pos + t at slot j; with a window W > 0 only the last W
-        of them, j = max(0, pos + t - W + 1) .. pos + t, at slot j % ring. Tree layout: keys j = 0
-        .. pos + depth[t], slot j for j < pos (the committed context), then slot pos + path[t, j -
-        pos] (the row's tree path, root first). Either way the keys reduce in j order, so a tree
-        row equals the causal row of the same token sequence bit for bit.
-
-        (kd, ks, kz) / (vd, vs, vz): a layer group's K / V codes, scales and zero points, read
-        through the codec's `_load` (tinyloop.cpu.kv_codecs). scores: (T*H, S) float32 scratch.
-        Each (t, h) is one task."""
-        group = n_heads // n_kv
-        scale = float32(1.0) / np.sqrt(float32(D))
-        tree = depth.shape[0] > 0
         for th in prange(T * n_heads):
-            t = th // n_heads
-            h = th % n_heads
-            kvh = h // group
-            n = pos + (depth[t] if tree else t) + 1
-            j0 = n - window if window > 0 and n > window else 0
-            sc = scores[th]
-            m = float32(-np.inf)
-            for j in range(j0, n):
-                s = _slot(j, pos, t, tree, path, window, ring)
-                p0 = float32(0.0); p1 = float32(0.0); p2 = float32(0.0); p3 = float32(0.0)
-                d = 0
-                while d + 4 <= D:
-                    p0 += q[t, h * D + d] * _load(kd, ks, kz, layer, s, kvh, d, lut)
-                    p1 += q[t, h * D + d + 1] * _load(kd, ks, kz, layer, s, kvh, d + 1, lut)
-                    p2 += q[t, h * D + d + 2] * _load(kd, ks, kz, layer, s, kvh, d + 2, lut)
-                    p3 += q[t, h * D + d + 3] * _load(kd, ks, kz, layer, s, kvh, d + 3, lut)
-                    d += 4
-                a = (p0 + p1) + (p2 + p3)
-                while d < D:
-                    a += q[t, h * D + d] * _load(kd, ks, kz, layer, s, kvh, d, lut)
-                    d += 1
-                a *= scale
-                sc[j - j0] = a
-                if a > m:
-                    m = a
-            total = float32(0.0)
-            for j in range(j0, n):
-                e = np.exp(sc[j - j0] - m)
-                sc[j - j0] = e
-                total += e
-            inv = float32(1.0) / total
-            for d in range(D):
-                out[t, h * D + d] = float32(0.0)
-            for j in range(j0, n):
-                s = _slot(j, pos, t, tree, path, window, ring)
-                w = sc[j - j0] * inv
-                for d in range(D):
-                    out[t, h * D + d] += w * _load(vd, vs, vz, layer, s, kvh, d, lut)
+            _attend(load, th, q, kd, ks, kz, vd, vs, vz, layer, pos, n_heads, n_kv, D, out, scores,
+                    lut, depth, path, window, ring)
     return attention
 
 
@@ -191,8 +271,9 @@ _ATTENTION = {}
 
 
 def attention_for(load):
-    """The attention kernel reading the cache through `load` (a codec's inline load function),
-    compiled once per load function."""
+    """The attention kernel reading the cache through `load` (a third-party codec's inline load
+    function), compiled once per load function and process (not in numba's disk cache); the
+    built-in codecs use the module-level kernels above."""
     fn = _ATTENTION.get(load)
     if fn is None:
         fn = _ATTENTION[load] = _make_attention(load)
