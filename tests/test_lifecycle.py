@@ -91,3 +91,21 @@ def test_two_models_in_two_threads(tiny_path, prompt):
     finally:
         for m in models:
             tl.free_model(m)
+
+
+def test_host_memory_exhaustion_is_typed(tiny_path, prompt, monkeypatch):
+    """A CPU allocation the machine cannot hold is an OutOfMemoryError before it is made (numpy
+    would map the pages lazily and the process be killed on first write), at load and per request;
+    nothing is left held."""
+    from tinyloop.cpu import backend as cpu_backend
+    m = tl.load_model(str(tiny_path), max_seq_len=64, backend="cpu")
+    try:
+        held = tl.vram_usage_bytes(m)
+        monkeypatch.setattr(cpu_backend, "available_host_bytes", lambda: 1024)
+        with pytest.raises(tl.OutOfMemoryError, match="KV cache"):
+            tl.generate(m, prompt, CFG)
+        assert tl.vram_usage_bytes(m) == held
+        with pytest.raises(tl.OutOfMemoryError, match="float32 weights"):
+            tl.load_model(str(tiny_path), max_seq_len=64, backend="cpu")
+    finally:
+        tl.free_model(m)

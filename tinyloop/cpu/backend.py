@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ..model.arch import required_tensors
 from ..runtime.backend import Backend, ModelWeights, TreeOps, TreeRows, Workspace
 from ..errors import BackendError, OutOfMemoryError
 from . import ops, threads
@@ -28,6 +29,29 @@ def _layout(pos, T):
         depth = pos.depth[:T]
         return pos.pos, depth, pos.path, pos.pos + pos.path[np.arange(T), depth]
     return pos, _NO_DEPTH, _NO_PATH, slice(pos, pos + T)
+
+
+def available_host_bytes():
+    """Memory the kernel says can be allocated without swapping (Linux MemAvailable), or None
+    where it cannot be read."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_host_memory(nbytes: int, what: str) -> None:
+    """OutOfMemoryError before allocating `nbytes` that the machine does not have: numpy's zeros
+    would succeed (pages are mapped lazily) and the process be killed when they are first
+    written."""
+    avail = available_host_bytes()
+    if avail is not None and nbytes > avail:
+        raise OutOfMemoryError(f"{what} needs {nbytes / 2**20:.1f} MiB of host memory, but only "
+                               f"{avail / 2**20:.1f} MiB are available")
 
 
 class CPUCache:
@@ -79,6 +103,8 @@ class CPUBackend(Backend, TreeOps):
 
     # ------------------------------------------------------------------ memory
     def load_weights(self, model_file) -> ModelWeights:
+        check_host_memory(sum(4 * int(np.prod(s)) for s in required_tensors(self.cfg).values()),
+                          "the float32 weights")
         handles = {}
         nbytes = 0
         for name, tq in model_file.header.quant.items():
@@ -105,6 +131,8 @@ class CPUBackend(Backend, TreeOps):
         return out
 
     def alloc_workspace(self, rows: int) -> Workspace:
+        check_host_memory(self.workspace_nbytes(self.cfg, rows, self.max_seq_len),
+                          f"the workspace of {rows} rows (max_seq_len {self.max_seq_len})")
         arrays = {n: np.zeros(shape, dt)
                   for n, (shape, dt) in self.workspace_layout(self.cfg, rows, self.max_seq_len).items()}
         self._scores = arrays.pop("scores")
@@ -113,6 +141,9 @@ class CPUBackend(Backend, TreeOps):
         return ws
 
     def alloc_cache(self, spec) -> CPUCache:
+        from ..runtime.plugins import get_plugin_manager
+        need = spec.nbytes(self.cfg.n_kv_heads, self.cfg.head_dim, get_plugin_manager().kv_codecs())
+        check_host_memory(need, f"a KV cache of {spec.n_layers} layers x {spec.n_slots} slots")
         return CPUCache(spec, self.cfg.n_kv_heads, self.cfg.head_dim)
 
     def copy_cache(self, dst: CPUCache, src: CPUCache, n_slots: int) -> None:

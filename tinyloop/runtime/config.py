@@ -59,7 +59,7 @@ _int, _float = check_int, check_float
 #: Upper bounds of the counts that size memory or work, checked when a config is made (before any
 #: allocation); the model's own limits (max_seq_len, vocab, loops) are checked per request.
 MAX_TOKENS = 1 << 20
-MAX_BEAM = 64
+MAX_BEAM = 256
 MAX_WINDOW = 1 << 20
 #: Float knobs are bounded so no arithmetic on them overflows float32 (penalties divide logits).
 MAX_PENALTY = 1e6
