@@ -19,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tinyloop as tl  # noqa: E402
+from tinyloop.progress import bar  # noqa: E402
 
 
 def measure(path: str, loops, prompt_len: int, new: int) -> list:
@@ -29,7 +30,7 @@ def measure(path: str, loops, prompt_len: int, new: int) -> list:
     tl.generate(m, prompt[:8], tl.GenerateConfig(max_tokens=2, loops=1))    # compile
     rows = []
     try:
-        for L in loops:
+        for L in bar(loops, "loops", unit="depth"):
             st = tl.GenerateStats()
             tl.generate_stream(m, prompt, tl.GenerateConfig(max_tokens=new, loops=L), stats=st)
             rate = (st.tokens_emitted - 1) / (st.decode_ms / 1e3) if st.decode_ms > 0 else float("nan")

@@ -27,6 +27,8 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from tinyloop.progress import bar
+
 
 def _median(xs):
     return float(np.median(np.asarray(xs, dtype=np.float64)))
@@ -64,7 +66,7 @@ def bench_tinyloop(path: str, prompt: List[int], new: int, loops: int, sweep: Li
         def measure(L: int, **sampling) -> dict:
             run(L, 4, **sampling)                         # compile, warm, capture the step graph
             pre, dec = [], []
-            for _ in range(repeats):
+            for _ in bar(range(repeats), f"tinyloop L={L}", unit="run"):
                 st = run(L, new, **sampling)
                 pre.append(st.prefill_ms)
                 dec.append(st.decode_ms / max(1, st.tokens_emitted - 1))

@@ -26,6 +26,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.decode_bench import _commit, _median, log  # noqa: E402
+from tinyloop.progress import bar  # noqa: E402
 
 
 def kv_bytes_per_token(model, loops: int, mode: str) -> int:
@@ -59,7 +60,7 @@ def run_mode(model, prompt, new: int, loops: int, mode: str, window: int, repeat
     cfg = tl.GenerateConfig(max_tokens=new, loops=loops, cache_mode=mode, cache_window=window)
     tl.generate(model, prompt, cfg.replace(max_tokens=4))            # compile, warm, capture
     dec, pre, toks = [], [], None
-    for _ in range(repeats):
+    for _ in bar(range(repeats), f"{mode} window {window}", unit="run"):
         st = tl.GenerateStats()
         toks = list(tl.generate_iter(model, prompt, cfg, stats=st))
         dec.append(st.decode_ms / max(1, st.tokens_emitted - 1))

@@ -27,6 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tinyloop as tl  # noqa: E402
+from tinyloop.progress import bar  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os\nimport sys\n\n\ndef main():",
            "    def __repr__(self):\n        return", "for i, line in enumerate(lines):"]
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
 
     def measure(fn, cfg, refs):
         rates, acc, mal, exact = [], [], [], True
-        for ids in prompts:
+        for ids in bar(prompts, "prompts", unit="prompt"):
             fn(m, ids, cfg)                                  # warm-up and graph capture
             r = []
             for _ in range(args.repeats):

@@ -237,7 +237,6 @@ def test_top_k_validated_only_while_sampling(tiny_model, prompt):
     ([1, 97], {}, r"prompt\[1\]=97 is outside the vocabulary \[0, 97\)"),
     ([-1], {}, r"prompt\[0\]=-1"),
     ([1] * 100, dict(max_tokens=29), "exceeds max_seq_len=128"),
-    ([1], dict(loops=9), r"loops=9 is outside the allowed range \[1, 8\]"),
     ([1], dict(stop_sequences=[[200]]), "stop_sequences"),
     (b"text", {}, "not bytes"),
     ([[1, 2]], {}, "flat sequence"),
@@ -250,6 +249,17 @@ def test_request_validation_before_work(tiny_model, monkeypatch, prompt_, kw, ma
     # a text prompt on a model without a usable tokenizer (97 ids, none embedded)
     with pytest.raises(tl.TokenizerError, match="configure a tokenizer"):
         tl.generate(tiny_model, "text", GenerateConfig())
+    assert calls == []
+
+
+def test_out_of_range_is_one_class_whatever_sets_the_range(tiny_model, monkeypatch):
+    """loops=9 (range from the model) and loops=0 (range from the config) are both ConfigError."""
+    calls = []
+    monkeypatch.setattr(tiny_model.backend, "alloc_cache", lambda *a: calls.append(a))
+    with pytest.raises(tl.ConfigError, match=r"loops=9 is outside the allowed range \[1, 8\]"):
+        tl.generate(tiny_model, [1], GenerateConfig(loops=9))
+    with pytest.raises(tl.ConfigError, match="loops=0"):
+        GenerateConfig(loops=0)
     assert calls == []
 
 

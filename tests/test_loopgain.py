@@ -106,7 +106,7 @@ def test_measure_short_ids_and_validation(tiny):
     assert r["windows"] == 1 and r["positions"] == 5 and r["max_loops"] == 2
     r1 = measure_loop_gain(m, IDS[:5], max_loops=1)
     assert r1["beta_mean"] is None and r1["iterations"][1]["beta"] is None
-    with pytest.raises(InvalidInputError, match="loops=9"):
+    with pytest.raises(tl.ConfigError, match="loops=9"):
         measure_loop_gain(m, IDS, max_loops=9)
     with pytest.raises(InvalidInputError):
         measure_loop_gain(m, [3, 200])

@@ -221,8 +221,9 @@ def validate_request(model: Model, prompt: Any, config: GenerateConfig, what: st
 def resolve_loops(model: Model, loops: Optional[int]) -> int:
     L = model.cfg.default_loops if loops is None else loops
     if isinstance(L, bool) or not isinstance(L, int) or not 1 <= L <= model.cfg.max_loops:
-        raise InvalidInputError(f"loops={L!r} is outside the allowed range [1, {model.cfg.max_loops}] "
-                                f"(model.max_loops)")
+        # a config value out of range is a ConfigError wherever the range comes from (the model here)
+        raise ConfigError(f"loops={L!r} is outside the allowed range [1, {model.cfg.max_loops}] "
+                          f"(model.max_loops)")
     return L
 
 
