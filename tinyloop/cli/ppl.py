@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..runtime.engine import free_model, load_model
 from ..errors import ConfigError
+from ..runtime.config import read_text
 from ..runtime.plugins import get_plugin_manager
 from .run import _check_writable
 from ..analysis.evaluate import perplexity
@@ -40,12 +41,7 @@ def run(args) -> int:
         raise ConfigError(f"--max-windows={args.max_windows} must be at least 1")
     if args.json:
         _check_writable(args.json, "--json")
-    try:
-        text = Path(args.text).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read --text {args.text!r}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"--text {args.text!r} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    text = read_text(args.text, "--text")
     try:
         loops = [int(x) for x in args.loops.split(",") if x.strip()]
     except ValueError:

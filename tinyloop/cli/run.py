@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from ..runtime.config import GenerateStats, RunConfig, load_run_config
+from ..runtime.config import GenerateStats, RunConfig, load_run_config, read_text
 from ..runtime.engine import free_model, generate_batch, generate_iter, load_model
 from ..errors import ConfigError
 from ..runtime.plugins import get_plugin_manager
@@ -36,12 +36,7 @@ def read_prompts(cfg: RunConfig, base: Path) -> List[str]:
     prompts = list(cfg.prompts)
     if cfg.prompts_file:
         path = _resolve(base, cfg.prompts_file)
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"cannot read prompts_file {path!r}: {exc.strerror or exc}") from None
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"prompts_file {path!r} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+        text = read_text(path, "prompts_file")
         for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue

@@ -519,17 +519,25 @@ class RunConfig:
                               f"generate: {{decoder: {self.mode}, options: {{...}}}} to combine them")
 
 
+def read_text(path: str, what: str) -> str:
+    """The UTF-8 text of the file `path` (`what` names it in errors): a ConfigError for a file that
+    cannot be read or is not UTF-8."""
+    try:
+        with open(path, "r", encoding="utf-8") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} {path!r} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+
+
 def load_run_config(path: str) -> RunConfig:
     """Parse a YAML run config; errors name the file and the bad key or value."""
     import yaml
 
+    text = read_text(path, "config")
     try:
-        with open(path, "r", encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
-    except OSError as exc:
-        raise ConfigError(f"cannot read config {path!r}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"config {path!r} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         what = " ".join(str(exc).split())           # one line
         raise ConfigError(f"{path} is not valid YAML: {what}") from None

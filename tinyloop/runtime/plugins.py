@@ -121,6 +121,7 @@ class PluginManager:
     def backend_entry(self, name: str, simulator_ok: bool = True) -> Type[BackendEntry]:
         """The entry `name` selects ("auto": the available entry of highest auto_priority),
         checked to be runnable on this machine (a BackendError saying why not)."""
+        self.check_backend_name(name)
         entries = self.backends()
         if name == "auto":
             ranked = sorted((e for e in entries.values() if e.auto_priority is not None),
@@ -129,8 +130,6 @@ class PluginManager:
                 if e.available(simulator_ok=False)[0]:
                     return e
             raise BackendError(f"backend='auto': none of {[e.name for e in ranked]} is available here")
-        if not isinstance(name, str) or name not in entries:
-            raise ConfigError(f"backend={name!r} is not one of {', '.join(self.backend_names())}")
         ok, why = entries[name].available(simulator_ok=simulator_ok)
         if not ok:
             raise BackendError(f"backend={name!r} was requested but {why}")
