@@ -10,13 +10,18 @@ from .runtime.engine import (Model, free_model, generate, generate_batch, genera
                           load_model, score, score_last_token, vram_usage_bytes)
 from .errors import (BackendError, ConfigError, IncompatibleModesError, InvalidInputError,
                           ModelBusyError, ModelFormatError, ModelFreedError, NotImplementedModeError,
-                          OutOfMemoryError, PluginError, TinyLoopError, TokenizerError)
+                          OutOfMemoryError, PluginError, TinyLoopError, TokenizerError, HandleFreedError,
+                          HandleBudgetError)
+from .runtime.reuse import (PrefixCache, PrefixPool, ResumeHandle, build_prefix_cache, build_resume_handle,
+                            create_prefix_pool, free_prefix_cache, free_prefix_pool, free_resume_handle,
+                            generate_from_prefix_cache, generate_with_pool, live_handle_bytes, register_prefix,
+                            resume_generate, set_handle_bytes_cap)
 from .analysis.inspect import inspect
 from .api import generate_speculative, generate_text, generate_tree_speculative, stream_text
 from .model.tokenizer import Tokenizer
 from .plugins.decoders.autotune import DecoderChoice, calibrate
 # the plugin author's API
-from .runtime.backend import Backend, BackendEntry, DeviceChaining, TreeOps, Workspace
+from .runtime.backend import Backend, BackendEntry, CacheReuse, DeviceChaining, TreeOps, Workspace
 from .runtime.cache import CacheMode, KVCodec, SlotMap, SlotMapMode
 from .runtime.decoding import DecodeSession, Decoder
 from .runtime.engine import Plan, Session
@@ -32,13 +37,16 @@ __all__ = [
     "generate", "generate_stream", "generate_iter", "generate_batch", "generate_text", "stream_text", "Tokenizer",
     "generate_speculative", "generate_tree_speculative", "calibrate", "DecoderChoice", "score",
     "score_last_token",
+    "PrefixCache", "PrefixPool", "ResumeHandle", "build_prefix_cache", "generate_from_prefix_cache",
+    "free_prefix_cache", "create_prefix_pool", "register_prefix", "generate_with_pool", "free_prefix_pool",
+    "build_resume_handle", "resume_generate", "free_resume_handle", "set_handle_bytes_cap", "live_handle_bytes",
     "GenerateConfig", "GenerateStats", "SpeculativeConfig", "TreeSpeculativeConfig", "StopReason",
     "RunConfig", "SpeculativeOptions", "TreeSpeculativeOptions",
     "TinyLoopError", "ModelFormatError", "ConfigError", "InvalidInputError", "IncompatibleModesError",
     "NotImplementedModeError", "PluginError", "BackendError", "OutOfMemoryError", "TokenizerError",
-    "ModelFreedError", "ModelBusyError",
+    "ModelFreedError", "ModelBusyError", "HandleFreedError", "HandleBudgetError",
     # plugin author's API
     "hookimpl", "Decoder", "DecodeSession", "Session", "Plan", "LogitProcessor", "ProcessorChain", "Stage",
     "Stopper", "StopperChain", "StopOrder", "CacheMode", "KVCodec", "SlotMapMode", "SlotMap",
-    "Backend", "BackendEntry", "TreeOps", "DeviceChaining", "Workspace",
+    "Backend", "BackendEntry", "TreeOps", "DeviceChaining", "CacheReuse", "Workspace",
 ]

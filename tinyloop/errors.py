@@ -50,3 +50,13 @@ class ModelFreedError(TinyLoopError):
 
 class ModelBusyError(TinyLoopError):
     """A model is already running a forward (models are not reentrant; serialize calls)."""
+
+
+class HandleFreedError(TinyLoopError):
+    """A PrefixCache, PrefixPool or ResumeHandle was used after it was freed, evicted (the live
+    handle cap) or released with its model."""
+
+
+class HandleBudgetError(OutOfMemoryError):
+    """Keeping a prefix cache, pool entry or resume handle would exceed the process-wide cap on
+    live handle bytes even after evicting every handle that can be evicted."""

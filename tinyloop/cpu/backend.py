@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from ..model.arch import required_tensors
-from ..runtime.backend import Backend, ModelWeights, TreeOps, TreeRows, Workspace
+from ..runtime.backend import Backend, CacheReuse, ModelWeights, TreeOps, TreeRows, Workspace
+from ..runtime.cache import shared_layers
 from ..errors import BackendError, OutOfMemoryError
 from . import ops, threads
 
@@ -80,7 +81,7 @@ class CPUCache:
         return sum(st.nbytes for st in self.storages())
 
 
-class CPUBackend(Backend, TreeOps):
+class CPUBackend(Backend, TreeOps, CacheReuse):
     """Numba/numpy implementation of the backend ops."""
 
     name = "cpu"
@@ -155,6 +156,20 @@ class CPUBackend(Backend, TreeOps):
                 for da, sa in zip(d.arrays, s_.arrays):
                     if sa.size:
                         np.copyto(da[:, :n], sa[:, :n])
+
+    def copy_cache_layers(self, dst: CPUCache, src: CPUCache, n_slots: int) -> None:
+        for di, si, n_layers in shared_layers(dst.spec, src.spec, n_slots):
+            for d, s_ in zip(dst.groups[di][2:], src.groups[si][2:]):      # K, then V storage
+                for da, sa in zip(d.arrays, s_.arrays):
+                    if sa.size:
+                        np.copyto(da[:n_layers, :n_slots], sa[:n_layers, :n_slots])
+
+    def alloc_rows(self, n: int, cols: int) -> np.ndarray:
+        check_host_memory(4 * n * cols, f"a row buffer of {n} x {cols}")
+        return np.zeros((n, cols), np.float32)
+
+    def alloc_kept_cache(self, spec) -> CPUCache:
+        return self.alloc_cache(spec)
 
     def memory_bytes(self) -> int:
         return self._held

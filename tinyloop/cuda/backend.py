@@ -61,8 +61,9 @@ from numba.cuda.cudadrv.driver import device_memset
 
 from dataclasses import dataclass
 
-from ..runtime.backend import Backend, DeviceChaining, ModelWeights, TreeOps, TreeRows, Workspace
-from ..runtime.cache import CacheSpec, SlotMap
+from ..runtime.backend import (Backend, CacheReuse, DeviceChaining, ModelWeights, TreeOps, TreeRows,
+                               Workspace)
+from ..runtime.cache import CacheSpec, SlotMap, shared_layers
 from ..runtime.config import env_switch
 from ..errors import BackendError, OutOfMemoryError, PluginError
 from .graphs import Graph
@@ -222,7 +223,7 @@ class CUDAWorkspace(Workspace):
     amax_work: Any = None
 
 
-class CUDABackend(Backend, TreeOps, DeviceChaining):
+class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse):
     """numba-cuda implementation of the backend ops, with graph-captured decode steps."""
 
     name = "cuda"
@@ -403,6 +404,11 @@ class CUDABackend(Backend, TreeOps, DeviceChaining):
             self._spares.remove(best)
             self._zero(best)
             return best
+        return self._fresh_cache(spec, impls)
+
+    def _fresh_cache(self, spec: CacheSpec, impls) -> CUDACache:
+        """A new zeroed cache for `spec` with its slots rounded up (`round_slots`); under memory
+        pressure the spares are dropped and the allocation retried."""
         window = spec.slots.window
         spec = CacheSpec(spec.groups, SlotMap(self.cache_slots(spec.n_slots, window), window), spec.n_loop)
         try:
@@ -473,6 +479,27 @@ class CUDABackend(Backend, TreeOps, DeviceChaining):
         if dst is not src:
             for d, s_ in zip(dst.arrays, src.arrays):
                 d.copy_to_device(s_, stream=self.stream)
+
+    def copy_cache_layers(self, dst: CUDACache, src: CUDACache, n_slots: int) -> None:
+        """One device-to-device copy per (layer, storage array) on the backend stream: slots
+        0..n_slots-1 of one layer are contiguous in every storage array."""
+        pairs = shared_layers(dst.spec, src.spec, n_slots)
+        if n_slots == 0:
+            return
+        for di, si, n_layers in pairs:
+            for da, sa in zip(dst.groups[di].arrays, src.groups[si].arrays):
+                for layer in range(n_layers):
+                    da[layer, :n_slots].copy_to_device(sa[layer, :n_slots], stream=self.stream)
+
+    def alloc_rows(self, n: int, cols: int):
+        buf = self._empty((n, cols), np.float32)
+        self._memset0(buf)
+        return buf
+
+    def alloc_kept_cache(self, spec: CacheSpec) -> CUDACache:
+        if not isinstance(spec, CacheSpec):
+            raise BackendError(f"alloc_kept_cache takes a CacheSpec, got {type(spec).__name__}")
+        return self._fresh_cache(spec, [resolve_codec(g.codec) for g in spec.groups])
 
     def move_cache_slots(self, cache: CUDACache, moves) -> None:
         ws = self._ws

@@ -18,7 +18,7 @@ implementations over the primitives; a backend overrides them with fused kernels
 launches or passes over memory. The forward only calls composites and the few primitives it needs.
 
 Optional capabilities (:data:`CAPABILITIES`) are mixin classes a backend inherits:
-:class:`TreeOps` and :class:`DeviceChaining`. Callers ask :meth:`Backend.supports` and fall back;
+:class:`TreeOps`, :class:`DeviceChaining` and :class:`CacheReuse`. Callers ask :meth:`Backend.supports` and fall back;
 a decoder that cannot declares ``Decoder.requires``. Backends are registered as
 :class:`BackendEntry` classes through the ``tinyloop_backends`` hook (one registry for every name
 check).
@@ -396,8 +396,36 @@ class DeviceChaining(ABC):
         forward's `ids`: what set_ids returns for one token, without an upload."""
 
 
+class CacheReuse(ABC):
+    """Capability ``cache_reuse``: state that outlives one request (prefix caches, prefix pools and
+    warm-start handles, tinyloop.runtime.reuse). A kept cache is copied into a request's cache of
+    another layout (more slots, more or fewer loop iterations, a draft's extra layers), and the
+    residual stream of a prompt is kept in row buffers between requests. Without it those entry
+    points are refused with a BackendError naming the capability."""
+
+    @abstractmethod
+    def copy_cache_layers(self, dst, src, n_slots: int) -> None:
+        """For every layer group of `dst` that `src` also has (same name and codec; the pairs and
+        checks of tinyloop.runtime.cache.shared_layers): layers 0 .. min(layers) - 1, slots
+        0 .. n_slots - 1 of dst := src's (codes, scales and zeros). The caches may differ in slots
+        and in loop iterations; both use the linear slot map. Ordered after every op queued
+        before it; nothing else of dst changes."""
+
+    @abstractmethod
+    def alloc_rows(self, n: int, cols: int) -> Any:
+        """A zeroed float32 buffer of n rows x cols held by the backend (kept residual rows), usable
+        wherever an activation buffer is (copy, rows); released when the last reference goes."""
+
+    @abstractmethod
+    def alloc_kept_cache(self, spec) -> Any:
+        """A zeroed cache laid out as `spec` (as alloc_cache) for state kept between requests: never
+        taken from or handed back to a backend's spare caches and never part of a captured graph,
+        so it is released with its last reference."""
+
+
 #: The optional capabilities by name (Backend.supports).
-CAPABILITIES: Dict[str, type] = {"tree": TreeOps, "device_chaining": DeviceChaining}
+CAPABILITIES: Dict[str, type] = {"tree": TreeOps, "device_chaining": DeviceChaining,
+                                 "cache_reuse": CacheReuse}
 
 
 # =============================================================================== registry

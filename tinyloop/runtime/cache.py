@@ -243,3 +243,30 @@ def build_spec(cfg, loops: int, mode: type, slots: SlotMap, extra_groups: Tuple[
     parts.append(("loop", loops * cfg.n_loop))
     groups = tuple(LayerGroup(name, n, mode.group_codec(name)) for name, n in parts)
     return CacheSpec(groups, slots, cfg.n_loop)
+
+
+def shared_layers(dst: CacheSpec, src: CacheSpec, n_slots: int) -> Tuple[Tuple[int, int, int], ...]:
+    """What Backend.copy_cache_layers copies from a cache laid out as `src` into one laid out as
+    `dst`: (dst group index, src group index, layers) for every group of dst that src also has
+    (by name), `layers` = the smaller layer count. Raises BackendError when a shared group's codec
+    differs, a cache uses a ring, or n_slots exceeds either cache's slots."""
+    from ..errors import BackendError
+    if dst.slots.ring or src.slots.ring:
+        raise BackendError("copying between cache layouts needs linear slot maps (a ring's slots are "
+                           "positions modulo its size, which differs between layouts)")
+    if isinstance(n_slots, bool) or not isinstance(n_slots, int) or not 0 <= n_slots <= min(dst.n_slots, src.n_slots):
+        raise BackendError(f"copy of {n_slots!r} slots does not fit caches of {src.n_slots} and {dst.n_slots} slots")
+    if dst.n_loop != src.n_loop:
+        raise BackendError(f"caches of {src.n_loop} and {dst.n_loop} layers per loop iteration do not share layers")
+    by_name = {g.name: i for i, g in enumerate(src.groups)}
+    out = []
+    for di, g in enumerate(dst.groups):
+        si = by_name.get(g.name)
+        if si is None:
+            continue
+        sg = src.groups[si]
+        if sg.codec != g.codec:
+            raise BackendError(f"layer group {g.name!r} is stored as {sg.codec} in the source cache and as "
+                               f"{g.codec} in the destination; a copy cannot convert codecs")
+        out.append((di, si, min(g.n_layers, sg.n_layers)))
+    return tuple(out)

@@ -410,6 +410,12 @@ class GenerateStats:
     """Speculative: full-depth decode forwards plain decoding would have run, minus verify passes."""
     beams_finished: int = 0
     """Beam search: beams that ended (EOS, stop sequence or max_tokens) before the search stopped."""
+    reused_tokens: int = 0
+    """Prefix reuse / warm start: prompt positions whose K/V were copied from kept state instead of
+    computed (tinyloop.runtime.reuse)."""
+    warm_start_iters_saved: int = 0
+    """Warm start: loop iterations x prompt rows the handle's kept residual spared this request
+    (a fresh request at this depth would have run them)."""
 
     def finalize(self) -> None:
         """Derive the ratio fields from the counters once a call has ended."""

@@ -26,6 +26,7 @@ import contextlib
 import os
 import threading
 import time
+import weakref
 from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import numpy as np
@@ -35,7 +36,7 @@ from .backend import Backend
 from .cache import build_spec, linear_slots
 from .compat import check_request
 from .config import GenerateConfig, GenerateStats, StopReason, env_switch
-from ..errors import (BackendError, ConfigError, InvalidInputError, ModelBusyError,
+from ..errors import (BackendError, ConfigError, IncompatibleModesError, InvalidInputError, ModelBusyError,
                       ModelFreedError, PluginError, TokenizerError)
 from ..model.format import open_model
 from ..model.tokenizer import Tokenizer, resolve_tokenizer
@@ -82,6 +83,8 @@ class Model:
         self._freed = False
         self._free_pending = False          # free_model called while a request held the lock
         self._live_cache_bytes = 0
+        self._live_handle_bytes = 0         # prefix caches, pool entries, resume handles (runtime.reuse)
+        self._handles = weakref.WeakSet()   # ... themselves: released with the model
         self._tokenizer = None
         self.decoder_choices = {}           # loop depth -> the auto decoder's calibration (its own record)
         try:
@@ -125,6 +128,8 @@ class Model:
         return self.cfg.vocab_size
 
     def _release(self) -> None:
+        for handle in list(getattr(self, "_handles", ())):
+            handle._drop("released with its model (free_model)")
         be = getattr(self, "backend", None)
         if be is not None:
             be.free()
@@ -174,10 +179,11 @@ def free_model(model: Model) -> None:
 
 
 def vram_usage_bytes(model: Model) -> int:
-    """Bytes the model holds on its backend: weights + buffer pool + live KV caches."""
+    """Bytes the model holds on its backend: weights + buffer pool + live KV caches + the kept
+    state of its prefix caches, pool entries and resume handles (tinyloop.runtime.reuse)."""
     check_call(model)
     model._check_live()
-    return model.backend.memory_bytes() + model._live_cache_bytes
+    return model.backend.memory_bytes() + model._live_cache_bytes + model._live_handle_bytes
 
 
 # --------------------------------------------------------------------------- validation
@@ -243,9 +249,12 @@ class Plan:
     the decoder honours; no processor is active under a decoder that does not apply them; the
     decoder's own ``validate``; the cache mode, codecs and slot map; the loop depth."""
 
-    def __init__(self, model: Model, config: GenerateConfig, context: str):
+    def __init__(self, model: Model, config: GenerateConfig, context: str, reuse: Optional[str] = None):
         model._check_live()
         self.model, self.context = model, context
+        #: the compat column of the state the request starts from (prefix_reuse, warm_start), checked
+        #: besides the decoder's; `seed` fills the cache from that state (Session.start)
+        self.reuse, self.seed = reuse, None
         self._resolve(config)
 
     def _resolve(self, config: GenerateConfig) -> None:
@@ -253,6 +262,16 @@ class Plan:
         pm = get_plugin_manager()
         dec = pm.decoder_for(config)
         check_request(dec.compat_context or context, config)
+        if self.reuse is not None:
+            check_request(self.reuse, config)
+            if not model.backend.supports("cache_reuse"):
+                raise BackendError(f"{self.reuse} needs the backend capability 'cache_reuse', which the "
+                                   f"{model.backend.name} backend does not provide")
+            if kv_cache_disabled():
+                raise IncompatibleModesError(
+                    f"{DISABLE_KV_CACHE_ENV}={os.environ[DISABLE_KV_CACHE_ENV]!r} asks for the uncached "
+                    f"reference path, which recomputes every position; {self.reuse} starts from kept cache "
+                    f"state (unset it, or call generate for the reference)")
         if dec.mode is None and context not in dec.contexts:
             raise PluginError(f"decoder {dec.name!r} does not run in {context} decoding "
                               f"(it declares {sorted(dec.contexts)})")
@@ -498,9 +517,15 @@ class Session:
             self._logits_lane = None
 
     def start(self) -> None:
-        """Prefill the prompt of the lane in use (lane 0 unless a lane was advanced before)."""
+        """Prefill the prompt of the lane in use (lane 0 unless a lane was advanced before). A
+        request that starts from kept state (``plan.seed``: a prefix cache, a resume handle) has
+        the seed copy the first positions' K/V into the cache; only the rest is computed."""
         t = time.perf_counter()
-        self._run(0, len(self.tokens))
+        reused = 0
+        if self.plan.seed is not None:
+            reused = self.plan.seed.fill(self)
+            self.stats.reused_tokens = reused
+        self._run(reused, len(self.tokens))
         self._logits_lane = self._lane
         self.stats.prefill_ms = (time.perf_counter() - t) * 1e3
 

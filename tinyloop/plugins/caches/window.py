@@ -18,7 +18,7 @@ class RingWindow(SlotMapMode):
     name = "window"
     mode = "cache_window"
     compat = {"single": "ok", "batched": "rejected", "speculative": "partial", "tree_speculative": "rejected",
-              "prefix_reuse": "rejected", "warm_start": "partial"}
+              "prefix_reuse": "rejected", "warm_start": "rejected"}
 
     def __init__(self, window: int):
         self.window = window
