@@ -995,6 +995,67 @@ def _has_storage(cache):
                                       for g in groups)
 
 
+def test_copy_cache_layers_between_layouts(rig):
+    """copy_cache_layers(dst, src, n) (capability cache_reuse): every group dst shares with src (by
+    name) gets src's first min(layers) layers in slots 0..n-1, bit for bit (codes, scales, zeros);
+    dst's other slots and groups keep their contents; a copy, not an alias."""
+    _needs(rig.be, "cache_reuse")
+    be = rig.be
+    src_spec = spec_of([("pre", 1, "fp32"), ("post", 1, "fp16"), ("loop", 3, "int4")], 8)
+    dst_spec = spec_of([("pre", 1, "fp32"), ("post", 1, "fp16"), ("draft_post", 1, "int8"),
+                        ("loop", 2, "int4")], 20)
+    src, dst = be.alloc_kept_cache(src_spec), be.alloc_kept_cache(dst_spec)
+    assert dst.spec.groups == dst_spec.groups and dst.n_slots >= 20
+    n = 4
+    _fill_all_layers(rig, src, 6, 90)
+    _fill_all_layers(rig, dst, 6, 100)
+    before_s, before_d = cache_storage(rig, src), cache_storage(rig, dst)
+    be.copy_cache_layers(dst, src, n)
+    _fill_all_layers(rig, src, 6, 110)        # src changes afterwards: dst keeps its copy
+    after = cache_storage(rig, dst)
+    pairs = {0: (0, 1), 1: (1, 1), 3: (2, 2)}   # dst group -> (src group, layers copied)
+    for gi, g_dst in enumerate(after):
+        for side, st_d in enumerate(g_dst):
+            old = before_d[gi][side]
+            for name, arr in st_d.items():
+                what = f"group {dst_spec.groups[gi].name} {'KV'[side]} {name}"
+                if gi in pairs:
+                    si, nl = pairs[gi]
+                    assert_bits(arr[:nl, :n], before_s[si][side][name][:nl, :n], f"copied {what}")
+                    assert_bits(arr[:nl, n:], old[name][:nl, n:], f"slots past the copy of {what}")
+                    assert_bits(arr[nl:], old[name][nl:], f"layers past the copy of {what}")
+                else:
+                    assert_bits(arr, old[name], f"unshared {what}")
+
+
+def test_copy_cache_layers_refusals(rig):
+    """A shared group of another codec, a ring, or more slots than a cache holds: BackendError."""
+    _needs(rig.be, "cache_reuse")
+    be = rig.be
+    a = be.alloc_kept_cache(spec_of([("pre", 1, "fp32"), ("loop", 1, "fp16")], 8))
+    b = be.alloc_kept_cache(spec_of([("pre", 1, "fp16"), ("loop", 1, "fp16")], 8))
+    ring = be.alloc_kept_cache(spec_of([("pre", 1, "fp32"), ("loop", 1, "fp16")], 8, window=4))
+    with pytest.raises(BackendError, match="codec"):
+        be.copy_cache_layers(b, a, 2)
+    with pytest.raises(BackendError, match="linear"):
+        be.copy_cache_layers(ring, a, 2)
+    with pytest.raises(BackendError, match="slots"):
+        be.copy_cache_layers(a, a, a.n_slots + 1)
+
+
+def test_alloc_rows_is_a_zeroed_row_buffer(rig):
+    """alloc_rows(n, cols): zeroed float32 rows usable with copy / rows like an activation buffer."""
+    _needs(rig.be, "cache_reuse")
+    be, ws, c = rig.be, rig.ws, rig.cfg
+    buf = be.alloc_rows(5, c.d_model)
+    assert not rig.host(buf, 5).any()
+    rig.embed([3, 4])
+    be.copy(be.rows(buf, 2), ws.x, 2)
+    got = rig.host(buf, 5)
+    assert_bits(got[2:4], rig.host(ws.x, 2), "rows copied into the buffer")
+    assert not got[:2].any() and not got[4:].any()
+
+
 def test_move_cache_slots(rig):
     """move_cache_slots(cache, moves): for each (src, dst) in order, slot dst of every layer := slot
     src (codes, scales and zero points). Attention over the moved cache against the numpy model of

@@ -38,7 +38,8 @@ def test_matrix_mirrors_the_spec_table():
     assert m.modes["cache_window"].cells["batched"] == "rejected"
     assert m.modes["grammar"].cells["speculative"] == "rejected"
     assert m.modes["int4_cache"].cells["speculative"] == "partial"
-    assert m.modes["int8_cache"].cells["warm_start"] == "partial"
+    assert m.modes["int8_cache"].cells["warm_start"] == "ok"
+    assert m.modes["cache_window"].cells["warm_start"] == "rejected"
 
 
 MODE_KNOBS = st.fixed_dictionaries({
@@ -67,7 +68,8 @@ def expected_outcome(matrix, context, cfg):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(knobs=MODE_KNOBS, context=st.sampled_from(["single", "batched", "speculative", "tree_speculative"]))
+@given(knobs=MODE_KNOBS, context=st.sampled_from(["single", "batched", "speculative", "tree_speculative",
+                                                  "prefix_reuse", "warm_start"]))
 def test_random_mode_combinations(tiny_model, prompt, monkeypatch, knobs, context):
     matrix = load_matrix()
     # the seed only where it is used: a seed on a greedy or beam request is a field the decoder ignores
@@ -76,6 +78,10 @@ def test_random_mode_combinations(tiny_model, prompt, monkeypatch, knobs, contex
         # the speculative entry points take temperature and cache_mode; the other knobs do not exist there
         cfg = tl.GenerateConfig(max_tokens=3, temperature=knobs["temperature"], cache_mode=knobs["cache_mode"])
     want = expected_outcome(matrix, context, cfg)
+    pool = None
+    if context == "prefix_reuse":       # the pool's entry is built before the request is watched
+        pool = tl.create_prefix_pool(2)
+        tl.register_prefix(pool, tiny_model, prompt[:4], cache_mode=cfg.cache_mode)
     allocations = []
     real_alloc = tiny_model.backend.alloc_cache
     monkeypatch.setattr(tiny_model.backend, "alloc_cache", lambda *a: allocations.append(a) or real_alloc(*a))
@@ -83,6 +89,15 @@ def test_random_mode_combinations(tiny_model, prompt, monkeypatch, knobs, contex
     def call():
         if context == "single":
             return [(prompt, tl.generate(tiny_model, prompt, cfg))]
+        if context == "prefix_reuse":
+            return [(prompt, tl.generate_with_pool(tiny_model, pool, prompt, cfg))]
+        if context == "warm_start":
+            # the handle is built under the request's settings (checked against the same column)
+            h = tl.build_resume_handle(tiny_model, prompt, 2, dataclasses.replace(cfg, max_tokens=0))
+            try:
+                return [(prompt, tl.resume_generate(h, 3, cfg))]
+            finally:
+                tl.free_resume_handle(h)
         if context == "batched":
             return list(zip([prompt, prompt[:4]], tl.generate_batch(tiny_model, [prompt, prompt[:4]], cfg)))
         spec = dict(max_tokens=3, draft_loops=1, verify_loops=3, temperature=knobs["temperature"],
@@ -106,6 +121,8 @@ def test_random_mode_combinations(tiny_model, prompt, monkeypatch, knobs, contex
             assert "compat.yaml" in str(info.value) or "not implemented" in str(info.value)
             assert allocations == []
     monkeypatch.undo()
+    if pool is not None:
+        tl.free_prefix_pool(pool)
 
 
 def test_rejection_names_the_rule(tiny_model, prompt):
@@ -116,8 +133,10 @@ def test_rejection_names_the_rule(tiny_model, prompt):
         tl.generate_batch(tiny_model, [prompt], tl.GenerateConfig(beam_size=4))
     with pytest.raises(tl.IncompatibleModesError, match=r"repetition_penalty.*rejected in speculative"):
         load_matrix().check("speculative", tl.GenerateConfig(repetition_penalty=1.2))
-    with pytest.raises(tl.NotImplementedModeError, match="prefix_reuse decoding is not implemented yet"):
-        load_matrix().check("prefix_reuse", tl.GenerateConfig())
+    with pytest.raises(tl.IncompatibleModesError, match=r"cache_window.*rejected in prefix_reuse"):
+        load_matrix().check("prefix_reuse", tl.GenerateConfig(cache_window=8))
+    with pytest.raises(tl.IncompatibleModesError, match=r"beam_search.*rejected in warm_start"):
+        load_matrix().check("warm_start", tl.GenerateConfig(beam_size=2))
     with pytest.raises(tl.IncompatibleModesError, match=r"repetition_penalty.*rejected in tree_speculative"):
         load_matrix().check("tree_speculative", tl.GenerateConfig(repetition_penalty=1.2))
 

@@ -713,9 +713,10 @@ class _ResumeSeed:
 def build_resume_handle(model: Model, ids: Sequence[int], loops_used: int,
                         config: Optional[GenerateConfig] = None) -> ResumeHandle:
     """Prefill `ids` at `loops_used` iterations and keep what a deeper request needs (the cache
-    layers and the residual after iteration loops_used - 1 at every position). `config` gives the
-    cache mode (its loops, when set, must equal loops_used); a windowed cache is rejected
-    (configs/compat.yaml: warm_start)."""
+    layers and the residual after iteration loops_used - 1 at every position). `config` holds the
+    settings the handle will serve, checked now as a warm-start request's (configs/compat.yaml:
+    warm_start; its loops, when set, must equal loops_used): its cache_mode shapes the kept cache,
+    its decoding fields apply again at each resume_generate."""
     check_call(model, config)
     config = config or GenerateConfig()
     if isinstance(loops_used, bool) or not isinstance(loops_used, int):
@@ -723,8 +724,11 @@ def build_resume_handle(model: Model, ids: Sequence[int], loops_used: int,
     if config.loops is not None and config.loops != loops_used:
         raise ConfigError(f"config.loops={config.loops} differs from loops_used={loops_used}")
     prompt = _check_ids(model, ids, "ids")
-    plan = _state_plan(model, loops_used, config.cache_mode, "warm_start", config.cache_window)
-    L, P = plan.loops, len(prompt)
+    # the settings the handle serves are checked now as a warm-start request's (its cache shape
+    # comes from them; the decoding fields apply to each resume_generate)
+    plan = Plan(model, dataclasses.replace(config, loops=resolve_loops(model, loops_used), max_tokens=0),
+                "single", reuse="warm_start")
+    L, P = loops_used, len(prompt)
     spec = build_spec(model.cfg, L, plan.cache_mode, linear_slots(P))
     inject = model.cfg.loop_inject == "add"
     need = _cache_bytes(model, spec) + _rows_bytes(model, P) * (2 if inject else 1)

@@ -14,7 +14,7 @@ class INT8Cache(CacheMode):
     name = "int8"
     mode = "int8_cache"
     compat = {"single": "ok", "batched": "ok", "speculative": "ok", "tree_speculative": "ok",
-              "prefix_reuse": "ok", "warm_start": "partial"}
+              "prefix_reuse": "ok", "warm_start": "ok"}
     codec = "int8"
 
 
@@ -22,7 +22,7 @@ class INT4Cache(CacheMode):
     name = "int4"
     mode = "int4_cache"
     compat = {"single": "ok", "batched": "ok", "speculative": "partial", "tree_speculative": "partial",
-              "prefix_reuse": "ok", "warm_start": "partial"}
+              "prefix_reuse": "ok", "warm_start": "ok"}
     codec = "int4"
 
 
