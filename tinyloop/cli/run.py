@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import List, Optional
 
 from ..runtime.config import GenerateStats, RunConfig, load_run_config, read_text
-from ..runtime.engine import free_model, generate_batch, generate_iter, load_model
+from ..runtime.engine import Plan, free_model, generate_batch, generate_iter, load_model, resolve_loops
+from ..runtime import reuse
 from ..errors import ConfigError
 from ..runtime.plugins import get_plugin_manager
 from ..models import demo_model_path
@@ -65,13 +66,65 @@ def _check_writable(path: str, what: str) -> None:
         raise ConfigError(f"{what} {path!r} is not writable")
 
 
-def _print_stats(st: GenerateStats) -> None:
+def _print_stats(st: GenerateStats, label: str = "") -> None:
     rate = (f"{(st.tokens_emitted - 1) / (st.decode_ms / 1e3):.1f} tok/s"
             if st.tokens_emitted > 1 and st.decode_ms > 0 else "n/a")
     spec = (f", accepted {st.accepted_tokens}/{st.drafted_tokens} drafts, "
             f"{st.mean_accepted_length:.2f} tokens per verify" if st.verify_forwards else "")
-    print(f"[tinyloop] {st.tokens_emitted} tokens, stop {st.stop_reason.value}, prefill "
-          f"{st.prefill_ms:.1f} ms, decode {rate}{spec}", file=sys.stderr)
+    reuse = f", {st.reused_tokens} prompt tokens reused" if st.reused_tokens else ""
+    if st.warm_start_iters_saved:
+        reuse += f", warm start spared {st.warm_start_iters_saved} row-iterations of the loop"
+    print(f"[tinyloop] {label}{st.tokens_emitted} tokens, stop {st.stop_reason.value}, prefill "
+          f"{st.prefill_ms:.1f} ms{reuse}, decode {rate}{spec}", file=sys.stderr)
+
+
+class _Server:
+    """How the prompts of a run are served: ``server(ids)`` lists (label, call) pairs, each call
+    ``call(stats) -> token iterator``: one plain request; one request through the run's prefix
+    pool (``prefix:``); or one request per depth of ``resume:`` from a handle built once per prompt.
+    Every model-dependent setting is checked when the server is made, before any decoding."""
+
+    def __init__(self, cfg: RunConfig, model, request, bos) -> None:
+        self.cfg, self.model, self.request = cfg, model, request
+        self.pool = None
+        self._handle = None
+        if cfg.resume is not None:
+            r = cfg.resume
+            for d in (r.loops_used,) + r.depths:       # every depth checked before any prefill
+                Plan(model, dataclasses.replace(request, loops=resolve_loops(model, d)), "single",
+                     reuse="warm_start")
+        if cfg.prefix is not None:
+            # the request's depth as its decoder runs it (speculative: the verify depth), checked as a
+            # prefix-reuse request before anything is prefilled
+            depth = Plan(model, request, "single", reuse="prefix_reuse").loops
+            shared = bos + model.tokenizer.encode(cfg.prefix)
+            self.pool = reuse.create_prefix_pool(1)
+            reuse.register_prefix(self.pool, model, shared, loops=depth, cache_mode=request.cache_mode)
+            print(f"[tinyloop] prefix of {len(shared)} tokens registered in a prefix pool", file=sys.stderr)
+
+    def __call__(self, ids):
+        cfg, model, request = self.cfg, self.model, self.request
+        if cfg.resume is not None:
+            self._release()
+            self._handle = reuse.build_resume_handle(model, ids, cfg.resume.loops_used, request)
+            h = self._handle
+            return [(f"[L={d}] ", lambda st, d=d: reuse.resume_generate_iter(h, d, request, stats=st))
+                    for d in cfg.resume.depths]
+        if self.pool is not None:
+            return [("", lambda st: reuse.generate_with_pool_iter(model, self.pool, ids, request, stats=st))]
+        return [("", lambda st: generate_iter(model, ids, request, st))]
+
+    def _release(self) -> None:
+        if self._handle is not None and self._handle.alive:
+            reuse.free_resume_handle(self._handle)
+        self._handle = None
+
+    def close(self) -> None:
+        self._release()
+        if self.pool is not None:
+            reuse.free_prefix_pool(self.pool)
+            self.pool = None
+
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -109,7 +162,8 @@ def run(args) -> int:
     try:
         tok = model.tokenizer
         bos = [model.cfg.bos_id] if model.cfg.bos_id is not None else []
-        encoded = [bos + tok.encode(p) for p in prompts]
+        shared = tok.encode(cfg.prefix) if cfg.prefix is not None else []
+        encoded = [bos + shared + tok.encode(p) for p in prompts]
         eos = model.cfg.eos_id
         records = []
         out = sys.stdout
@@ -141,31 +195,36 @@ def run(args) -> int:
                 out.write("\n")
                 records.append((prompt, ids, res[len(ids):], text, st))
         else:
-            for prompt, ids in zip(prompts, encoded):
-                st = GenerateStats()
-                dec = tok.stream_decoder()
-                gen: List[int] = []
-                tokens = generate_iter(model, ids, request, st)      # validated here, before any echo
-                if cfg.stream:
-                    out.write(prompt)
-                    out.flush()
-                try:
-                    for t in tokens:
-                        gen.append(t)
-                        if cfg.stream and t != eos:
-                            out.write(dec.push(t))
+            serve = _Server(cfg, model, request, bos)
+            try:
+                for prompt, ids in zip(prompts, encoded):
+                    for label, call in serve(ids):
+                        st = GenerateStats()
+                        dec = tok.stream_decoder()
+                        gen: List[int] = []
+                        tokens = call(st)               # validated here, before any echo
+                        if cfg.stream:
+                            out.write(label + prompt)
                             out.flush()
-                finally:
-                    if cfg.stream:              # end the echoed line, so an error starts on its own line
-                        out.write(dec.flush() + "\n")
-                        out.flush()
-                text = tok.decode([t for t in gen if t != eos])
-                if not cfg.stream:
-                    out.write(prompt + text + "\n")
-                    out.flush()
-                _print_stats(st)
-                out.write("\n")
-                records.append((prompt, ids, gen, text, st))
+                        try:
+                            for t in tokens:
+                                gen.append(t)
+                                if cfg.stream and t != eos:
+                                    out.write(dec.push(t))
+                                    out.flush()
+                        finally:
+                            if cfg.stream:          # end the echoed line, so an error starts on its own line
+                                out.write(dec.flush() + "\n")
+                                out.flush()
+                        text = tok.decode([t for t in gen if t != eos])
+                        if not cfg.stream:
+                            out.write(label + prompt + text + "\n")
+                            out.flush()
+                        _print_stats(st, label)
+                        out.write("\n")
+                        records.append((prompt, ids, gen, text, st))
+            finally:
+                serve.close()
         if out_path:
             try:
                 fh = open(out_path, "w", encoding="utf-8")

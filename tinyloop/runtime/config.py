@@ -450,6 +450,26 @@ def from_mapping(cls: Type[T], data: Mapping[str, Any], where: str) -> T:
 
 @typed_init
 @dataclass(frozen=True)
+class ResumeConfig:
+    """A run's ``resume:`` section: every prompt is prefilled once at ``loops_used`` into a resume
+    handle, then decoded at each of ``depths`` from it (warm start; tinyloop.runtime.reuse)."""
+
+    loops_used: int = 1
+    """The depth the handle is built at, in [1, model.max_loops]."""
+    depths: Tuple[int, ...] = ()
+    """The depths each prompt is served at, in order, each in [loops_used, model.max_loops]."""
+
+    def __post_init__(self) -> None:
+        _int("loops_used", self.loops_used, 1, 1 << 20)
+        if isinstance(self.depths, (str, bytes)) or not isinstance(self.depths, (list, tuple)) or not self.depths:
+            raise ConfigError(f"resume depths must be a non-empty list of loop depths, got {self.depths!r}")
+        for d in self.depths:
+            _int("resume depth", d, self.loops_used, 1 << 20)
+        object.__setattr__(self, "depths", tuple(self.depths))
+
+
+@typed_init
+@dataclass(frozen=True)
 class RunConfig:
     """A YAML-configured run (``python -m tinyloop run CFG.yaml``)."""
 
@@ -484,6 +504,14 @@ class RunConfig:
     speculative: Optional[SpeculativeConfig] = None
     """mode: speculative / tree_speculative only: SpeculativeConfig fields (draft_loops, verify_loops,
     draft_ahead, ...; K_branches for trees)."""
+    prefix: Optional[str] = None
+    """A shared prefix (a system prompt) put before every prompt: prefilled once into a prefix pool
+    at the run's depth and cache mode, and reused by every request (generate_with_pool). Modes
+    generate, speculative and tree_speculative."""
+    resume: Optional[ResumeConfig] = None
+    """Warm start: ``{loops_used: L, depths: [...]}``: each prompt is prefilled at L once, then
+    decoded at every listed depth from the kept state (resume_generate). Mode generate, without
+    generate.loops (the depths give it) and without a prefix."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str):
@@ -518,6 +546,26 @@ class RunConfig:
                                from_mapping(GenerateConfig, self.generate, "generate"))
         elif not isinstance(self.generate, GenerateConfig):
             raise ConfigError(f"generate must be a mapping of GenerateConfig fields, got {self.generate!r}")
+        if self.prefix is not None and (not isinstance(self.prefix, str) or not self.prefix):
+            raise ConfigError(f"prefix must be a non-empty string (the text put before every prompt), got "
+                              f"{self.prefix!r}")
+        if self.prefix is not None and self.mode == "batch":
+            raise ConfigError("prefix: is served through a prefix pool one request at a time; mode batch does not "
+                              "use it (use mode generate)")
+        if isinstance(self.resume, Mapping):
+            object.__setattr__(self, "resume", from_mapping(ResumeConfig, self.resume, "resume"))
+        elif self.resume is not None and not isinstance(self.resume, ResumeConfig):
+            raise ConfigError(f"resume must be a mapping with loops_used and depths, got {self.resume!r}")
+        if self.resume is not None:
+            if self.mode != "generate":
+                raise ConfigError(f"resume: runs in mode generate (mode is {self.mode!r}); a decoder with "
+                                  f"options goes in generate: {{decoder: ..., options: {{...}}}}")
+            if self.generate.loops is not None:
+                raise ConfigError(f"resume: gives the depths; generate.loops={self.generate.loops} would be "
+                                  f"ignored (remove it)")
+            if self.prefix is not None:
+                raise ConfigError("prefix: and resume: are separate reuse patterns (a prefix shared by many "
+                                  "prompts, one prompt at several depths); use one of them")
         if spec_mode and self.generate.requested_fields():
             raise ConfigError(f"mode: {self.mode} takes its settings from the `speculative:` section; the "
                               f"`generate:` section would be ignored (it sets "

@@ -40,7 +40,7 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import (ConfigError, HandleBudgetError, HandleFreedError, InvalidInputError,
                       ModelFreedError)
@@ -297,19 +297,25 @@ def _request(model: Model, config: Optional[GenerateConfig], loops: int, cache_m
     return dataclasses.replace(config, loops=loops) if config.loops is None else config
 
 
-def _run(model: Model, ids: List[int], plan: Plan, stats: Optional[GenerateStats], on_token,
-         before: Optional[Callable[[], None]] = None) -> List[int]:
-    """Decode a prepared request under the model's lock (like generate_stream); `before` runs
-    first, under the lock (admission to the handle cap)."""
+def _iter(model: Model, ids: List[int], plan: Plan, stats: Optional[GenerateStats], consumer=(),
+          before: Optional[Callable[[], None]] = None):
+    """Decode a prepared request under the model's lock (like generate_iter: the lock is taken at
+    the first next()); `before` runs first, under the lock (a pool lookup, admission to the cap)."""
     stats = stats if stats is not None else GenerateStats()
-    consumer = [CallbackStopper(on_token)] if on_token is not None else []
     lock = _locked(model)
     try:
         if before is not None:
             before()
-        return ids + list(_decode(model, ids, plan, stats, consumer))
+        yield from _decode(model, ids, plan, stats, consumer)
     finally:
         lock.release()
+
+
+def _run(model: Model, ids: List[int], plan: Plan, stats: Optional[GenerateStats], on_token,
+         before: Optional[Callable[[], None]] = None) -> List[int]:
+    """The blocking form of _iter with generate_stream's callback; returns prompt + generated."""
+    consumer = [CallbackStopper(on_token)] if on_token is not None else []
+    return ids + list(_iter(model, ids, plan, stats, consumer, before))
 
 
 def _check_depth(plan: Plan, loops: int, what: str) -> None:
@@ -386,15 +392,7 @@ def build_prefix_cache(model: Model, prefix_ids: Sequence[int], loops: Optional[
         lock.release()
 
 
-def generate_from_prefix_cache(model: Model, pc: PrefixCache, suffix_ids: Sequence[int],
-                               config: Optional[GenerateConfig] = None,
-                               stats: Optional[GenerateStats] = None,
-                               on_token: Optional[Callable[[int, int], Any]] = None) -> List[int]:
-    """Decode prefix + suffix, the prefix's K/V copied from `pc` instead of computed: the tokens of
-    ``generate(model, prefix + suffix, config)`` at the prefix cache's depth and cache mode (which
-    the config must match; loops None takes the cache's). Returns prefix + suffix + generated;
-    ``on_token`` and ``stats`` as generate_stream (stats.reused_tokens says how many positions were
-    copied). `suffix_ids` may be empty (the prompt is the prefix)."""
+def _prepare_prefix(model, pc, suffix_ids, config, stats, on_token=None):
     check_call(model, config, stats, on_token)
     if not isinstance(pc, PrefixCache):
         raise InvalidInputError(f"pc must be a PrefixCache from build_prefix_cache, got {type(pc).__name__}")
@@ -406,7 +404,29 @@ def generate_from_prefix_cache(model: Model, pc: PrefixCache, suffix_ids: Sequen
     plan.delegate()
     _check_depth(plan, pc.loops, "prefix cache")
     plan.seed = _PrefixSeed(pc, min(len(pc.prefix_ids), len(ids) - 1))
-    return _run(model, ids, plan, stats, on_token, before=pc._check)
+    return ids, plan, pc._check
+
+
+def generate_from_prefix_cache(model: Model, pc: PrefixCache, suffix_ids: Sequence[int],
+                               config: Optional[GenerateConfig] = None,
+                               stats: Optional[GenerateStats] = None,
+                               on_token: Optional[Callable[[int, int], Any]] = None) -> List[int]:
+    """Decode prefix + suffix, the prefix's K/V copied from `pc` instead of computed: the tokens of
+    ``generate(model, prefix + suffix, config)`` at the prefix cache's depth and cache mode (which
+    the config must match; loops None takes the cache's). Returns prefix + suffix + generated;
+    ``on_token`` and ``stats`` as generate_stream (stats.reused_tokens says how many positions were
+    copied). `suffix_ids` may be empty (the prompt is the prefix)."""
+    ids, plan, before = _prepare_prefix(model, pc, suffix_ids, config, stats, on_token)
+    return _run(model, ids, plan, stats, on_token, before)
+
+
+def generate_from_prefix_cache_iter(model: Model, pc: PrefixCache, suffix_ids: Sequence[int],
+                                    config: Optional[GenerateConfig] = None,
+                                    stats: Optional[GenerateStats] = None) -> Iterator[int]:
+    """generate_from_prefix_cache as a token iterator (like generate_iter: validated now, decoded
+    as it is read; closing it early stops decoding)."""
+    ids, plan, before = _prepare_prefix(model, pc, suffix_ids, config, stats)
+    return _iter(model, ids, plan, stats, (), before)
 
 
 def free_prefix_cache(pc: PrefixCache) -> None:
@@ -554,13 +574,7 @@ def register_prefix(pool: PrefixPool, model: Model, ids: Sequence[int], loops: O
         lock.release()
 
 
-def generate_with_pool(model: Model, pool: PrefixPool, ids: Sequence[int], config: Optional[GenerateConfig] = None,
-                       stats: Optional[GenerateStats] = None,
-                       on_token: Optional[Callable[[int, int], Any]] = None) -> List[int]:
-    """Decode `ids`, reusing the longest prefix of it registered in `pool` at the request's depth
-    and cache mode (a hit copies its K/V; a miss prefills as generate does). Same tokens as
-    ``generate(model, ids, config)``; returns prompt + generated; stats.reused_tokens says how many
-    prompt positions were copied."""
+def _prepare_pool(model, pool, ids, config, stats, on_token=None):
     check_call(model, config, stats, on_token)
     if not isinstance(pool, PrefixPool):
         raise InvalidInputError(f"pool must be a PrefixPool from create_prefix_pool, got {type(pool).__name__}")
@@ -569,8 +583,10 @@ def generate_with_pool(model: Model, pool: PrefixPool, ids: Sequence[int], confi
     plan = Plan(model, config, "single", reuse="prefix_reuse")
     prompt = validate_request(model, ids, config)
     plan.delegate()
-    lock = _locked(model)
-    try:
+
+    def lookup() -> None:
+        """Under the request's lock, so the entry found cannot be evicted before it is copied."""
+        pool._check(model)
         best = pool._lookup(prompt, (plan.loops, plan.config.cache_mode))
         n = min(len(best.prefix_ids), len(prompt) - 1) if best is not None else 0
         if n > 0:
@@ -580,9 +596,27 @@ def generate_with_pool(model: Model, pool: PrefixPool, ids: Sequence[int], confi
             plan.seed = _PrefixSeed(best, n)
         else:
             pool.misses += 1
-    finally:
-        lock.release()
-    return _run(model, prompt, plan, stats, on_token)
+            plan.seed = None
+    return prompt, plan, lookup
+
+
+def generate_with_pool(model: Model, pool: PrefixPool, ids: Sequence[int], config: Optional[GenerateConfig] = None,
+                       stats: Optional[GenerateStats] = None,
+                       on_token: Optional[Callable[[int, int], Any]] = None) -> List[int]:
+    """Decode `ids`, reusing the longest prefix of it registered in `pool` at the request's depth
+    and cache mode (a hit copies its K/V; a miss prefills as generate does). Same tokens as
+    ``generate(model, ids, config)``; returns prompt + generated; stats.reused_tokens says how many
+    prompt positions were copied."""
+    prompt, plan, lookup = _prepare_pool(model, pool, ids, config, stats, on_token)
+    return _run(model, prompt, plan, stats, on_token, lookup)
+
+
+def generate_with_pool_iter(model: Model, pool: PrefixPool, ids: Sequence[int],
+                            config: Optional[GenerateConfig] = None,
+                            stats: Optional[GenerateStats] = None) -> Iterator[int]:
+    """generate_with_pool as a token iterator (validated now, decoded as it is read)."""
+    prompt, plan, lookup = _prepare_pool(model, pool, ids, config, stats)
+    return _iter(model, prompt, plan, stats, (), lookup)
 
 
 def free_prefix_pool(pool: PrefixPool) -> None:
@@ -749,14 +783,7 @@ def build_resume_handle(model: Model, ids: Sequence[int], loops_used: int,
         lock.release()
 
 
-def resume_generate(handle: ResumeHandle, loops_new: int, config: Optional[GenerateConfig] = None,
-                    stats: Optional[GenerateStats] = None,
-                    on_token: Optional[Callable[[int, int], Any]] = None) -> List[int]:
-    """Decode the handle's prompt at `loops_new` iterations, starting from its kept state: the
-    iterations the handle has not run yet run over the prompt, the cache is extended with their
-    layers, and decoding proceeds. Bit-exact to ``generate(model, prompt, loops=loops_new)``. Any
-    depth >= the handle's shallowest kept depth is answered (the handle keeps each depth it
-    serves); a shallower one is a ConfigError. Returns prompt + generated."""
+def _prepare_resume(handle, loops_new, config, stats, on_token=None):
     if not isinstance(handle, ResumeHandle):
         raise InvalidInputError(f"handle must be a ResumeHandle from build_resume_handle, got "
                                 f"{type(handle).__name__}")
@@ -775,7 +802,26 @@ def resume_generate(handle: ResumeHandle, loops_new: int, config: Optional[Gener
     def admit() -> None:
         handle._check()
         _BUDGET.admit(handle.growth_bytes(L), f"resuming at loops={L}", model, keep=(handle,))
+    return model, ids, plan, admit
+
+
+def resume_generate(handle: ResumeHandle, loops_new: int, config: Optional[GenerateConfig] = None,
+                    stats: Optional[GenerateStats] = None,
+                    on_token: Optional[Callable[[int, int], Any]] = None) -> List[int]:
+    """Decode the handle's prompt at `loops_new` iterations, starting from its kept state: the
+    iterations the handle has not run yet run over the prompt, the cache is extended with their
+    layers, and decoding proceeds. Bit-exact to ``generate(model, prompt, loops=loops_new)``. Any
+    depth >= the handle's shallowest kept depth is answered (the handle keeps each depth it
+    serves); a shallower one is a ConfigError. Returns prompt + generated."""
+    model, ids, plan, admit = _prepare_resume(handle, loops_new, config, stats, on_token)
     return _run(model, ids, plan, stats, on_token, before=admit)
+
+
+def resume_generate_iter(handle: ResumeHandle, loops_new: int, config: Optional[GenerateConfig] = None,
+                         stats: Optional[GenerateStats] = None) -> Iterator[int]:
+    """resume_generate as a token iterator (validated now, decoded as it is read)."""
+    model, ids, plan, admit = _prepare_resume(handle, loops_new, config, stats)
+    return _iter(model, ids, plan, stats, (), admit)
 
 
 def free_resume_handle(handle: ResumeHandle) -> None:
