@@ -296,6 +296,10 @@ def test_memory_accounting_returns_to_baseline(rm):
     pool = tl.create_prefix_pool(2)
     tl.register_prefix(pool, rm, p[:9])
     assert held(rm) == base + pc.nbytes + h.nbytes + pool.nbytes
+    recs = tl.live_handles(rm)
+    assert [(r["kind"], r["tokens"], r["in_pool"]) for r in recs] == [
+        ("PrefixCache", 20, False), ("ResumeHandle", 30, False), ("PrefixCache", 9, True)]
+    assert recs[1]["depths"] == [1, 6] and sum(r["bytes"] for r in recs) == held(rm) - base
     tl.free_prefix_cache(pc)
     tl.free_resume_handle(h)
     tl.free_prefix_pool(pool)

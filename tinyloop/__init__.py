@@ -15,7 +15,7 @@ from .errors import (BackendError, ConfigError, IncompatibleModesError, InvalidI
 from .runtime.reuse import (PrefixCache, PrefixPool, ResumeHandle, build_prefix_cache, build_resume_handle,
                             create_prefix_pool, free_prefix_cache, free_prefix_pool, free_resume_handle,
                             generate_from_prefix_cache, generate_from_prefix_cache_iter, generate_with_pool,
-                            generate_with_pool_iter, live_handle_bytes, register_prefix, resume_generate,
+                            generate_with_pool_iter, live_handle_bytes, live_handles, register_prefix, resume_generate,
                             resume_generate_iter, set_handle_bytes_cap)
 from .analysis.inspect import inspect
 from .api import generate_speculative, generate_text, generate_tree_speculative, stream_text
@@ -41,7 +41,7 @@ __all__ = [
     "PrefixCache", "PrefixPool", "ResumeHandle", "build_prefix_cache", "generate_from_prefix_cache",
     "free_prefix_cache", "create_prefix_pool", "register_prefix", "generate_with_pool", "free_prefix_pool",
     "build_resume_handle", "resume_generate", "free_resume_handle", "set_handle_bytes_cap", "live_handle_bytes",
-    "generate_from_prefix_cache_iter", "generate_with_pool_iter", "resume_generate_iter",
+    "generate_from_prefix_cache_iter", "generate_with_pool_iter", "resume_generate_iter", "live_handles",
     "GenerateConfig", "GenerateStats", "SpeculativeConfig", "TreeSpeculativeConfig", "StopReason",
     "RunConfig", "SpeculativeOptions", "TreeSpeculativeOptions",
     "TinyLoopError", "ModelFormatError", "ConfigError", "InvalidInputError", "IncompatibleModesError",

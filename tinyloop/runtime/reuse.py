@@ -156,6 +156,21 @@ def live_handle_bytes() -> int:
         return _BUDGET.total()
 
 
+def live_handles(model: Optional[Model] = None) -> List[Dict[str, Any]]:
+    """One record per live prefix cache, pool entry and resume handle of the process (of `model`
+    only, when given), least recently used first: kind, model path, tokens, depths, cache_mode,
+    bytes, and whether a pool holds it. Their bytes are those vram_usage_bytes counts."""
+    if model is not None:
+        check_call(model)
+    out = []
+    with _BUDGET.lock:
+        for h in _BUDGET.handles():
+            if model is not None and h.model is not model:
+                continue
+            out.append(h._record())
+    return out
+
+
 # --------------------------------------------------------------------------- kept state
 #: Why a handle ended when its model was freed (freeing it afterwards is then a no-op).
 RELEASED_WITH_MODEL = "released with its model (free_model)"
@@ -232,6 +247,9 @@ class _Kept:
     def alive(self) -> bool:
         """False once freed, evicted or released with its model."""
         return self._gone is None
+
+    def _record(self) -> Dict[str, Any]:
+        return {"kind": self.kind, "model": self.model.path, "bytes": self.nbytes}
 
 
 def _cache_bytes(model: Model, spec) -> int:
@@ -350,6 +368,10 @@ class PrefixCache(_Kept):
 
     def _release_memory(self) -> None:
         self.cache = None
+
+    def _record(self) -> Dict[str, Any]:
+        return {**super()._record(), "tokens": len(self.prefix_ids), "depths": [self.loops],
+                "cache_mode": self.cache_mode, "in_pool": self.pool is not None}
 
 
 class _PrefixSeed:
@@ -686,6 +708,10 @@ class ResumeHandle(_Kept):
 
     def _release_memory(self) -> None:
         self.cache, self.snaps, self.e_rows = None, {}, None
+
+    def _record(self) -> Dict[str, Any]:
+        return {**super()._record(), "tokens": len(self.prompt_ids), "depths": self.depths,
+                "cache_mode": self.cache_mode, "in_pool": False}
 
     def _grow(self, loops: int) -> None:
         be, old = self.model.backend, self.cache
