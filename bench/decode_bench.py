@@ -50,6 +50,32 @@ def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
+def gpu_name() -> str:
+    """The current CUDA device's name."""
+    from numba import cuda
+    name = cuda.get_current_device().name
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def bench_model(backend: str, model: Optional[str], preset: str):
+    """(path, tmp) of the model a benchmark runs: `model` when given, else the synth `preset` on
+    CUDA (written to a temporary folder, `tmp`, to clean up) or the demo model on the CPU. None
+    when CUDA is asked for without a GPU (the caller reports it)."""
+    from tinyloop.plugins.backends import CUDAEntry
+    from tinyloop.models import demo_model_path
+    if backend == "cuda" and not CUDAEntry.available()[0]:
+        return None
+    if model:
+        return model, None
+    if backend == "cuda":
+        from tinyloop.cli.synth import synth_model
+        tmp = tempfile.TemporaryDirectory()
+        path = os.path.join(tmp.name, f"{preset}.tinyloop")
+        synth_model(preset, path, seed=0)
+        return path, tmp
+    return demo_model_path(), None
+
+
 # --------------------------------------------------------------------------- tinyloop
 def bench_tinyloop(path: str, prompt: List[int], new: int, loops: int, sweep: List[int], repeats: int) -> dict:
     import tinyloop as tl
@@ -492,8 +518,7 @@ def run(args) -> int:
     prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, args.prompt_len)]
     sweep = [int(x) for x in args.sweep.split(",") if x]
 
-    res = {"date": time.strftime("%Y-%m-%d"), "commit": _commit(), "gpu": cuda.get_current_device().name.decode()
-           if isinstance(cuda.get_current_device().name, bytes) else str(cuda.get_current_device().name),
+    res = {"date": time.strftime("%Y-%m-%d"), "commit": _commit(), "gpu": gpu_name(),
            "host": platform.node(), "model": os.path.basename(path), "preset": args.preset if not args.model else None,
            "config": cfg.to_dict(), "batch": 1, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
 

@@ -18,14 +18,13 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.decode_bench import _commit, _median, log  # noqa: E402
+from bench.decode_bench import _commit, _median, bench_model, gpu_name, log  # noqa: E402
 from tinyloop.progress import bar  # noqa: E402
 
 
@@ -85,18 +84,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import tinyloop as tl
-    from tinyloop.plugins.backends import CUDAEntry
-    if args.backend == "cuda" and not CUDAEntry.available()[0]:
+    picked = bench_model(args.backend, args.model, args.preset)
+    if picked is None:
         print("error: --backend cuda needs a CUDA GPU", file=sys.stderr)
         return 2
-    path, tmp = args.model, None
-    if not path and args.backend == "cuda":
-        from tinyloop.cli.synth import synth_model
-        tmp = tempfile.TemporaryDirectory()
-        path = os.path.join(tmp.name, f"{args.preset}.tinyloop")
-        synth_model(args.preset, path, seed=0)
-    elif not path:
-        path = os.path.join(os.path.dirname(tl.__file__), "models", "demo.tinyloop")
+    path, tmp = picked
     model = tl.load_model(path, max_seq_len=args.context + 8, backend=args.backend)
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(1, model.cfg.vocab_size, args.context - args.new_tokens)]
@@ -113,11 +105,7 @@ def main(argv=None) -> int:
         tl.free_model(model)
         if tmp is not None:
             tmp.cleanup()
-    gpu = None
-    if args.backend == "cuda":
-        from numba import cuda
-        name = cuda.get_current_device().name
-        gpu = name.decode() if isinstance(name, bytes) else str(name)
+    gpu = gpu_name() if args.backend == "cuda" else None
     res = {"date": time.strftime("%Y-%m-%d"), "commit": _commit(), "backend": args.backend, "gpu": gpu,
            "host": platform.node(), "model": os.path.basename(path), "loops": args.loops,
            "context": args.context, "new_tokens": args.new_tokens, "rows": rows}

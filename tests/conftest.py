@@ -12,6 +12,16 @@ TINY = dict(vocab_size=97, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96, n_pre=1
             default_loops=3, max_loops=8, loop_inject="add", eos_id=None)
 
 
+def real_gpu() -> bool:
+    """A real CUDA GPU (not numba's simulator, which the tests/cuda runners use)."""
+    try:
+        import numba
+        from numba import cuda
+        return not numba.config.ENABLE_CUDASIM and cuda.is_available()
+    except Exception:
+        return False
+
+
 def random_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.15) -> dict:
     """Seeded weights with peaky logits (embeddings ~N(0,1)) so greedy choices are not near-ties."""
     rng = np.random.default_rng(seed)

@@ -343,6 +343,17 @@ def test_double_free_use_after_free_and_another_model(rm, model_path, load):
         tl.resume_generate(h2, 3)
     tl.free_prefix_cache(pc2)
     tl.free_resume_handle(h2)
+    # a pool whose model was freed (its entries with it) serves the next model
+    m3 = load(model_path, max_seq_len=160, prefill_chunk=8)
+    pool = tl.create_prefix_pool(2)
+    tl.register_prefix(pool, m3, p[:4])
+    tl.free_model(m3)
+    assert pool.stats()["entries"] == 0
+    tl.register_prefix(pool, rm, p[:4])
+    st_ = tl.GenerateStats()
+    assert tl.generate_with_pool(rm, pool, p, cfg(), stats=st_) == tl.generate(rm, p, cfg())
+    assert st_.reused_tokens == 4
+    tl.free_prefix_pool(pool)
 
 
 def test_live_handle_cap_evicts_least_recently_used(rm):

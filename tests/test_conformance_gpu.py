@@ -8,20 +8,11 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import real_gpu
+
 pytestmark = pytest.mark.gpu
 
-
-def _gpu():
-    """A real GPU (not numba's simulator, which tests/cuda/test_conformance_sim.py covers)."""
-    try:
-        import numba
-        from numba import cuda
-        return not numba.config.ENABLE_CUDASIM and cuda.is_available()
-    except Exception:
-        return False
-
-
-if not _gpu():
+if not real_gpu():
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
 pytest.register_assert_rewrite("backend_conformance")

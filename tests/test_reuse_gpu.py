@@ -10,19 +10,11 @@ import pytest
 
 import tinyloop as tl
 
+from conftest import real_gpu
+
 pytestmark = pytest.mark.gpu
 
-
-def _gpu():
-    try:
-        import numba
-        from numba import cuda
-        return not numba.config.ENABLE_CUDASIM and cuda.is_available()
-    except Exception:
-        return False
-
-
-if not _gpu():
+if not real_gpu():
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
 pytest.register_assert_rewrite("reuse_suite")

@@ -501,6 +501,8 @@ class PrefixPool:
         if self._freed:
             raise HandleFreedError("this PrefixPool was freed; create a new one")
         check_call(model)
+        if self.model is not None and self.model._freed and not self._lru:
+            self.model = None           # its model was freed with every entry: the pool starts over
         if self.model is not None and model is not self.model:
             raise InvalidInputError(f"this PrefixPool holds prefixes of model {self.model.path!r} (another Model "
                                     f"object); a pool serves only the model it was first registered with")
