@@ -18,6 +18,8 @@ from .runtime.reuse import (PrefixCache, PrefixPool, ResumeHandle, build_prefix_
                             generate_with_pool_iter, live_handle_bytes, live_handles, register_prefix, resume_generate,
                             resume_generate_iter, set_handle_bytes_cap)
 from .analysis.inspect import inspect
+from .analysis.scoring import (Escalation, LensTopK, Uncertainty, score_logit_lens, score_with_consistency_escalation,
+                               score_with_uncertainty)
 from .api import generate_speculative, generate_text, generate_tree_speculative, stream_text
 from .model.tokenizer import Tokenizer
 from .plugins.decoders.autotune import DecoderChoice, calibrate
@@ -37,7 +39,8 @@ __all__ = [
     "load_model", "free_model", "vram_usage_bytes", "inspect", "Model",
     "generate", "generate_stream", "generate_iter", "generate_batch", "generate_text", "stream_text", "Tokenizer",
     "generate_speculative", "generate_tree_speculative", "calibrate", "DecoderChoice", "score",
-    "score_last_token",
+    "score_last_token", "score_logit_lens", "score_with_uncertainty", "score_with_consistency_escalation",
+    "LensTopK", "Uncertainty", "Escalation",
     "PrefixCache", "PrefixPool", "ResumeHandle", "build_prefix_cache", "generate_from_prefix_cache",
     "free_prefix_cache", "create_prefix_pool", "register_prefix", "generate_with_pool", "free_prefix_pool",
     "build_resume_handle", "resume_generate", "free_resume_handle", "set_handle_bytes_cap", "live_handle_bytes",
