@@ -148,3 +148,43 @@ def test_bad_input(sm, call, exc, match):
     with pytest.raises(exc, match=match):
         call(sm)
     assert tl.vram_usage_bytes(sm) == base
+
+
+# =============================================================================== pictures
+def test_lens_command_writes_pictures(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from tinyloop.cli.main import main
+    out = tmp_path / "lens.png"
+    assert main(["lens", "--text", "import os\nimport sys", "--loops", "3", "--backend", "cpu", "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    unc = tmp_path / "u.svg"
+    assert main(["lens", "--text", "def f(x):", "--uncertainty", "--backend", "cpu", "-o", str(unc)]) == 0
+    assert b"<svg" in unc.read_bytes()[:400]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--text", "x", "-o", "lens.jpg"], "must end in .png"),
+    (["--text", "", "-o", "lens.png"], "--text is empty"),
+    (["--text", "x " * 300, "-o", "lens.png"], "at most 256"),
+    (["--text", "x", "--loops", "99", "-o", "lens.png"], "loops=99"),
+])
+def test_lens_command_errors(tmp_path, capsys, monkeypatch, argv, match):
+    pytest.importorskip("matplotlib")
+    from tinyloop.cli.main import main
+    monkeypatch.chdir(tmp_path)
+    assert main(["lens", "--backend", "cpu"] + argv) == 2
+    assert match in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_missing_matplotlib_is_a_typed_error_naming_the_extra(monkeypatch):
+    import builtins
+    from tinyloop.analysis import plots
+    real = builtins.__import__
+
+    def no_mpl(name, *a, **kw):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("no matplotlib")
+        return real(name, *a, **kw)
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    with pytest.raises(tl.ConfigError, match=r"pip install tinyloop\[plot\]"):
+        plots._pyplot()

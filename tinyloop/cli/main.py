@@ -10,7 +10,7 @@ from typing import List, Optional
 from ..errors import TinyLoopError
 
 #: subcommand modules, each exposing add_parser(subparsers) and run(args) -> int
-COMMANDS = ("run", "inspect_cmd", "convert", "synth", "ppl", "bench")
+COMMANDS = ("run", "inspect_cmd", "convert", "synth", "ppl", "lens", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
