@@ -99,6 +99,9 @@ def test_escalation_is_exact_per_position(sm, criterion, threshold):
     assert np.array_equal(r.depth, np.where(want, hi, lo))
     for t in range(len(ids)):                                  # bit for bit, position by position
         assert np.array_equal(r.logits[t], (high if want[t] else low)[t]), t
+    ref = {L: reference_logits(sm.cfg, sm.W, ids, L, kv_round=np.float16) for L in (lo, hi)}
+    for t in range(len(ids)):                                  # and the float64 oracle at that depth
+        np.testing.assert_allclose(r.logits[t], ref[int(r.depth[t])][t], rtol=2e-3, atol=2e-3)
     last = int(np.nonzero(want)[0][-1]) + 1 if want.any() else 0
     assert r.loop_work == lo * len(ids) + (hi - lo) * last
     assert math.isclose(r.saved, 1 - r.loop_work / (hi * len(ids)))
