@@ -49,7 +49,7 @@ MODE_KNOBS = st.fixed_dictionaries({
     "beam_size": st.sampled_from([0, 2]),
     "cache_window": st.sampled_from([0, 16]),
     "early_exit_patience": st.sampled_from([0, 2]),
-    "grammar": st.sampled_from([None, "root ::= 'a'"]),
+    "grammar": st.sampled_from([None, {"regex": "[a-z]+"}]),
 })
 
 
@@ -67,10 +67,21 @@ def expected_outcome(matrix, context, cfg):
     return "ok"
 
 
+@pytest.fixture(scope="module")
+def byte_model(tmp_path_factory):
+    """A tiny model with 300 ids, so the raw-byte tokenizer serves it (grammars need a tokenizer)."""
+    from conftest import write_tiny
+    path = tmp_path_factory.mktemp("compat") / "bytes.tinyloop"
+    write_tiny(path, vocab_size=300)
+    m = tl.load_model(str(path), max_seq_len=128, backend="cpu")
+    yield m
+    tl.free_model(m)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(knobs=MODE_KNOBS, context=st.sampled_from(["single", "batched", "speculative", "tree_speculative",
                                                   "prefix_reuse", "warm_start"]))
-def test_random_mode_combinations(tiny_model, prompt, monkeypatch, knobs, context):
+def test_random_mode_combinations(byte_model, prompt, monkeypatch, knobs, context):
     matrix = load_matrix()
     # the seed only where it is used: a seed on a greedy or beam request is a field the decoder ignores
     cfg = tl.GenerateConfig(max_tokens=3, sample_seed=1 if knobs["temperature"] > 0.01 else 0, **knobs)
@@ -81,30 +92,30 @@ def test_random_mode_combinations(tiny_model, prompt, monkeypatch, knobs, contex
     pool = None
     if context == "prefix_reuse":       # the pool's entry is built before the request is watched
         pool = tl.create_prefix_pool(2)
-        tl.register_prefix(pool, tiny_model, prompt[:4], cache_mode=cfg.cache_mode)
+        tl.register_prefix(pool, byte_model, prompt[:4], cache_mode=cfg.cache_mode)
     allocations = []
-    real_alloc = tiny_model.backend.alloc_cache
-    monkeypatch.setattr(tiny_model.backend, "alloc_cache", lambda *a: allocations.append(a) or real_alloc(*a))
+    real_alloc = byte_model.backend.alloc_cache
+    monkeypatch.setattr(byte_model.backend, "alloc_cache", lambda *a: allocations.append(a) or real_alloc(*a))
 
     def call():
         if context == "single":
-            return [(prompt, tl.generate(tiny_model, prompt, cfg))]
+            return [(prompt, tl.generate(byte_model, prompt, cfg))]
         if context == "prefix_reuse":
-            return [(prompt, tl.generate_with_pool(tiny_model, pool, prompt, cfg))]
+            return [(prompt, tl.generate_with_pool(byte_model, pool, prompt, cfg))]
         if context == "warm_start":
             # the handle is built under the request's settings (checked against the same column)
-            h = tl.build_resume_handle(tiny_model, prompt, 2, dataclasses.replace(cfg, max_tokens=0))
+            h = tl.build_resume_handle(byte_model, prompt, 2, dataclasses.replace(cfg, max_tokens=0))
             try:
                 return [(prompt, tl.resume_generate(h, 3, cfg))]
             finally:
                 tl.free_resume_handle(h)
         if context == "batched":
-            return list(zip([prompt, prompt[:4]], tl.generate_batch(tiny_model, [prompt, prompt[:4]], cfg)))
+            return list(zip([prompt, prompt[:4]], tl.generate_batch(byte_model, [prompt, prompt[:4]], cfg)))
         spec = dict(max_tokens=3, draft_loops=1, verify_loops=3, temperature=knobs["temperature"],
                     cache_mode=knobs["cache_mode"])
         if context == "speculative":
-            return [(prompt, tl.generate_speculative(tiny_model, prompt, tl.SpeculativeConfig(**spec)))]
-        return [(prompt, tl.generate_tree_speculative(tiny_model, prompt, tl.TreeSpeculativeConfig(**spec)))]
+            return [(prompt, tl.generate_speculative(byte_model, prompt, tl.SpeculativeConfig(**spec)))]
+        return [(prompt, tl.generate_tree_speculative(byte_model, prompt, tl.TreeSpeculativeConfig(**spec)))]
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CompatWarning)
@@ -112,7 +123,7 @@ def test_random_mode_combinations(tiny_model, prompt, monkeypatch, knobs, contex
             outs = call()
             for p, out in outs:
                 assert out[:len(p)] == p and len(out) == len(p) + 3   # no EOS in this model
-                assert all(0 <= t < tiny_model.vocab_size for t in out)
+                assert all(0 <= t < byte_model.vocab_size for t in out)
             assert allocations
         else:
             exc = tl.NotImplementedModeError if want == "not_implemented" else tl.IncompatibleModesError

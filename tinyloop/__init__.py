@@ -22,6 +22,7 @@ from .analysis.scoring import (Escalation, LensTopK, Uncertainty, score_logit_le
                                score_with_uncertainty)
 from .api import generate_speculative, generate_text, generate_tree_speculative, stream_text
 from .model.tokenizer import Tokenizer
+from .runtime.grammar import Grammar
 from .plugins.decoders.autotune import DecoderChoice, calibrate
 # the plugin author's API
 from .runtime.backend import Backend, BackendEntry, CacheReuse, DeviceChaining, TreeOps, Workspace
@@ -37,7 +38,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "load_model", "free_model", "vram_usage_bytes", "inspect", "Model",
-    "generate", "generate_stream", "generate_iter", "generate_batch", "generate_text", "stream_text", "Tokenizer",
+    "generate", "generate_stream", "generate_iter", "generate_batch", "generate_text", "stream_text", "Tokenizer", "Grammar",
     "generate_speculative", "generate_tree_speculative", "calibrate", "DecoderChoice", "score",
     "score_last_token", "score_logit_lens", "score_with_uncertainty", "score_with_consistency_escalation",
     "LensTopK", "Uncertainty", "Escalation",

@@ -188,7 +188,9 @@ class GenerateConfig:
     """RNG seed for sampling in [0, 2**64 - 1]; same seed + config + model -> same tokens. A
     sampling knob (an error on greedy and beam requests)."""
     grammar: Any = None
-    """Optional constrained-decoding grammar."""
+    """Constrained decoding: a tinyloop.Grammar (Grammar.lark / regex / json_schema / json), or a
+    one-key mapping {lark: text | regex: pattern | json_schema: schema | json: {}} turned into one;
+    None: unconstrained. Needs the llguidance extra (pip install tinyloop[grammar])."""
     cache_mode: str = "fp16"
     """KV-cache storage mode: the name of a registered cache-mode plugin (fp16, fp32, ...)."""
     decoder: Optional[str] = None
@@ -233,6 +235,14 @@ class GenerateConfig:
         _int("sample_seed", self.sample_seed, 0, MAX_SEED)
         if not isinstance(self.cache_mode, str) or not self.cache_mode:
             raise ConfigError(f"cache_mode must be a plugin name, got {self.cache_mode!r}")
+        if self.grammar is not None:
+            from .grammar import Grammar
+            if isinstance(self.grammar, Mapping):
+                object.__setattr__(self, "grammar", Grammar.from_mapping(dict(self.grammar)))
+            elif not isinstance(self.grammar, Grammar):
+                raise ConfigError(f"grammar must be a tinyloop.Grammar (Grammar.lark / regex / json_schema / json) "
+                                  f"or a mapping such as {{'regex': '[0-9]+'}}, got {type(self.grammar).__name__} "
+                                  f"{self.grammar!r:.60}")
         if self.decoder is not None and (not isinstance(self.decoder, str) or not self.decoder):
             raise ConfigError(f"decoder must be a plugin name or None, got {self.decoder!r}")
         object.__setattr__(self, "options", _options(self.options))
@@ -327,7 +337,8 @@ RUN_MODES = ("generate", "batch", "speculative", "tree_speculative")
 
 class StopReason(str):
     """Why a generation ended: a name. The built-in reasons are class attributes (``EOS``,
-    ``STOP_SEQUENCE``, ``MAX_TOKENS``, ``CALLBACK_ABORT``, ``GRAMMAR_DEAD_END``); a plugin's stopper
+    ``STOP_SEQUENCE``, ``MAX_TOKENS``, ``CALLBACK_ABORT``, ``GRAMMAR_DEAD_END``: the grammar allows no
+    token; ``GRAMMAR_COMPLETE``: the grammar is complete on a model without an EOS id); a plugin's stopper
     (tinyloop.runtime.stopping.Stopper) may end a request with its own, ``StopReason("MY_RULE")``.
     One object per name (``StopReason("EOS") is StopReason.EOS``); a reason compares equal to its
     name and ``.value`` / ``.name`` give the name, as the former enum did."""
@@ -367,9 +378,10 @@ class StopReason(str):
     MAX_TOKENS: ClassVar["StopReason"]
     CALLBACK_ABORT: ClassVar["StopReason"]
     GRAMMAR_DEAD_END: ClassVar["StopReason"]
+    GRAMMAR_COMPLETE: ClassVar["StopReason"]
 
 
-for _name in ("EOS", "STOP_SEQUENCE", "MAX_TOKENS", "CALLBACK_ABORT", "GRAMMAR_DEAD_END"):
+for _name in ("EOS", "STOP_SEQUENCE", "MAX_TOKENS", "CALLBACK_ABORT", "GRAMMAR_DEAD_END", "GRAMMAR_COMPLETE"):
     setattr(StopReason, _name, StopReason(_name))
 del _name
 

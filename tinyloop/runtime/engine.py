@@ -45,7 +45,7 @@ from .forward import Forward
 from .decoding import check_honoured, parse_options
 from .plugins import get_plugin_manager
 from .processors import ProcessorChain
-from .stopping import CallbackStopper, Stopper, StopperChain
+from .stopping import CallbackStopper, Stopper, StopperChain, StopRequest
 
 DEFAULT_PREFILL_CHUNK = 512
 #: Environment switch: recompute the whole sequence for every token (the uncached reference path).
@@ -277,6 +277,8 @@ class Plan:
                               f"(it declares {sorted(dec.contexts)})")
         options = parse_options(dec, config.options, pm.decoders())
         check_honoured(dec, config)
+        for proc in pm.processors_for(config):
+            proc.prepare(model)                 # model-dependent checks (a grammar's tokenizer), no allocation
         if not dec.applies_processors:
             active = [p.name for p in pm.processors_for(config)]
             if active:
@@ -321,8 +323,10 @@ class Plan:
         self._resolve(target)
 
     def new_processors(self) -> ProcessorChain:
-        """A fresh processor chain for one sequence of this request."""
-        return ProcessorChain(self._pm.processors_for(self.config))
+        """A fresh processor chain for one sequence of this request (prepared for the model)."""
+        chain = ProcessorChain(self._pm.processors_for(self.config))
+        chain.prepare(self.model)
+        return chain
 
     def new_stoppers(self, prompt: Sequence[int], chain: ProcessorChain,
                      consumer: Sequence[Stopper] = ()) -> StopperChain:
@@ -606,7 +610,7 @@ def _decode(model: Model, prompt: List[int], plan: Plan, stats: GenerateStats,
     gen = None
     try:
         gen = plan.new_decoder().decode(session)
-        for tok in gen:
+        for tok in _until_stop_request(iter(gen), stats):
             if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, (int, np.integer)) or not 0 <= int(tok) < V:
                 raise PluginError(f"decoder {plan.decoder_cls.name!r} produced {tok!r}, not a token id in "
                                   f"[0, {V})")
@@ -639,6 +643,20 @@ def _decode(model: Model, prompt: List[int], plan: Plan, stats: GenerateStats,
         session.close()
         stats.finalize()
         model.backend.report(stats)
+
+
+def _until_stop_request(tokens: Iterator[int], stats: GenerateStats) -> Iterator[int]:
+    """The decoder's tokens until it (or a processor it ran) raises StopRequest: that ends the
+    request with the request's reason."""
+    while True:
+        try:
+            tok = next(tokens)
+        except StopIteration:
+            return
+        except StopRequest as stop:
+            stats.stop_reason = stop.reason
+            return
+        yield tok
 
 
 class _RequestLock:

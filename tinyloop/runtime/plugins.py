@@ -35,6 +35,7 @@ DEFAULT_PLUGINS = (
     "tinyloop.plugins.caches.quant_cache",
     "tinyloop.plugins.caches.window",
     "tinyloop.plugins.processors.repetition",
+    "tinyloop.plugins.processors.grammar",
     "tinyloop.plugins.stoppers.standard",
     "tinyloop.plugins.backends",
 )

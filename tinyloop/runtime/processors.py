@@ -10,7 +10,8 @@ Processing order, written once (the chain sorts processors by ``stage``):
 3. The decoder's own selection, which is not a processor: greedy argmax, or
    temperature -> top-k -> top-p -> draw for sampling.
 
-Interface (after llama.cpp's sampler chain): ``reset(prompt)`` before decoding, ``apply(logits)``
+Interface (after llama.cpp's sampler chain): ``prepare(model)`` once per instance (model-dependent
+setup and checks, before any allocation), ``reset(prompt)`` before decoding, ``apply(logits)``
 in place, ``accept(token)`` only for tokens really emitted, ``clone()`` for forked sequences. A
 processor that never changes which token is the argmax sets ``argmax_invariant`` so greedy paths
 can skip it and keep the argmax on the device.
@@ -50,11 +51,17 @@ class LogitProcessor:
         """An instance when `config` enables this processor, else None."""
         return None
 
+    def prepare(self, model) -> None:
+        """Model-dependent setup and checks (the model's tokenizer, vocabulary, EOS id), called on
+        every instance before it is used and once at request validation, before any allocation:
+        raise a TinyLoopError for a request this model cannot serve."""
+
     def reset(self, prompt: Sequence[int]) -> None:
         """Start a new sequence whose prompt is `prompt`."""
 
     def apply(self, logits: np.ndarray) -> None:
-        """Transform one row of float32 logits in place."""
+        """Transform one row of float32 logits in place (a processor that finds nothing allowed
+        raises tinyloop.runtime.stopping.StopRequest with its reason)."""
 
     def accept(self, token: int) -> None:
         """Record a token that was really emitted."""
@@ -78,6 +85,10 @@ class ProcessorChain(LogitProcessor):
 
     def __len__(self) -> int:
         return len(self.processors)
+
+    def prepare(self, model) -> None:
+        for p in self.processors:
+            p.prepare(model)
 
     def reset(self, prompt: Sequence[int]) -> None:
         for p in self.processors:

@@ -33,6 +33,16 @@ from .config import StopReason
 from ..errors import PluginError
 
 
+class StopRequest(Exception):
+    """Raised by a processor (or a decoder) when the request cannot go on, e.g. a grammar mask
+    that allows no token: the engine ends the request with ``reason`` (no token is emitted for the
+    step that raised it)."""
+
+    def __init__(self, reason) -> None:
+        super().__init__(str(reason))
+        self.reason = StopReason(reason)
+
+
 class StopOrder(enum.IntEnum):
     """Where a stopper runs in the chain (see the module docstring)."""
 

@@ -1,0 +1,107 @@
+"""Grammar-constrained decoding: the mask stage of the processor chain, driven by llguidance
+(tinyloop.runtime.grammar; the optional extra tinyloop[grammar]).
+
+Per sequence the processor holds its own llguidance matcher (a copy of the grammar's template for
+the model's tokenizer). ``apply`` sets every token the grammar forbids to -inf; ``accept`` feeds the
+matcher only tokens really emitted and at once starts computing the NEXT mask on a worker thread
+(llguidance releases the GIL while it computes), so the mask is ready by the time the forward of
+the next token has produced its logits. EOS is allowed exactly when the grammar accepts (llguidance
+puts the model's EOS id in the mask then). Ends: a mask that allows nothing ends the request with
+GRAMMAR_DEAD_END (raised as a StopRequest from ``apply``, or from ``check`` when the matcher has
+entered its error state); for a model without an EOS id, a complete grammar (only the virtual EOS
+allowed) ends it with GRAMMAR_COMPLETE.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+import numpy as np
+
+from ...runtime.config import StopReason
+from ...runtime.hookspecs import hookimpl
+from ...runtime.processors import LogitProcessor, Stage
+from ...runtime.stopping import StopOrder, Stopper, StopRequest
+
+#: Workers computing masks (one mask job per live grammar sequence at a time).
+_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tinyloop-grammar")
+
+
+class GrammarMask(LogitProcessor, Stopper):
+    name = "grammar"
+    mode = "grammar"
+    compat = {"single": "ok", "batched": "ok", "speculative": "rejected", "tree_speculative": "rejected",
+              "prefix_reuse": "ok", "warm_start": "ok"}
+    stage = Stage.MASK
+    order = StopOrder.PLUGIN
+    argmax_invariant = False
+    ending_tokens = None
+
+    def __init__(self, grammar) -> None:
+        self.grammar = grammar
+        self.matcher = None
+        self._future = None
+        self._words = None
+        self._V = 0
+        self._virtual_eos: Optional[int] = None
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(config.grammar) if config.grammar is not None else None
+
+    def prepare(self, model) -> None:
+        """Compile (once per tokenizer) and take this sequence's matcher: a ConfigError for a
+        grammar the tokenizer cannot express, before any allocation."""
+        c = model.cfg
+        self.matcher = self.grammar.matcher(model.tokenizer, c.vocab_size, c.eos_id)
+        self._V = c.vocab_size
+        self._virtual_eos = c.vocab_size if c.eos_id is None else None
+        n = c.vocab_size + (1 if self._virtual_eos is not None else 0)
+        self._words = np.zeros((1, (n + 31) // 32), np.int32)
+
+    def _compute(self) -> np.ndarray:
+        w = self._words
+        self.matcher.unsafe_compute_mask_ptr(w.ctypes.data, w.nbytes)      # releases the GIL
+        return np.unpackbits(w.view(np.uint8), bitorder="little").astype(bool)
+
+    def _start(self) -> None:
+        self._future = _POOL.submit(self._compute)
+
+    def reset(self, prompt) -> None:
+        self.matcher.reset()
+        self._start()
+
+    def apply(self, logits: np.ndarray) -> None:
+        allowed = self._future.result()
+        within = allowed[:self._V]
+        if not within.any():
+            if self._virtual_eos is not None and allowed[self._virtual_eos]:
+                raise StopRequest(StopReason.GRAMMAR_COMPLETE)
+            raise StopRequest(StopReason.GRAMMAR_DEAD_END)
+        logits[~within] = -np.inf
+
+    def accept(self, token: int) -> None:
+        if self._future is not None:
+            self._future.result()            # the mask job of this step has finished with the matcher
+        self.matcher.consume_token(int(token))
+        if not self.matcher.is_error():
+            self._start()
+
+    def check(self, output_tokens) -> Optional[StopReason]:
+        return StopReason.GRAMMAR_DEAD_END if self.matcher.is_error() else None
+
+    def clone(self) -> "GrammarMask":
+        if self._future is not None:
+            self._future.result()
+        c = GrammarMask(self.grammar)
+        c.matcher = self.matcher.deep_copy()
+        c._V, c._virtual_eos = self._V, self._virtual_eos
+        c._words = np.zeros_like(self._words)
+        c._start()
+        return c
+
+
+@hookimpl
+def tinyloop_processors():
+    return [GrammarMask]

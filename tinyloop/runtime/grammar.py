@@ -1,0 +1,185 @@
+"""Grammars for constrained decoding, compiled by llguidance (the optional extra tinyloop[grammar]).
+
+``Grammar.lark(text)``, ``Grammar.regex(pattern)``, ``Grammar.json_schema(schema)`` and
+``Grammar.json()`` describe what the output must be; construction validates the grammar (an invalid
+one is a ConfigError quoting llguidance's message). A Grammar is immutable and reusable: it is
+compiled once per tokenizer (:meth:`Grammar.matcher`, cached) into a matcher template, and every
+sequence of every request gets its own copy of the template's state.
+
+Tokenizers: llguidance sees the model's tokenizer as the bytes of every token id
+(``Tokenizer.token_bytes``: the embedded byte-level BPE, a tokenizer directory, or raw bytes) and
+the model's EOS id; a model without an EOS id gets a virtual one past its vocabulary, so that "the
+grammar is complete" stays expressible (the mask then allows only that id, and the request ends
+with GRAMMAR_COMPLETE).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from typing import Any, Dict, Optional, Tuple
+
+from ..errors import ConfigError
+
+INSTALL_HINT = "grammar-constrained decoding needs llguidance: pip install tinyloop[grammar]"
+
+
+def _one_line(msg: Any) -> str:
+    """llguidance's (multi-line, caret-annotated) message on one line."""
+    return " ".join(str(msg).split())
+KINDS = ("lark", "regex", "json_schema", "json")
+
+
+def llguidance():
+    """The llguidance module (ConfigError naming the extra when it is not installed)."""
+    try:
+        import llguidance as llg
+    except ImportError:
+        raise ConfigError(INSTALL_HINT) from None
+    return llg
+
+
+class _TokenizerView:
+    """What llguidance's LLTokenizer reads from a tokenizer (its TokenizerWrapper protocol): the
+    bytes of every id, the EOS and BOS ids, and an encoder."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_id: int) -> None:
+        n = tokenizer.vocab_size
+        self.tokens = [tokenizer.token_bytes(i) for i in range(n)] + [b""] * (vocab_size - n)
+        self.eos_token_id = eos_id
+        self.bos_token_id = None
+        self.special_token_ids = [eos_id]
+        self.is_tokenizer_wrapper = True
+        self._tok = tokenizer
+
+    def __call__(self, s) -> list:
+        if isinstance(s, bytes):
+            s = s.decode("utf-8", errors="replace")
+        return list(self._tok.encode(s))
+
+
+_LLTOK_LOCK = threading.Lock()
+_LLTOKS: "weakref.WeakKeyDictionary[Any, Dict[Tuple[int, int], Any]]" = weakref.WeakKeyDictionary()
+
+
+def ll_tokenizer(tokenizer, vocab_size: int, eos_id: Optional[int]):
+    """The llguidance tokenizer for `tokenizer` with the model's vocabulary and EOS (a model
+    without one: the virtual id vocab_size, so the vocabulary seen by llguidance is one larger).
+    Built once per (tokenizer, vocab, EOS) and cached."""
+    llg = llguidance()
+    eos, n = (eos_id, vocab_size) if eos_id is not None else (vocab_size, vocab_size + 1)
+    with _LLTOK_LOCK:
+        per = _LLTOKS.setdefault(tokenizer, {})
+        lt = per.get((n, eos))
+        if lt is None:
+            view = _TokenizerView(tokenizer, n, eos)
+            try:
+                lt = llg.LLTokenizer(llg.TokenizerWrapper(view), n_vocab=n, eos_token=eos)
+            except Exception as exc:          # llguidance's own message, typed
+                raise ConfigError(f"llguidance cannot use the tokenizer {tokenizer!r}: {_one_line(exc)}") from None
+            per[(n, eos)] = lt
+    return lt
+
+
+class Grammar:
+    """A constraint on the generated text (GenerateConfig.grammar). Build with the class methods;
+    ``kind`` and ``source`` say what it was built from."""
+
+    __slots__ = ("kind", "source", "_ll", "_templates", "_lock", "__weakref__")
+
+    def __init__(self, kind: str, source: Any, ll_grammar: str) -> None:
+        self.kind, self.source, self._ll = kind, source, ll_grammar
+        self._templates: Dict[int, Any] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        src = self.source if isinstance(self.source, str) else json.dumps(self.source, sort_keys=True)
+        return f"Grammar.{self.kind}({src[:60]!r}{'...' if len(src) > 60 else ''})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Grammar) and (self.kind, self._ll) == (other.kind, other._ll)
+
+    def __hash__(self) -> int:
+        return hash((self.kind, self._ll))
+
+    def __reduce__(self):
+        return (_rebuild, (self.kind, self.source))
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def _make(cls, kind: str, source: Any, ll_grammar: str) -> "Grammar":
+        llg = llguidance()
+        try:
+            is_error, msgs = llg.LLMatcher.validate_grammar_with_warnings(ll_grammar)
+        except Exception as exc:
+            raise ConfigError(f"invalid {kind} grammar: {_one_line(exc)}") from None
+        if is_error:
+            raise ConfigError(f"invalid {kind} grammar: {_one_line(msgs[0]) if msgs else 'rejected by llguidance'}")
+        return cls(kind, source, ll_grammar)
+
+    @classmethod
+    def lark(cls, text: str) -> "Grammar":
+        """A Lark grammar (llguidance's dialect: ``start: ...``; regexes, %json, lexemes)."""
+        if not isinstance(text, str) or not text.strip():
+            raise ConfigError(f"a Lark grammar must be non-empty text, got {text!r:.80}")
+        return cls._make("lark", text, llguidance().LLMatcher.grammar_from_lark(text))
+
+    @classmethod
+    def regex(cls, pattern: str) -> "Grammar":
+        """The output must match `pattern` as a whole (a Rust-regex dialect; no lookaround)."""
+        if not isinstance(pattern, str) or not pattern:
+            raise ConfigError(f"a regex must be a non-empty string, got {pattern!r:.80}")
+        return cls._make("regex", pattern, llguidance().LLMatcher.grammar_from_regex(pattern))
+
+    @classmethod
+    def json_schema(cls, schema: Any) -> "Grammar":
+        """The output must be JSON valid under `schema` (a dict, or its JSON text)."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"the JSON schema is not valid JSON: {_one_line(exc)}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ConfigError(f"a JSON schema must be an object (a dict or its JSON text), got "
+                              f"{type(schema).__name__}")
+        try:
+            ll = llguidance().LLMatcher.grammar_from_json_schema(schema)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"invalid JSON schema: {_one_line(exc)}") from None
+        return cls._make("json_schema", schema, ll)
+
+    @classmethod
+    def json(cls) -> "Grammar":
+        """Any JSON value."""
+        return cls._make("json", {}, llguidance().LLMatcher.grammar_from_json_schema({}))
+
+    @classmethod
+    def from_mapping(cls, data: Any, where: str = "grammar") -> "Grammar":
+        """A Grammar from a one-key mapping {lark: text | regex: pattern | json_schema: schema |
+        json: anything} (run configs; file paths are resolved by the config loader)."""
+        if not isinstance(data, dict) or len(data) != 1 or next(iter(data)) not in KINDS:
+            raise ConfigError(f"{where} must be a mapping with exactly one of {', '.join(KINDS)}, got {data!r:.80}")
+        kind, value = next(iter(data.items()))
+        return cls.json() if kind == "json" else getattr(cls, kind)(value)
+
+    # ------------------------------------------------------------------ per tokenizer
+    def matcher(self, tokenizer, vocab_size: int, eos_id: Optional[int]):
+        """A fresh llguidance matcher of this grammar for the model's tokenizer (copied from a
+        template compiled once per tokenizer). ConfigError when the grammar cannot be compiled for
+        this tokenizer (llguidance's message)."""
+        lt = ll_tokenizer(tokenizer, vocab_size, eos_id)
+        with self._lock:
+            tpl = self._templates.get(id(lt))
+            if tpl is None:
+                llg = llguidance()
+                tpl = llg.LLMatcher(lt, self._ll, log_level=0)
+                if tpl.is_error():
+                    raise ConfigError(f"the {self.kind} grammar cannot be used with tokenizer {tokenizer!r}: "
+                                      f"{_one_line(tpl.get_error())}")
+                self._templates[id(lt)] = tpl
+        return tpl.deep_copy()
+
+
+def _rebuild(kind: str, source: Any) -> Grammar:
+    return Grammar.json() if kind == "json" else getattr(Grammar, kind)(source)
