@@ -7,6 +7,7 @@ parsed into these classes here and nowhere else; an unknown key is an error nami
 from __future__ import annotations
 
 import dataclasses
+import json
 import functools
 import inspect
 import math
@@ -608,6 +609,32 @@ def load_run_config(path: str) -> RunConfig:
         what = " ".join(str(exc).split())           # one line
         raise ConfigError(f"{path} is not valid YAML: {what}") from None
     try:
+        _grammar_files(data, os.path.dirname(os.path.abspath(path)))
         return from_mapping(RunConfig, data, "run config")
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+
+
+def _grammar_files(data: Any, base: str) -> None:
+    """In a run config's ``generate: {grammar: ...}``, ``lark: FILE`` and ``json_schema: FILE`` name
+    files (relative to the YAML file): read them in place (a json_schema may also be given inline
+    as a mapping; ``regex`` is always inline)."""
+    gen = data.get("generate") if isinstance(data, Mapping) else None
+    g = gen.get("grammar") if isinstance(gen, Mapping) else None
+    if not isinstance(g, Mapping) or len(g) != 1:
+        return
+    kind, value = next(iter(g.items()))
+    if kind not in ("lark", "json_schema") or not isinstance(value, str):
+        return
+    path = value if os.path.isabs(value) else os.path.join(base, value)
+    text = read_text(path, f"grammar {kind} file")
+    if kind == "json_schema":
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"grammar json_schema file {path!r} is not JSON: {exc}") from None
+    else:
+        value = text
+    gen = dict(gen)
+    gen["grammar"] = {kind: value}
+    data["generate"] = gen

@@ -23,6 +23,7 @@ session: its constructor's ``extra_groups`` / ``extra_slots`` and the attributes
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import time
@@ -753,27 +754,47 @@ def generate(model: Model, prompt: Sequence[int], config: Optional[GenerateConfi
 
 
 def generate_batch(model: Model, prompts: Sequence[Sequence[int]], config: Optional[GenerateConfig] = None,
-                   stats: Optional[List[GenerateStats]] = None) -> List[List[int]]:
+                   stats: Optional[List[GenerateStats]] = None,
+                   grammars: Optional[Sequence[Any]] = None) -> List[List[int]]:
     """Decode several prompts with one shared config; returns one prompt + continuation list each.
 
     Every prompt is validated before any work. Lanes are decoded one after another on the same
-    model (the spec's sequential batch); `stats`, if given, receives one GenerateStats per prompt."""
+    model (the spec's sequential batch); `stats`, if given, receives one GenerateStats per prompt.
+    `grammars`, if given, holds one grammar per prompt (a tinyloop.Grammar, a grammar mapping, or
+    None for an unconstrained lane); it replaces config.grammar lane by lane."""
     check_call(model, config)
     if stats is not None and not isinstance(stats, list):
         raise InvalidInputError(f"stats must be a list (it receives one GenerateStats per prompt) or None, got "
                                 f"{type(stats).__name__}")
     config = config or GenerateConfig()
-    plan = Plan(model, config, "batched")
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise InvalidInputError("prompts must be a non-empty list of token-id lists")
-    all_ids = [validate_request(model, p, config, what=f"prompts[{i}]") for i, p in enumerate(prompts)]
-    plan.delegate()
+    if grammars is not None:
+        if isinstance(grammars, (str, bytes)) or not isinstance(grammars, Sequence) or len(grammars) != len(prompts):
+            raise InvalidInputError(f"grammars must be a list with one grammar (or None) per prompt: {len(prompts)} "
+                                    f"prompts, got {grammars!r:.80}")
+        configs = []
+        for i, g in enumerate(grammars):
+            try:
+                configs.append(dataclasses.replace(config, grammar=g))
+            except ConfigError as exc:
+                raise ConfigError(f"grammars[{i}]: {exc}") from None
+    else:
+        configs = [config] * len(prompts)
+    plans = {}
+    for c in configs:
+        if id(c) not in plans:
+            plans[id(c)] = Plan(model, c, "batched")
+    all_ids = [validate_request(model, p, c, what=f"prompts[{i}]")
+               for i, (p, c) in enumerate(zip(prompts, configs))]
+    for plan in plans.values():
+        plan.delegate()
     results = []
     lock = _locked(model)
     try:
-        for ids in all_ids:
+        for ids, c in zip(all_ids, configs):
             st = GenerateStats()
-            results.append(ids + list(_decode(model, ids, plan, st)))
+            results.append(ids + list(_decode(model, ids, plans[id(c)], st)))
             if stats is not None:
                 stats.append(st)
     finally:
