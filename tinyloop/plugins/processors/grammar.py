@@ -6,7 +6,7 @@ the model's tokenizer). ``apply`` sets every token the grammar forbids to -inf; 
 matcher only tokens really emitted and at once starts computing the NEXT mask on a worker thread
 (llguidance releases the GIL while it computes), so the mask is ready by the time the forward of
 the next token has produced its logits. EOS is allowed exactly when the grammar accepts (llguidance
-puts the model's EOS id in the mask then). Ends: a mask that allows nothing ends the request with
+also offers EOS where no token can go on; the processor takes it away then, which is a dead end). Ends: a mask that allows nothing ends the request with
 GRAMMAR_DEAD_END (raised as a StopRequest from ``apply``, or from ``check`` when the matcher has
 entered its error state); for a model without an EOS id, a complete grammar (only the virtual EOS
 allowed) ends it with GRAMMAR_COMPLETE.
@@ -45,6 +45,7 @@ class GrammarMask(LogitProcessor, Stopper):
         self._words = None
         self._V = 0
         self._virtual_eos: Optional[int] = None
+        self._eos = 0
 
     @classmethod
     def from_config(cls, config):
@@ -57,6 +58,7 @@ class GrammarMask(LogitProcessor, Stopper):
         self.matcher = self.grammar.matcher(model.tokenizer, c.vocab_size, c.eos_id)
         self._V = c.vocab_size
         self._virtual_eos = c.vocab_size if c.eos_id is None else None
+        self._eos = c.eos_id if c.eos_id is not None else c.vocab_size
         n = c.vocab_size + (1 if self._virtual_eos is not None else 0)
         self._words = np.zeros((1, (n + 31) // 32), np.int32)
 
@@ -74,6 +76,8 @@ class GrammarMask(LogitProcessor, Stopper):
 
     def apply(self, logits: np.ndarray) -> None:
         allowed = self._future.result()
+        if allowed[self._eos] and not self.matcher.is_accepting():
+            allowed[self._eos] = False       # llguidance offers EOS where nothing else can go on: a dead end
         within = allowed[:self._V]
         if not within.any():
             if self._virtual_eos is not None and allowed[self._virtual_eos]:
@@ -96,7 +100,7 @@ class GrammarMask(LogitProcessor, Stopper):
             self._future.result()
         c = GrammarMask(self.grammar)
         c.matcher = self.matcher.deep_copy()
-        c._V, c._virtual_eos = self._V, self._virtual_eos
+        c._V, c._virtual_eos, c._eos = self._V, self._virtual_eos, self._eos
         c._words = np.zeros_like(self._words)
         c._start()
         return c
