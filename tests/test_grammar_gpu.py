@@ -1,0 +1,44 @@
+"""Grammar-constrained decoding on the CUDA backend (marker gpu): greedy constrained tokens are the
+CPU backend's, for a JSON schema, a regex and a Lark grammar."""
+
+from __future__ import annotations
+
+import pytest
+
+import tinyloop as tl
+
+from conftest import real_gpu
+
+pytestmark = pytest.mark.gpu
+
+if not real_gpu():
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+pytest.importorskip("llguidance")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    cpu = tl.load_model(None, backend="cpu", max_seq_len=256)
+    gpu = tl.load_model(None, backend="cuda", max_seq_len=256)
+    yield cpu, gpu
+    tl.free_model(cpu)
+    tl.free_model(gpu)
+
+
+GRAMMARS = [
+    {"json_schema": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                                      "n": {"type": "integer"}},
+                     "required": ["name", "n"], "additionalProperties": False}},
+    {"regex": r"[a-z_]+\([a-z, ]*\):"},
+    {"lark": 'start: NUM ("+" NUM)*\nNUM: /[0-9]{1,3}/'},
+]
+
+
+@pytest.mark.parametrize("g", GRAMMARS, ids=["json_schema", "regex", "lark"])
+@pytest.mark.parametrize("loops", [2, 4])
+def test_constrained_greedy_tokens_equal_cpu(pair, g, loops):
+    cpu, gpu = pair
+    for prompt in ("value = ", "def "):
+        ids = cpu.tokenizer.encode(prompt)
+        cfg = tl.GenerateConfig(max_tokens=48, loops=loops, grammar=g)
+        assert tl.generate(gpu, ids, cfg) == tl.generate(cpu, ids, cfg)
