@@ -296,3 +296,15 @@ def test_run_config_grammar_files(tmp_path, capsys):
     cfg.write_text('model: ""\nbackend: cpu\nprompts: ["v = "]\ngenerate: {grammar: {lark: nowhere.lark}}\n')
     assert main(["run", str(cfg)]) == 2
     assert "nowhere.lark" in capsys.readouterr().err
+
+
+def test_worker_and_inline_masks_agree(demo, monkeypatch):
+    """Masks computed on the worker thread (overlapping the forward) or inline give the same tokens."""
+    from tinyloop.plugins.processors import grammar as plugin
+    ids = demo.tokenizer.encode("value = ")
+    cfgs = [tl.GenerateConfig(max_tokens=40, grammar=tl.Grammar.json()),
+            tl.GenerateConfig(max_tokens=40, grammar=tl.Grammar.json(), temperature=0.9, sample_seed=4)]
+    want = [tl.generate(demo, ids, c) for c in cfgs]
+    monkeypatch.setattr(plugin, "INLINE_MASK_S", -1.0)          # every mask on the worker
+    for _ in range(3):
+        assert [tl.generate(demo, ids, c) for c in cfgs] == want

@@ -3,9 +3,10 @@
 
 Per sequence the processor holds its own llguidance matcher (a copy of the grammar's template for
 the model's tokenizer). ``apply`` sets every token the grammar forbids to -inf; ``accept`` feeds the
-matcher only tokens really emitted and at once starts computing the NEXT mask on a worker thread
-(llguidance releases the GIL while it computes), so the mask is ready by the time the forward of
-the next token has produced its logits. EOS is allowed exactly when the grammar accepts (llguidance
+matcher only tokens really emitted and at once starts computing the NEXT mask: on a worker thread
+(llguidance releases the GIL while it computes) when masks take long enough for that to pay, so the
+mask is ready by the time the forward of the next token has produced its logits; inline when they
+are cheaper than the hand-over (INLINE_MASK_S, a running mean per sequence). EOS is allowed exactly when the grammar accepts (llguidance
 also offers EOS where no token can go on; the processor takes it away then, which is a dead end). Ends: a mask that allows nothing ends the request with
 GRAMMAR_DEAD_END (raised as a StopRequest from ``apply``, or from ``check`` when the matcher has
 entered its error state); for a model without an EOS id, a complete grammar (only the virtual EOS
@@ -14,6 +15,7 @@ allowed) ends it with GRAMMAR_COMPLETE.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
@@ -26,6 +28,21 @@ from ...runtime.stopping import StopOrder, Stopper, StopRequest
 
 #: Workers computing masks (one mask job per live grammar sequence at a time).
 _POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tinyloop-grammar")
+#: A mask that takes less than this (seconds, running mean) is computed inline: handing it to the
+#: worker and back costs ~20-40 us of Python, more than such a mask saves by overlapping.
+INLINE_MASK_S = 60e-6
+
+
+class _Done:
+    """A finished mask job (the inline path), with the Future interface apply() reads."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def result(self):
+        return self.value
 
 
 class GrammarMask(LogitProcessor, Stopper):
@@ -46,6 +63,8 @@ class GrammarMask(LogitProcessor, Stopper):
         self._V = 0
         self._virtual_eos: Optional[int] = None
         self._eos = 0
+        self._mask_s = 0.0                    # running mean of the mask computation time
+        self._error = False                   # the matcher refused a token (its error state)
 
     @classmethod
     def from_config(cls, config):
@@ -63,15 +82,26 @@ class GrammarMask(LogitProcessor, Stopper):
         self._words = np.zeros((1, (n + 31) // 32), np.int32)
 
     def _compute(self) -> np.ndarray:
+        t = time.perf_counter()
         w = self._words
         self.matcher.unsafe_compute_mask_ptr(w.ctypes.data, w.nbytes)      # releases the GIL
-        return np.unpackbits(w.view(np.uint8), bitorder="little").astype(bool)
+        out = np.unpackbits(w.view(np.uint8), bitorder="little").astype(bool)
+        self._mask_s = 0.8 * self._mask_s + 0.2 * (time.perf_counter() - t)
+        return out
 
     def _start(self) -> None:
-        self._future = _POOL.submit(self._compute)
+        """Start the next mask: on the worker when masks are slow enough for the overlap with the
+        forward to pay, else right here."""
+        if self._mask_s < INLINE_MASK_S:
+            self._future = _Done(self._compute())
+        else:
+            self._future = _POOL.submit(self._compute)
 
     def reset(self, prompt) -> None:
+        if self._future is not None:
+            self._future.result()
         self.matcher.reset()
+        self._error = False
         self._start()
 
     def apply(self, logits: np.ndarray) -> None:
@@ -88,12 +118,14 @@ class GrammarMask(LogitProcessor, Stopper):
     def accept(self, token: int) -> None:
         if self._future is not None:
             self._future.result()            # the mask job of this step has finished with the matcher
-        self.matcher.consume_token(int(token))
-        if not self.matcher.is_error():
+        self._error = not self.matcher.consume_token(int(token))
+        if not self._error:
             self._start()
 
     def check(self, output_tokens) -> Optional[StopReason]:
-        return StopReason.GRAMMAR_DEAD_END if self.matcher.is_error() else None
+        # never touches the matcher: the next mask job may hold it (llguidance objects are not
+        # shareable across threads while in use)
+        return StopReason.GRAMMAR_DEAD_END if self._error else None
 
     def clone(self) -> "GrammarMask":
         if self._future is not None:
@@ -102,6 +134,7 @@ class GrammarMask(LogitProcessor, Stopper):
         c.matcher = self.matcher.deep_copy()
         c._V, c._virtual_eos, c._eos = self._V, self._virtual_eos, self._eos
         c._words = np.zeros_like(self._words)
+        c._mask_s, c._error = self._mask_s, self._error
         c._start()
         return c
 
