@@ -308,3 +308,13 @@ def test_worker_and_inline_masks_agree(demo, monkeypatch):
     monkeypatch.setattr(plugin, "INLINE_MASK_S", -1.0)          # every mask on the worker
     for _ in range(3):
         assert [tl.generate(demo, ids, c) for c in cfgs] == want
+
+
+def test_text_api_ends_at_eos(demo):
+    """generate_text / stream_text stop at EOS without its marker text: a finished JSON completion
+    parses as it is."""
+    st_ = tl.GenerateStats()
+    cfg = tl.GenerateConfig(max_tokens=40, grammar={"json_schema": {"enum": ["yes", "no"]}})
+    text = tl.generate_text(demo, "answer = ", cfg, stats=st_)
+    assert st_.stop_reason == tl.StopReason.EOS and json.loads(text) in ("yes", "no")
+    assert "".join(tl.stream_text(demo, "answer = ", cfg)) == text

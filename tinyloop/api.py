@@ -42,14 +42,17 @@ def stream_text(model: Model, prompt: Union[str, Sequence[int]], config: Optiona
     """Yield the completion as text while it is generated: each piece is the text the tokens so
     far complete (a character split across tokens comes whole, once its last byte arrives; bytes
     that never complete a character end as U+FFFD). Validation runs before the first ``next()``,
-    like generate_iter; closing the generator early stops decoding."""
+    like generate_iter; closing the generator early stops decoding. The model's EOS token ends the
+    text and is not part of it (the token ids from generate keep it)."""
     tokens = generate_iter(model, prompt, config, stats=stats)
-    return _pieces(model.tokenizer.stream_decoder(), tokens)
+    return _pieces(model.tokenizer.stream_decoder(), tokens, model.cfg.eos_id)
 
 
-def _pieces(decoder, tokens) -> Iterator[str]:
+def _pieces(decoder, tokens, eos_id=None) -> Iterator[str]:
     try:
         for tok in tokens:
+            if tok == eos_id:
+                continue
             piece = decoder.push(tok)
             if piece:
                 yield piece
