@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -294,15 +294,8 @@ def score_with_consistency_escalation(model: Model, tokens: Sequence[int], loops
 def _handle_logits(model: Model, h, depth: int, n: int) -> np.ndarray:
     """Logits (n, V) at `depth` from the handle's kept residual (post blocks rerun into its cache:
     the same K/V the handle holds for that depth)."""
-    be, fwd, ws = model.backend, model.fwd, model.ws
     out = np.empty((n, model.cfg.vocab_size), np.float32)
-    snap = h.snaps[depth]
-    for a in range(0, n, ws.rows):
-        T = min(ws.rows, n - a)
-        be.copy(ws.x, be.rows(snap, a), T)
-        fwd.suffix(be.positions(a), T, h.cache)
-        fwd.logits(0, T)
-        out[a:a + T] = be.logits_block_to_host(ws, T)
+    h.run_rows(depth, depth, n, post=True, on_logits=lambda a, z: out.__setitem__(slice(a, a + len(z)), z))
     h.post_depth = depth
     return out
 
@@ -311,23 +304,11 @@ def _escalate(model: Model, h, lo: int, hi: int, n: int) -> np.ndarray:
     """Iterations lo .. hi - 1 over positions 0 .. n - 1 from the handle's loops_low residual, then
     the post blocks and the head: logits (n, V) at loops_high. The handle's loops_low state stays
     as it was except the post layers (its cache grows to hi iterations)."""
-    be, fwd, ws = model.backend, model.fwd, model.ws
     if hi > h.cache.spec.loops:
         reuse._BUDGET.admit(reuse._cache_bytes(model, h.cache.spec.with_loops(hi)), "an escalation to "
                             f"loops={hi}", model, keep=(h,))
         h._grow(hi)
     out = np.empty((n, model.cfg.vocab_size), np.float32)
-    snap = h.snaps[lo]
-    for a in range(0, n, ws.rows):
-        T = min(ws.rows, n - a)
-        pos = be.positions(a)
-        be.copy(ws.x, be.rows(snap, a), T)
-        if h.e_rows is not None:
-            be.copy(ws.e, be.rows(h.e_rows, a), T)
-        fwd.run_loop_iters_range(pos, T, h.cache, lo, hi)
-        fwd.suffix(pos, T, h.cache)
-        fwd.logits(0, T)
-        out[a:a + T] = be.logits_block_to_host(ws, T)
+    h.run_rows(lo, hi, n, post=True, on_logits=lambda a, z: out.__setitem__(slice(a, a + len(z)), z))
     h.post_depth = -1                                # partial: no depth's post layers are whole
     return out
-

@@ -42,8 +42,7 @@ import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from ..errors import (ConfigError, HandleBudgetError, HandleFreedError, InvalidInputError,
-                      ModelFreedError)
+from ..errors import ConfigError, HandleBudgetError, HandleFreedError, InvalidInputError
 from .cache import build_spec, linear_slots
 from .config import GenerateConfig, GenerateStats
 from .engine import (Model, Plan, _as_ids, _decode, _locked, check_call, resolve_loops,
@@ -722,35 +721,47 @@ class ResumeHandle(_Kept):
         self.cache = new
         self._charge(int(new.nbytes) - int(old.nbytes))
 
+    def run_rows(self, base: int, loops: int, n: int, keep=None, post: bool = False,
+                 on_logits: Optional[Callable[[int, Any], None]] = None) -> None:
+        """Over prompt rows 0 .. n - 1, chunk by chunk: the residual kept at depth `base` (and the
+        loop-inject residual), iterations base .. loops - 1 into the handle's cache, the residual
+        after them into `keep` (a row buffer) when given, then with `post` the post blocks at
+        that depth and, with `on_logits`, the head: ``on_logits(row0, logits (T, vocab) host)``.
+        The caller holds the model's lock; the cache holds `loops` iterations."""
+        model = self.model
+        be, ws, fwd = model.backend, model.ws, model.fwd
+        src = self.snaps[base]
+        for a in range(0, n, ws.rows):
+            T = min(ws.rows, n - a)
+            pos = be.positions(a)
+            be.copy(ws.x, be.rows(src, a), T)
+            if self.e_rows is not None and base < loops:
+                be.copy(ws.e, be.rows(self.e_rows, a), T)
+            fwd.run_loop_iters_range(pos, T, self.cache, base, loops)
+            if keep is not None:
+                be.copy(be.rows(keep, a), ws.x, T)
+            if post:
+                fwd.suffix(pos, T, self.cache)
+                if on_logits is not None:
+                    fwd.logits(0, T)
+                    on_logits(a, be.logits_block_to_host(ws, T))
+
     def upgrade(self, loops: int) -> int:
         """Bring the kept state to depth `loops` (the caller holds the model's lock and admitted the
         growth): iterations base .. loops - 1 over the prompt from the kept residual, the residual
         kept, the post blocks recomputed at that depth. Returns the base depth."""
         model = self.model
-        be, ws, fwd = model.backend, model.ws, model.fwd
         P = len(self.prompt_ids)
         base = self.base_depth(loops)
         if loops > self.cache.spec.loops:
             self._grow(loops)
         if base < loops:
-            snap = be.alloc_rows(P, model.cfg.d_model)
-            src = self.snaps[base]
-            for a in range(0, P, ws.rows):
-                T = min(ws.rows, P - a)
-                pos = be.positions(a)
-                be.copy(ws.x, be.rows(src, a), T)
-                if self.e_rows is not None:
-                    be.copy(ws.e, be.rows(self.e_rows, a), T)
-                fwd.run_loop_iters_range(pos, T, self.cache, base, loops)
-                be.copy(be.rows(snap, a), ws.x, T)
+            snap = model.backend.alloc_rows(P, model.cfg.d_model)
+            self.run_rows(base, loops, P, keep=snap)
             self.snaps[loops] = snap
             self._charge(_rows_bytes(model, P))
         if self.post_depth != loops:
-            snap = self.snaps[loops]
-            for a in range(0, P, ws.rows):
-                T = min(ws.rows, P - a)
-                be.copy(ws.x, be.rows(snap, a), T)
-                fwd.suffix(be.positions(a), T, self.cache)
+            self.run_rows(loops, loops, P, post=True)
             self.post_depth = loops
         return base
 
