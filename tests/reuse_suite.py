@@ -437,3 +437,16 @@ def test_resume_errors_leave_the_handle_usable(rm):
         assert tl.resume_generate(h, 4, cfg()) == tl.generate(rm, p, cfg(loops=4))
     finally:
         tl.free_resume_handle(h)
+
+
+def test_suffix_errors_name_the_suffix(rm):
+    pc = tl.build_prefix_cache(rm, _prompt(5, 16))
+    try:
+        base = held(rm)
+        with pytest.raises(tl.InvalidInputError, match=r"suffix_ids\[1\]=500 is outside the vocabulary"):
+            tl.generate_from_prefix_cache(rm, pc, [1, 500])
+        with pytest.raises(tl.InvalidInputError, match="suffix_ids must be"):
+            tl.generate_from_prefix_cache(rm, pc, None)
+        assert held(rm) == base
+    finally:
+        tl.free_prefix_cache(pc)

@@ -40,6 +40,7 @@ def test_lens_rows_equal_score_and_the_oracle(sm):
         np.testing.assert_allclose(lens[d - 1], ref, rtol=1e-4, atol=1e-4)
     sub = tl.score_logit_lens(sm, ids, loops=6, depths=[5, 2], cache_mode="fp32")
     assert np.array_equal(sub, lens[[1, 4]])
+    assert np.array_equal(tl.score_logit_lens(sm, ids, loops=6, depths=np.array([2, 5]), cache_mode="fp32"), sub)
     assert np.array_equal(tl.score_logit_lens(sm, ids, loops=3)[-1], tl.score(sm, ids, loops=3))
 
 

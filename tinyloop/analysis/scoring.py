@@ -45,6 +45,8 @@ def _log_softmax(z: np.ndarray) -> np.ndarray:
 def _depths(loops: int, depths) -> List[int]:
     if depths is None:
         return list(range(1, loops + 1))
+    if isinstance(depths, np.ndarray) and depths.ndim == 1:
+        depths = depths.tolist()
     if isinstance(depths, (str, bytes)) or not isinstance(depths, Sequence) or not depths:
         raise ConfigError(f"depths={depths!r} must be a non-empty list of loop depths in [1, {loops}] (or None: all)")
     out = []

@@ -420,6 +420,10 @@ def _prepare_prefix(model, pc, suffix_ids, config, stats, on_token=None):
     pc._check(model)
     config = _request(model, config, pc.loops, pc.cache_mode, "prefix cache")
     suffix = _as_ids(suffix_ids, "suffix_ids", model)
+    V = model.cfg.vocab_size
+    for i, t in enumerate(suffix):
+        if not 0 <= t < V:
+            raise InvalidInputError(f"suffix_ids[{i}]={t} is outside the vocabulary [0, {V})")
     plan = Plan(model, config, "single", reuse="prefix_reuse")
     ids = validate_request(model, list(pc.prefix_ids) + suffix, config)
     plan.delegate()
