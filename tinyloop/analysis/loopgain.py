@@ -39,10 +39,10 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..model.arch import ModelConfig
-from ..runtime.config import GenerateConfig, GenerateStats
-from ..runtime.engine import Model, Plan, Session, _locked, resolve_loops, validate_request
+from ..runtime.config import GenerateConfig
+from ..runtime.engine import Model, resolve_loops, validate_request
+from .scoring import depth_pass
 from ..errors import InvalidInputError
-from ..runtime.processors import ProcessorChain
 
 #: committed held-out text of the demo model (present in a repository checkout, not in a wheel)
 HELDOUT_TEXT = Path(__file__).resolve().parents[2] / "data" / "heldout_eval.txt"
@@ -121,41 +121,22 @@ def trace_loop(model: Model, token_ids: Sequence[int], max_loops: Optional[int] 
     * logits (L_max, T, vocab_size): [L - 1] are the logits at depth L, equal to
       ``score(model, token_ids, loops=L, cache_mode=cache_mode)``.
 
-    Holds the model lock (ModelBusyError if it is busy). Host memory: L_max * T * vocab floats."""
+    Holds the model lock (ModelBusyError if it is busy). Host memory: L_max * T * vocab floats.
+    The pass is tinyloop.analysis.scoring's depth_pass at every depth."""
     model._check_live()
     c = model.cfg
     Lmax = default_max_loops(c) if max_loops is None else max_loops
-    config = GenerateConfig(max_tokens=0, loops=Lmax, cache_mode=cache_mode)
-    plan = Plan(model, config, "single")               # compat check; validates Lmax in [1, max_loops]
-    ids = validate_request(model, token_ids, config, what="tokens")
-    T_all = len(ids)
+    T_all = len(validate_request(model, token_ids, GenerateConfig(max_tokens=0, loops=resolve_loops(model, Lmax)),
+                                 what="tokens"))
     residuals = np.empty((Lmax + 1, T_all, c.d_model), np.float32)
     logits = np.empty((Lmax, T_all, c.vocab_size), np.float32)
-    # the post blocks of depth k + 1 write their own layer group (depth Lmax: the spec's post group)
-    post_parts = [f"post@{k + 1}" for k in range(Lmax - 1)] + ["post"]
-    lock = _locked(model)
-    try:
-        s = Session(model, ids, plan, ProcessorChain([]), GenerateStats(),
-                    extra_groups=tuple(post_parts[:-1]))
-        try:
-            be, fwd, ws = model.backend, model.fwd, model.ws
-            for a in range(0, T_all, ws.rows):
-                T = min(ws.rows, T_all - a)
-                pos = be.positions(a)
-                fwd.prefix(be.set_ids(ws, ids[a:a + T]), pos, T, s.cache)
-                residuals[0, a:a + T] = be.rows_to_host(ws.x, T)
-                for k in range(Lmax):
-                    fwd.run_loop_iters_range(pos, T, s.cache, k, k + 1)
-                    residuals[k + 1, a:a + T] = be.rows_to_host(ws.x, T)
-                    be.copy(ws.snap_x, ws.x, T)        # the post blocks overwrite x
-                    fwd.suffix(pos, T, s.cache, part=post_parts[k])
-                    fwd.logits(0, T)
-                    logits[k, a:a + T] = be.logits_block_to_host(ws, T)
-                    be.copy(ws.x, ws.snap_x, T)
-        finally:
-            s.close()
-    finally:
-        lock.release()
+
+    def keep_logits(d, a, z):
+        logits[d - 1, a:a + len(z)] = z
+
+    def keep_residual(k, a, x):
+        residuals[k, a:a + len(x)] = x
+    depth_pass(model, token_ids, Lmax, None, cache_mode, keep_logits, keep_residual)
     return residuals, logits
 
 

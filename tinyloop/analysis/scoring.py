@@ -59,10 +59,13 @@ def _depths(loops: int, depths) -> List[int]:
     return sorted(out)
 
 
-def _lens_pass(model: Model, tokens, loops: Optional[int], depths, cache_mode: str,
-               on_block: Callable[[int, int, np.ndarray], None]):
+def depth_pass(model: Model, tokens, loops: Optional[int], depths, cache_mode: str,
+               on_block: Callable[[int, int, np.ndarray], None],
+               on_residual: Optional[Callable[[int, int, np.ndarray], None]] = None):
     """One pass to max(depths): on_block(depth, row0, logits (T, V) host float32) for every requested
-    depth of every chunk, depths in increasing order within a chunk. Returns (ids, loops, depths)."""
+    depth of every chunk, depths in increasing order within a chunk; with `on_residual`, also
+    on_residual(k, row0, residual (T, d_model) host float32) for k = 0 (entering the loop) and after
+    every iteration k. Returns (ids, loops, depths). Holds the model lock (ModelBusyError if busy)."""
     check_call(model)
     model._check_live()
     L = resolve_loops(model, loops)
@@ -82,8 +85,12 @@ def _lens_pass(model: Model, tokens, loops: Optional[int], depths, cache_mode: s
                 T = min(ws.rows, len(ids) - a)
                 pos = be.positions(a)
                 fwd.prefix(be.set_ids(ws, ids[a:a + T]), pos, T, s.cache)
+                if on_residual is not None:
+                    on_residual(0, a, be.rows_to_host(ws.x, T))
                 for k in range(ds[-1]):
                     fwd.run_loop_iters_range(pos, T, s.cache, k, k + 1)
+                    if on_residual is not None:
+                        on_residual(k + 1, a, be.rows_to_host(ws.x, T))
                     if k + 1 in parts:
                         be.copy(ws.snap_x, ws.x, T)        # the post blocks overwrite x
                         fwd.suffix(pos, T, s.cache, part=parts[k + 1])
@@ -135,7 +142,7 @@ def score_logit_lens(model: Model, tokens: Sequence[int], loops: Optional[int] =
 
         def keep(d, a, z):
             out[index[d], a:a + len(z)] = z
-        _lens_pass(model, tokens, L, ds, cache_mode, keep)
+        depth_pass(model, tokens, L, ds, cache_mode, keep)
         return out
     ids_out = np.empty((len(ds), T, top_k), np.int64)
     lp_out = np.empty((len(ds), T, top_k), np.float32)
@@ -144,7 +151,7 @@ def score_logit_lens(model: Model, tokens: Sequence[int], loops: Optional[int] =
         i, lp = _topk(z, top_k)
         ids_out[index[d], a:a + len(z)] = i
         lp_out[index[d], a:a + len(z)] = lp
-    _lens_pass(model, tokens, L, ds, cache_mode, keep_top)
+    depth_pass(model, tokens, L, ds, cache_mode, keep_top)
     return LensTopK(ds, ids_out, lp_out)
 
 
@@ -202,7 +209,7 @@ def score_with_uncertainty(model: Model, tokens: Sequence[int], loops: Optional[
             for dd, lp in chunk.items():
                 kl[dd - 1, a:a + len(z)] = (pf * (final - lp)).sum(axis=-1)
             chunk.clear()
-    _lens_pass(model, tokens, L, None, cache_mode, keep)
+    depth_pass(model, tokens, L, None, cache_mode, keep)
     ent, margin = _entropy_margin(logits)
     settled = np.full(T, L, np.int64)
     same = argmax == argmax[L - 1][None, :]
@@ -296,8 +303,7 @@ def score_with_consistency_escalation(model: Model, tokens: Sequence[int], loops
 def _handle_logits(model: Model, h, depth: int, n: int) -> np.ndarray:
     """Logits (n, V) at `depth` from the handle's kept residual (post blocks rerun into its cache:
     the same K/V the handle holds for that depth)."""
-    out = np.empty((n, model.cfg.vocab_size), np.float32)
-    h.run_rows(depth, depth, n, post=True, on_logits=lambda a, z: out.__setitem__(slice(a, a + len(z)), z))
+    out = h.run_rows(depth, depth, n, post=True, logits=True)
     h.post_depth = depth
     return out
 
@@ -306,11 +312,7 @@ def _escalate(model: Model, h, lo: int, hi: int, n: int) -> np.ndarray:
     """Iterations lo .. hi - 1 over positions 0 .. n - 1 from the handle's loops_low residual, then
     the post blocks and the head: logits (n, V) at loops_high. The handle's loops_low state stays
     as it was except the post layers (its cache grows to hi iterations)."""
-    if hi > h.cache.spec.loops:
-        reuse._BUDGET.admit(reuse._cache_bytes(model, h.cache.spec.with_loops(hi)), "an escalation to "
-                            f"loops={hi}", model, keep=(h,))
-        h._grow(hi)
-    out = np.empty((n, model.cfg.vocab_size), np.float32)
-    h.run_rows(lo, hi, n, post=True, on_logits=lambda a, z: out.__setitem__(slice(a, a + len(z)), z))
+    h.reserve(hi)
+    out = h.run_rows(lo, hi, n, post=True, logits=True)
     h.post_depth = -1                                # partial: no depth's post layers are whole
     return out

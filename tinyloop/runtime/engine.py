@@ -204,15 +204,21 @@ def _as_ids(tokens: Any, what: str, model: Optional[Model] = None) -> List[int]:
     return [int(t) for t in arr]
 
 
+def check_vocab(model: Model, ids: Sequence[int], what: str) -> None:
+    """Every id of `ids` (named `what` in the error) is inside the model's vocabulary."""
+    V = model.cfg.vocab_size
+    for i, t in enumerate(ids):
+        if not 0 <= t < V:
+            raise InvalidInputError(f"{what}[{i}]={t} is outside the vocabulary [0, {V})")
+
+
 def validate_request(model: Model, prompt: Any, config: GenerateConfig, what: str = "prompt") -> List[int]:
     """Model-dependent checks of one request; returns the prompt as a list of ints."""
     ids = _as_ids(prompt, what, model)
     V = model.cfg.vocab_size
     if len(ids) < 1:
         raise InvalidInputError(f"{what}_len=0: a prompt needs at least 1 token")
-    for i, t in enumerate(ids):
-        if not 0 <= t < V:
-            raise InvalidInputError(f"{what}[{i}]={t} is outside the vocabulary [0, {V})")
+    check_vocab(model, ids, what)
     if len(ids) + config.max_tokens > model.max_seq_len:
         raise InvalidInputError(
             f"{what}_len ({len(ids)}) + max_tokens ({config.max_tokens}) = {len(ids) + config.max_tokens} "
@@ -278,10 +284,11 @@ class Plan:
                               f"(it declares {sorted(dec.contexts)})")
         options = parse_options(dec, config.options, pm.decoders())
         check_honoured(dec, config)
-        for proc in pm.processors_for(config):
+        processors = pm.processors_for(config)
+        for proc in processors:
             proc.prepare(model)                 # model-dependent checks (a grammar's tokenizer), no allocation
         if not dec.applies_processors:
-            active = [p.name for p in pm.processors_for(config)]
+            active = [p.name for p in processors]
             if active:
                 raise PluginError(f"decoder {dec.name!r} does not run logit processors (active: {active}); "
                                   f"its tokens do not come through the processor chain, so they would be "
@@ -611,7 +618,7 @@ def _decode(model: Model, prompt: List[int], plan: Plan, stats: GenerateStats,
     gen = None
     try:
         gen = plan.new_decoder().decode(session)
-        for tok in _until_stop_request(iter(gen), stats):
+        for tok in _until_stop_request(gen, stats):
             if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, (int, np.integer)) or not 0 <= int(tok) < V:
                 raise PluginError(f"decoder {plan.decoder_cls.name!r} produced {tok!r}, not a token id in "
                                   f"[0, {V})")

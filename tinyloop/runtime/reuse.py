@@ -42,10 +42,12 @@ import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from ..errors import ConfigError, HandleBudgetError, HandleFreedError, InvalidInputError
 from .cache import build_spec, linear_slots
 from .config import GenerateConfig, GenerateStats
-from .engine import (Model, Plan, _as_ids, _decode, _locked, check_call, resolve_loops,
+from .engine import (Model, Plan, _as_ids, _decode, _locked, check_call, check_vocab, resolve_loops,
                      validate_request)
 from .plugins import get_plugin_manager
 from .stopping import CallbackStopper
@@ -267,23 +269,19 @@ def _check_ids(model: Model, ids: Any, what: str) -> List[int]:
     out = _as_ids(ids, what, model)
     if not out:
         raise InvalidInputError(f"{what} is empty: it needs at least 1 token")
-    V = model.cfg.vocab_size
-    for i, t in enumerate(out):
-        if not 0 <= t < V:
-            raise InvalidInputError(f"{what}[{i}]={t} is outside the vocabulary [0, {V})")
+    check_vocab(model, out, what)
     if len(out) > model.max_seq_len:
         raise InvalidInputError(f"{what} has {len(out)} tokens, more than max_seq_len={model.max_seq_len}")
     return out
 
 
-def _state_plan(model: Model, loops: Any, cache_mode: Any, reuse: str, cache_window: int = 0) -> Plan:
-    """The plan a kept state is built under: its depth and cache mode, checked against the reuse
-    context's compat column (window, cache modes) and the backend's capability."""
+def _prefix_plan(model: Model, loops: Any, cache_mode: Any) -> Plan:
+    """The plan a prefix cache is built under: its depth and cache mode, checked against the
+    prefix_reuse compat column and the backend's capability."""
     if not isinstance(cache_mode, str) or not cache_mode:
         raise ConfigError(f"cache_mode must be a registered cache mode name, got {cache_mode!r}")
     L = resolve_loops(model, loops)
-    return Plan(model, GenerateConfig(max_tokens=0, loops=L, cache_mode=cache_mode, cache_window=cache_window),
-                "single", reuse=reuse)
+    return Plan(model, GenerateConfig(max_tokens=0, loops=L, cache_mode=cache_mode), "single", reuse="prefix_reuse")
 
 
 def _prefill(model: Model, ids: List[int], cache, loops: int, snap=None, e_rows=None) -> None:
@@ -386,11 +384,11 @@ class _PrefixSeed:
         return self.n
 
 
-def _new_prefix_cache(model: Model, ids: List[int], plan: Plan, keep: Tuple[_Kept, ...] = ()) -> PrefixCache:
+def _new_prefix_cache(model: Model, ids: List[int], plan: Plan) -> PrefixCache:
     """Allocate and prefill (the caller holds the model's lock and has validated everything)."""
     spec = build_spec(model.cfg, plan.loops, plan.cache_mode, linear_slots(len(ids)))
     pc = PrefixCache(model, ids, plan.loops, plan.config.cache_mode)
-    _BUDGET.admit(_cache_bytes(model, spec), f"a prefix cache of {len(ids)} tokens", model, keep)
+    _BUDGET.admit(_cache_bytes(model, spec), f"a prefix cache of {len(ids)} tokens", model)
     cache = model.backend.alloc_kept_cache(spec)
     _prefill(model, ids, cache, plan.loops)          # on an error the cache goes with its reference
     pc.cache = cache
@@ -405,7 +403,7 @@ def build_prefix_cache(model: Model, prefix_ids: Sequence[int], loops: Optional[
     of `cache_mode`; ``generate_from_prefix_cache`` then starts requests from it."""
     check_call(model)
     ids = _check_ids(model, prefix_ids, "prefix_ids")
-    plan = _state_plan(model, loops, cache_mode, "prefix_reuse")
+    plan = _prefix_plan(model, loops, cache_mode)
     lock = _locked(model)
     try:
         return _new_prefix_cache(model, ids, plan)
@@ -420,10 +418,7 @@ def _prepare_prefix(model, pc, suffix_ids, config, stats, on_token=None):
     pc._check(model)
     config = _request(model, config, pc.loops, pc.cache_mode, "prefix cache")
     suffix = _as_ids(suffix_ids, "suffix_ids", model)
-    V = model.cfg.vocab_size
-    for i, t in enumerate(suffix):
-        if not 0 <= t < V:
-            raise InvalidInputError(f"suffix_ids[{i}]={t} is outside the vocabulary [0, {V})")
+    check_vocab(model, suffix, "suffix_ids")
     plan = Plan(model, config, "single", reuse="prefix_reuse")
     ids = validate_request(model, list(pc.prefix_ids) + suffix, config)
     plan.delegate()
@@ -573,7 +568,7 @@ def register_prefix(pool: PrefixPool, model: Model, ids: Sequence[int], loops: O
         raise InvalidInputError(f"pool must be a PrefixPool from create_prefix_pool, got {type(pool).__name__}")
     pool._check(model)
     ids = _check_ids(model, ids, "ids")
-    plan = _state_plan(model, loops, cache_mode, "prefix_reuse")
+    plan = _prefix_plan(model, loops, cache_mode)
     key = (plan.loops, cache_mode)
     lock = _locked(model)
     try:
@@ -718,23 +713,31 @@ class ResumeHandle(_Kept):
         return {**super()._record(), "tokens": len(self.prompt_ids), "depths": self.depths,
                 "cache_mode": self.cache_mode, "in_pool": False}
 
-    def _grow(self, loops: int) -> None:
+    def reserve(self, loops: int) -> None:
+        """Make the cache hold `loops` iterations (the caller holds the model's lock): a larger
+        cache, admitted under the live handle cap, takes a copy of the kept layers."""
         be, old = self.model.backend, self.cache
-        new = be.alloc_kept_cache(old.spec.with_loops(loops))
+        if loops <= old.spec.loops:
+            return
+        spec = old.spec.with_loops(loops)
+        _BUDGET.admit(_cache_bytes(self.model, spec), f"growing a resume handle to loops={loops}", self.model,
+                      keep=(self,))
+        new = be.alloc_kept_cache(spec)
         be.copy_cache_layers(new, old, len(self.prompt_ids))
         self.cache = new
         self._charge(int(new.nbytes) - int(old.nbytes))
 
     def run_rows(self, base: int, loops: int, n: int, keep=None, post: bool = False,
-                 on_logits: Optional[Callable[[int, Any], None]] = None) -> None:
+                 logits: bool = False) -> Optional[np.ndarray]:
         """Over prompt rows 0 .. n - 1, chunk by chunk: the residual kept at depth `base` (and the
         loop-inject residual), iterations base .. loops - 1 into the handle's cache, the residual
         after them into `keep` (a row buffer) when given, then with `post` the post blocks at
-        that depth and, with `on_logits`, the head: ``on_logits(row0, logits (T, vocab) host)``.
-        The caller holds the model's lock; the cache holds `loops` iterations."""
+        that depth and, with `logits`, the head: returns the host logits (n, vocab) float32.
+        The caller holds the model's lock and has reserved `loops` iterations."""
         model = self.model
         be, ws, fwd = model.backend, model.ws, model.fwd
         src = self.snaps[base]
+        out = np.empty((n, model.cfg.vocab_size), np.float32) if logits else None
         for a in range(0, n, ws.rows):
             T = min(ws.rows, n - a)
             pos = be.positions(a)
@@ -746,9 +749,10 @@ class ResumeHandle(_Kept):
                 be.copy(be.rows(keep, a), ws.x, T)
             if post:
                 fwd.suffix(pos, T, self.cache)
-                if on_logits is not None:
+                if logits:
                     fwd.logits(0, T)
-                    on_logits(a, be.logits_block_to_host(ws, T))
+                    out[a:a + T] = be.logits_block_to_host(ws, T)
+        return out
 
     def upgrade(self, loops: int) -> int:
         """Bring the kept state to depth `loops` (the caller holds the model's lock and admitted the
@@ -757,8 +761,7 @@ class ResumeHandle(_Kept):
         model = self.model
         P = len(self.prompt_ids)
         base = self.base_depth(loops)
-        if loops > self.cache.spec.loops:
-            self._grow(loops)
+        self.reserve(loops)
         if base < loops:
             snap = model.backend.alloc_rows(P, model.cfg.d_model)
             self.run_rows(base, loops, P, keep=snap)
@@ -808,7 +811,8 @@ def build_resume_handle(model: Model, ids: Sequence[int], loops_used: int,
     L, P = loops_used, len(prompt)
     spec = build_spec(model.cfg, L, plan.cache_mode, linear_slots(P))
     inject = model.cfg.loop_inject == "add"
-    need = _cache_bytes(model, spec) + _rows_bytes(model, P) * (2 if inject else 1)
+    rows_bytes = _rows_bytes(model, P) * (2 if inject else 1)          # the residual (+ the inject copy)
+    need = _cache_bytes(model, spec) + rows_bytes
     lock = _locked(model)
     try:
         _BUDGET.admit(need, f"a resume handle of {P} tokens", model)
@@ -819,7 +823,7 @@ def build_resume_handle(model: Model, ids: Sequence[int], loops_used: int,
         e_rows = be.alloc_rows(P, model.cfg.d_model) if inject else None
         _prefill(model, prompt, cache, L, snap, e_rows)
         h.cache, h.snaps[L], h.e_rows, h.post_depth = cache, snap, e_rows, L
-        h._charge(int(cache.nbytes) + _rows_bytes(model, P) * (2 if inject else 1))
+        h._charge(int(cache.nbytes) + rows_bytes)
         h._register()
         return h
     finally:
