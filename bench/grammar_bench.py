@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.decode_bench import _commit, _median, bench_model, gpu_name, log  # noqa: E402
 from tinyloop.progress import bar  # noqa: E402
+from tinyloop.runtime.grammar import ll_vocab  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -86,7 +87,7 @@ def mask_ms(model, grammar, outputs) -> float:
     total, n = 0.0, 0
     for out in outputs:
         m = grammar.matcher(model.tokenizer, model.cfg.vocab_size, model.cfg.eos_id)
-        n_ids = model.cfg.vocab_size + (1 if model.cfg.eos_id is None else 0)    # + a virtual EOS
+        n_ids, _ = ll_vocab(model.cfg.vocab_size, model.cfg.eos_id)
         words = np.zeros(((n_ids + 31) // 32,), np.int32)
         for t in out:
             t0 = time.perf_counter()
@@ -111,10 +112,11 @@ def main(argv=None) -> int:
     import tinyloop as tl
     from tinyloop.models import demo_model_path
     from tinyloop.runtime.plugins import get_plugin_manager
-    if bench_model(args.backend, args.model or demo_model_path(), "") is None:
+    picked = bench_model(args.backend, args.model or demo_model_path(), "")
+    if picked is None:
         print("error: --backend cuda needs a CUDA GPU", file=sys.stderr)
         return 2
-    path = args.model or demo_model_path()
+    path, _ = picked
     model = tl.load_model(path, max_seq_len=512, backend=args.backend)
     grammar = tl.Grammar.json_schema(SCHEMA)
     prompts = [model.tokenizer.encode(p) for p in PROMPTS]

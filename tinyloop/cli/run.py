@@ -71,11 +71,11 @@ def _print_stats(st: GenerateStats, label: str = "") -> None:
             if st.tokens_emitted > 1 and st.decode_ms > 0 else "n/a")
     spec = (f", accepted {st.accepted_tokens}/{st.drafted_tokens} drafts, "
             f"{st.mean_accepted_length:.2f} tokens per verify" if st.verify_forwards else "")
-    reuse = f", {st.reused_tokens} prompt tokens reused" if st.reused_tokens else ""
+    kept = f", {st.reused_tokens} prompt tokens reused" if st.reused_tokens else ""
     if st.warm_start_iters_saved:
-        reuse += f", warm start spared {st.warm_start_iters_saved} row-iterations of the loop"
+        kept += f", warm start spared {st.warm_start_iters_saved} row-iterations of the loop"
     print(f"[tinyloop] {label}{st.tokens_emitted} tokens, stop {st.stop_reason.value}, prefill "
-          f"{st.prefill_ms:.1f} ms{reuse}, decode {rate}{spec}", file=sys.stderr)
+          f"{st.prefill_ms:.1f} ms{kept}, decode {rate}{spec}", file=sys.stderr)
 
 
 class _Server:
@@ -84,7 +84,7 @@ class _Server:
     pool (``prefix:``); or one request per depth of ``resume:`` from a handle built once per prompt.
     Every model-dependent setting is checked when the server is made, before any decoding."""
 
-    def __init__(self, cfg: RunConfig, model, request, bos) -> None:
+    def __init__(self, cfg: RunConfig, model, request, prefix_ids) -> None:
         self.cfg, self.model, self.request = cfg, model, request
         self.pool = None
         self._handle = None
@@ -97,10 +97,9 @@ class _Server:
             # the request's depth as its decoder runs it (speculative: the verify depth), checked as a
             # prefix-reuse request before anything is prefilled
             depth = Plan(model, request, "single", reuse="prefix_reuse").loops
-            shared = bos + model.tokenizer.encode(cfg.prefix)
             self.pool = reuse.create_prefix_pool(1)
-            reuse.register_prefix(self.pool, model, shared, loops=depth, cache_mode=request.cache_mode)
-            print(f"[tinyloop] prefix of {len(shared)} tokens registered in a prefix pool", file=sys.stderr)
+            reuse.register_prefix(self.pool, model, prefix_ids, loops=depth, cache_mode=request.cache_mode)
+            print(f"[tinyloop] prefix of {len(prefix_ids)} tokens registered in a prefix pool", file=sys.stderr)
 
     def __call__(self, ids):
         cfg, model, request = self.cfg, self.model, self.request
@@ -195,7 +194,7 @@ def run(args) -> int:
                 out.write("\n")
                 records.append((prompt, ids, res[len(ids):], text, st))
         else:
-            serve = _Server(cfg, model, request, bos)
+            serve = _Server(cfg, model, request, bos + shared)
             try:
                 for prompt, ids in zip(prompts, encoded):
                     for label, call in serve(ids):

@@ -63,12 +63,17 @@ _LLTOK_LOCK = threading.Lock()
 _LLTOKS: "weakref.WeakKeyDictionary[Any, Dict[Tuple[int, int], Any]]" = weakref.WeakKeyDictionary()
 
 
+def ll_vocab(vocab_size: int, eos_id: Optional[int]) -> Tuple[int, int]:
+    """(ids llguidance sees, its EOS id): the model's vocabulary and EOS, or for a model without
+    an EOS id one more id, the virtual EOS vocab_size."""
+    return (vocab_size, eos_id) if eos_id is not None else (vocab_size + 1, vocab_size)
+
+
 def ll_tokenizer(tokenizer, vocab_size: int, eos_id: Optional[int]):
-    """The llguidance tokenizer for `tokenizer` with the model's vocabulary and EOS (a model
-    without one: the virtual id vocab_size, so the vocabulary seen by llguidance is one larger).
+    """The llguidance tokenizer for `tokenizer` with the model's vocabulary and EOS (ll_vocab).
     Built once per (tokenizer, vocab, EOS) and cached."""
     llg = llguidance()
-    eos, n = (eos_id, vocab_size) if eos_id is not None else (vocab_size, vocab_size + 1)
+    n, eos = ll_vocab(vocab_size, eos_id)
     with _LLTOK_LOCK:
         per = _LLTOKS.setdefault(tokenizer, {})
         lt = per.get((n, eos))

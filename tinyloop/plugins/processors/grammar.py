@@ -22,6 +22,7 @@ from typing import Optional
 import numpy as np
 
 from ...runtime.config import StopReason
+from ...runtime.grammar import ll_vocab
 from ...runtime.hookspecs import hookimpl
 from ...runtime.processors import LogitProcessor, Stage
 from ...runtime.stopping import StopOrder, Stopper, StopRequest
@@ -60,9 +61,8 @@ class GrammarMask(LogitProcessor, Stopper):
         self.matcher = None
         self._future = None
         self._words = None
-        self._V = 0
-        self._virtual_eos: Optional[int] = None
-        self._eos = 0
+        self._V = 0                           # the model's vocabulary
+        self._eos = 0                         # the EOS id llguidance uses (== _V: a virtual one)
         self._mask_s = 0.0                    # running mean of the mask computation time
         self._error = False                   # the matcher refused a token (its error state)
 
@@ -75,10 +75,8 @@ class GrammarMask(LogitProcessor, Stopper):
         grammar the tokenizer cannot express, before any allocation."""
         c = model.cfg
         self.matcher = self.grammar.matcher(model.tokenizer, c.vocab_size, c.eos_id)
+        n, self._eos = ll_vocab(c.vocab_size, c.eos_id)
         self._V = c.vocab_size
-        self._virtual_eos = c.vocab_size if c.eos_id is None else None
-        self._eos = c.eos_id if c.eos_id is not None else c.vocab_size
-        n = c.vocab_size + (1 if self._virtual_eos is not None else 0)
         self._words = np.zeros((1, (n + 31) // 32), np.int32)
 
     def _compute(self) -> np.ndarray:
@@ -110,7 +108,7 @@ class GrammarMask(LogitProcessor, Stopper):
             allowed[self._eos] = False       # llguidance offers EOS where nothing else can go on: a dead end
         within = allowed[:self._V]
         if not within.any():
-            if self._virtual_eos is not None and allowed[self._virtual_eos]:
+            if self._eos == self._V and allowed[self._eos]:      # the virtual EOS: the grammar is complete
                 raise StopRequest(StopReason.GRAMMAR_COMPLETE)
             raise StopRequest(StopReason.GRAMMAR_DEAD_END)
         logits[~within] = -np.inf
@@ -132,7 +130,7 @@ class GrammarMask(LogitProcessor, Stopper):
             self._future.result()
         c = GrammarMask(self.grammar)
         c.matcher = self.matcher.deep_copy()
-        c._V, c._virtual_eos, c._eos = self._V, self._virtual_eos, self._eos
+        c._V, c._eos = self._V, self._eos
         c._words = np.zeros_like(self._words)
         c._mask_s, c._error = self._mask_s, self._error
         c._start()
