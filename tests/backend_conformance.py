@@ -894,6 +894,49 @@ def test_device_chained_ids(ties_rig):
         assert be.read_ids(ws, 1) == [int(np.argmax(logits[i]))]
 
 
+def ref_mask(logits, words):
+    """The token_masks reference: -inf where the token's bit of the packed words is clear."""
+    bits = np.unpackbits(np.asarray(words, np.int32).view(np.uint8), bitorder="little")[:len(logits)]
+    return np.where(bits == 1, logits, np.float32(-np.inf)).astype(np.float32)
+
+
+def test_mask_logits(ties_rig):
+    """token_masks backends: mask_logits sets exactly the tokens whose bit is clear to -inf (the
+    others keep their bits, bit 31 included), the masked argmax is read back as usual (tied maxima,
+    one allowed token, the top token forbidden), and mask words that do not cover the vocabulary
+    or are not an int32 numpy array are a BackendError before anything changes."""
+    r, be, ws = ties_rig, ties_rig.be, ties_rig.ws
+    _needs(be, "token_masks")
+    logits = _probe_logits(r)
+    V = r.cfg.vocab_size
+    n_words = -(-V // 32)
+    rng = np.random.default_rng(5)
+    top = int(np.argmax(logits[0]))
+    masks = [rng.integers(-2 ** 31, 2 ** 31, n_words, dtype=np.int64).astype(np.int32),
+             np.full(n_words + 3, -1, np.int32)]                 # everything allowed, extra words
+    one = np.zeros(n_words, np.int32)
+    one.view(np.uint32)[(V - 1) >> 5] = np.uint32(1 << ((V - 1) & 31))
+    masks.append(one)                                            # only the last token
+    no_top = np.full(n_words, -1, np.int32)
+    no_top.view(np.uint32)[top >> 5] &= ~np.uint32(1 << (top & 31))
+    masks.append(no_top)
+    for words in masks:
+        r.embed([0])
+        be.matmul(ws.x, r.w.head, ws.logits, 1)
+        be.mask_logits(ws, words)
+        want = ref_mask(logits[0], words)
+        assert_bits(np.array(be.logits_to_host(ws, 0), np.float32), want, "masked logits")
+        be.launch_argmax(ws)
+        assert be.read_argmax(ws) == int(np.argmax(want))
+    for bad in (np.zeros(n_words - 1, np.int32), np.zeros(n_words, np.int64), [0] * n_words,
+                np.zeros((1, n_words), np.int32)):
+        r.embed([0])
+        be.matmul(ws.x, r.w.head, ws.logits, 1)
+        with pytest.raises(BackendError, match="mask"):
+            be.mask_logits(ws, bad)
+        assert_bits(np.array(be.logits_to_host(ws, 0), np.float32), logits[0], "logits after a refused mask")
+
+
 # =============================================================================== caches
 @pytest.mark.parametrize("window", [0, 4])
 def test_alloc_cache_follows_the_spec(rig, window):

@@ -75,7 +75,7 @@ def test_builtin_registry():
     pm = get_plugin_manager()
     assert {"cpu", "cuda"} <= set(pm.backends())
     assert pm.backend_names()[0] == "auto"
-    assert set(CAPABILITIES) == {"tree", "device_chaining", "cache_reuse"}
+    assert set(CAPABILITIES) == {"tree", "device_chaining", "cache_reuse", "token_masks"}
 
 
 def test_every_name_check_reads_the_registry(plugin, tiny_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -317,3 +318,46 @@ def test_text_api_ends_at_eos(demo):
     text = tl.generate_text(demo, "answer = ", cfg, stats=st_)
     assert st_.stop_reason == tl.StopReason.EOS and json.loads(text) in ("yes", "no")
     assert "".join(tl.stream_text(demo, "answer = ", cfg)) == text
+
+
+def test_device_mask_path_equals_the_host_path(demo, monkeypatch):
+    """Greedy grammar decoding applies the mask where the logits live (backend token_masks:
+    mask_logits + the backend argmax); without that capability the logits row comes to the host
+    and the processor's apply() masks it. Same tokens and stop reasons, over schemas, regexes and a
+    dead end; allowed_words and apply agree on every step."""
+    from tinyloop.plugins.processors.grammar import GrammarMask
+    be = demo.backend
+    assert be.supports("token_masks")
+    calls = []
+    real = type(be).mask_logits
+    monkeypatch.setattr(type(be), "mask_logits", lambda self, ws, w: (calls.append(1), real(self, ws, w)))
+    checked = []
+    real_apply = GrammarMask.apply
+
+    def apply(self, logits):                       # the host path's mask == the packed words
+        words, before = self.allowed_words().copy(), logits.copy()
+        real_apply(self, logits)
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:len(logits)]
+        assert np.array_equal(logits[bits == 1], before[bits == 1])
+        assert np.isneginf(logits[bits == 0]).all()
+        checked.append(1)
+    monkeypatch.setattr(GrammarMask, "apply", apply)
+    cases = [("value = ", tl.Grammar.json()), ("def ", tl.Grammar.regex(r"[a-z_]+\([a-z, ]*\):")),
+             ("x = ", {"json_schema": {"type": "object", "properties": {"n": {"type": "integer"}},
+                                       "required": ["n"]}}),
+             ("x = ", tl.Grammar.regex("q+"))]
+    want = []
+    for prompt, g in cases:
+        st_ = tl.GenerateStats()
+        ids = demo.tokenizer.encode(prompt)
+        out = tl.generate(demo, ids, tl.GenerateConfig(max_tokens=24, grammar=g, loops=2), stats=st_)
+        want.append((out, st_.stop_reason))
+    assert calls and not checked                  # greedy never brought the logits to the host
+    monkeypatch.setattr(type(be), "supports", lambda self, c: c != "token_masks" and c in self.capabilities)
+    calls.clear()
+    for (prompt, g), (out, reason) in zip(cases, want):
+        st_ = tl.GenerateStats()
+        ids = demo.tokenizer.encode(prompt)
+        assert tl.generate(demo, ids, tl.GenerateConfig(max_tokens=24, grammar=g, loops=2), stats=st_) == out
+        assert st_.stop_reason == reason
+    assert checked and not calls

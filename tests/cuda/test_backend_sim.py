@@ -190,6 +190,75 @@ def test_greedy_lookahead_matches_plain_greedy(small_path, monkeypatch):
         tl.free_model(m)
 
 
+class NoMultipleOfLast(tl.LogitProcessor):
+    """A stateful mask (as a grammar is): after token t, tokens u with (u + t) % 3 == 0 are
+    forbidden. ``mask_only``: greedy paths apply allowed_words where the logits live."""
+
+    name = "test_no_multiple_of_last"
+    stage = tl.Stage.MASK
+    mask_only = True
+    on = False
+
+    @classmethod
+    def from_config(cls, config):
+        return cls() if cls.on else None
+
+    def prepare(self, model):
+        self.V = model.cfg.vocab_size
+
+    def reset(self, prompt):
+        self.last = prompt[-1]
+
+    def accept(self, token):
+        self.last = token
+
+    def allowed_words(self):
+        ok = (np.arange(self.V) + self.last) % 3 != 0
+        return np.packbits(np.pad(ok, (0, -self.V % 32)), bitorder="little").view(np.int32)
+
+    def apply(self, logits):
+        logits[(np.arange(self.V) + self.last) % 3 == 0] = -np.inf
+
+    def clone(self):
+        c = NoMultipleOfLast()
+        c.V, c.last = self.V, self.last
+        return c
+
+
+class _MaskPlugin:
+    @tl.hookimpl
+    def tinyloop_processors(self):
+        return [NoMultipleOfLast]
+
+
+def test_masked_greedy_stays_on_the_device(small_path, monkeypatch):
+    """A mask-only processor (a grammar's kind) keeps greedy decoding on the device path: the mask
+    goes up (mask_logits), the decode step is still queued ahead of the token's read-back, and the
+    tokens equal the CPU backend's and the host path's (logits copied and masked on the host)."""
+    monkeypatch.delenv("TINYLOOP_LOOKAHEAD", raising=False)
+    pm = get_plugin_manager()
+    plugin = _MaskPlugin()
+    pm.register(plugin)
+    monkeypatch.setattr(NoMultipleOfLast, "on", True)
+    cpu = tl.load_model(str(small_path), max_seq_len=8, backend="cpu")
+    m = tl.load_model(str(small_path), max_seq_len=8, backend="cuda")
+    try:
+        cfg = tl.GenerateConfig(max_tokens=3, loops=1)
+        want = tl.generate(cpu, [3, 7], cfg)
+        for a, b in zip(want[1:], want[2:]):
+            assert (a + b) % 3 != 0
+        calls = []
+        begin, mask = m.backend.begin_read_argmax, m.backend.mask_logits
+        monkeypatch.setattr(m.backend, "begin_read_argmax", lambda ws: (calls.append("ahead"), begin(ws)))
+        monkeypatch.setattr(m.backend, "mask_logits", lambda ws, w: (calls.append("mask"), mask(ws, w)))
+        assert tl.generate(m, [3, 7], cfg) == want       # the host path's tokens: tests/test_grammar.py
+        assert calls.count("mask") == 3 and calls.count("ahead") == 2
+    finally:
+        pm.unregister(plugin)
+        tl.free_model(m)
+        tl.free_model(cpu)
+
+
 # ----------------------------------------------------------------------------- the cache spec
 def _spec(groups, n_slots, window=0, n_loop=1):
     """A CacheSpec of {name: (codec, n_layers)} groups (in the given order)."""

@@ -33,7 +33,7 @@ from tinyloop.errors import BackendError  # noqa: E402
 from tinyloop.model.quant import unpack  # noqa: E402
 from tinyloop.cuda import kv_codecs  # noqa: E402
 from tinyloop.cuda.kernels import (add, argmax, attention, cache_move, embed, kv_store, matmul,  # noqa: E402
-                                   rmsnorm, rope, sample, swiglu)
+                                   rmsnorm, rope, sample, swiglu, token_mask)
 from tinyloop.plugins.caches.codecs import FP16Codec, FP32Codec, INT4Codec, INT8Codec  # noqa: E402
 from tinyloop.plugins.decoders.spec_session import DraftTree  # noqa: E402
 
@@ -468,6 +468,38 @@ def test_add_and_swiglu():
     assert np.array_equal(host(out2), got)
     with pytest.raises(BackendError, match="shape"):
         swiglu.swiglu_fused(out2, D(np.zeros((T, 2 * F + 1), np.float32)))
+
+
+# =============================================================================== token mask
+def ref_token_mask(row, words):
+    """Naive reference: token i is allowed when bit i % 32 of words[i // 32] is set."""
+    out = row.copy()
+    for i in range(len(row)):
+        if not (int(words[i // 32]) >> (i % 32)) & 1:
+            out[i] = -np.inf
+    return out
+
+
+@pytest.mark.parametrize("V", [1, 31, 32, 33, 300])
+def test_token_mask(V):
+    """Forbidden tokens become -inf, allowed ones keep their bits (NaN, inf, -0.0 included), bit
+    31 (the sign bit of an int32 word) included; extra words are ignored; too few words, or the
+    wrong dtype, are a BackendError."""
+    rng = np.random.default_rng(V)
+    row = rng.standard_normal(V).astype(np.float32)
+    row[:min(V, 3)] = [np.nan, np.inf, -0.0][:min(V, 3)]
+    n = -(-V // 32)
+    for words in (rng.integers(-2 ** 31, 2 ** 31, n + 1, dtype=np.int64).astype(np.int32),
+                  np.full(n, -1, np.int32), np.zeros(n, np.int32),
+                  np.full(n, np.int32(-2 ** 31), np.int32)):
+        d = D(row)
+        token_mask.mask_logits(d, D(words))
+        assert np.array_equal(host(d).view(np.uint32), ref_token_mask(row, words).view(np.uint32))
+    if V > 32:
+        with pytest.raises(BackendError, match="fewer than the vocabulary"):
+            token_mask.mask_logits(D(row), D(np.zeros(n - 1, np.int32)))
+    with pytest.raises(BackendError, match="dtype"):
+        token_mask.mask_logits(D(row), D(np.zeros(n, np.uint8)))
 
 
 # =============================================================================== embed

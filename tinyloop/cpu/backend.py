@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..model.arch import required_tensors
-from ..runtime.backend import Backend, CacheReuse, ModelWeights, TreeOps, TreeRows, Workspace
+from ..runtime.backend import Backend, CacheReuse, ModelWeights, TokenMasks, TreeOps, TreeRows, Workspace
 from ..runtime.cache import shared_layers
 from ..errors import BackendError, OutOfMemoryError
 from . import ops, threads
@@ -81,7 +81,7 @@ class CPUCache:
         return sum(st.nbytes for st in self.storages())
 
 
-class CPUBackend(Backend, TreeOps, CacheReuse):
+class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks):
     """Numba/numpy implementation of the backend ops."""
 
     name = "cpu"
@@ -259,6 +259,9 @@ class CPUBackend(Backend, TreeOps, CacheReuse):
 
     def read_argmax(self, ws: Workspace) -> int:
         return int(ops.argmax(ws.logits[0]))
+
+    def mask_logits(self, ws: Workspace, words) -> None:
+        ops.mask_logits(ws.logits[0], self.mask_words(words))
 
     def read_argmax_rows(self, ws: Workspace, n: int) -> list:
         return [int(ops.argmax(ws.logits[r])) for r in range(n)]

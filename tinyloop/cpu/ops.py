@@ -314,3 +314,12 @@ def argmax(row):
             bv = row[i]
             best = i
     return best
+
+
+@njit(**_SEQ)
+def mask_logits(row, words):
+    """``row[i] = -inf`` where bit (i % 32) of words[i // 32] is clear (the CUDA token_mask
+    kernel's twin; int32 words, allowed entries unchanged)."""
+    for i in range(row.shape[0]):
+        if (words[i >> 5] >> (i & 31)) & 1 == 0:
+            row[i] = -np.inf

@@ -61,8 +61,8 @@ from numba.cuda.cudadrv.driver import device_memset
 
 from dataclasses import dataclass
 
-from ..runtime.backend import (Backend, CacheReuse, DeviceChaining, ModelWeights, TreeOps, TreeRows,
-                               Workspace)
+from ..runtime.backend import (Backend, CacheReuse, DeviceChaining, ModelWeights, TokenMasks, TreeOps,
+                               TreeRows, Workspace)
 from ..runtime.cache import CacheSpec, SlotMap, shared_layers
 from ..runtime.config import env_switch
 from ..errors import BackendError, OutOfMemoryError, PluginError
@@ -81,6 +81,7 @@ from .kernels import position as k_position
 from .kernels import rmsnorm as k_rmsnorm
 from .kernels import rope as k_rope
 from .kernels import swiglu as k_swiglu
+from .kernels import token_mask as k_token_mask
 
 MAX_GRAPHS = 64
 #: Released KV caches kept for later requests (a plain and a speculative shape, beams, ...).
@@ -205,7 +206,8 @@ class CUDAWorkspace(Workspace):
     toks_host its pinned copy; topk (T*MAX_TOPK,) top-k ids (row-major (n, k) views), topk_host;
     moves (2, T) cache slot moves, moves_host; ids_host (T,) pinned staging for set_ids;
     logits_host (vocab,) pinned row of logits; att_work / att_count split-KV attention partials and
-    per-(row, head) arrival counters; amax_work (values, ids, counters) of the split argmax. The
+    per-(row, head) arrival counters; amax_work (values, ids, counters) of the split argmax; mask
+    (ceil(vocab / 32),) the token mask words of mask_logits, mask_host their pinned staging. The
     counters are zeroed once at allocation, and every launch leaves them zero.
     """
 
@@ -221,9 +223,11 @@ class CUDAWorkspace(Workspace):
     att_work: Any = None
     att_count: Any = None
     amax_work: Any = None
+    mask: Any = None
+    mask_host: Any = None
 
 
-class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse):
+class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks):
     """numba-cuda implementation of the backend ops, with graph-captured decode steps."""
 
     name = "cuda"
@@ -244,6 +248,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse):
         self._tok_host = cuda.pinned_array(1, np.int32)
         self._tok_event = cuda.event()     # begin/finish_read_argmax
         self._tok_up = cuda.pinned_array(1, np.int32)
+        self._mask_event = cuda.event()    # the last mask upload has left ws.mask_host
         # host mirrors of the device position and of ws.tok (None: unknown); an upload is skipped
         # when the device already holds the value, which is the case for every greedy decode step
         self._pos_value = None
@@ -362,7 +367,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse):
         out = {n: ((rows, w), f) for n, w in width.items()}
         out.update(ids=((rows,), i32), tok=((1,), i32), toks=((rows,), i32),
                    topk=((rows * MAX_TOPK,), i32),            # (n, k) views over the start
-                   moves=((2, rows), i32),
+                   moves=((2, rows), i32), mask=((-(-c.vocab_size // 32),), i32),
                    # split-KV attention: per-split partials and per-(row, head) arrival counters
                    att_work=(k_attention.workspace_shape(rows, c.n_heads, c.head_dim), f),
                    att_count=(k_attention.counter_shape(rows, c.n_heads), i32))
@@ -382,6 +387,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse):
         ws.moves_host = cuda.pinned_array((2, rows), np.int32)
         ws.ids_host = cuda.pinned_array(rows, np.int32)
         ws.logits_host = cuda.pinned_array(c.vocab_size, np.float32)
+        ws.mask_host = cuda.pinned_array(ws.mask.shape[0], np.int32)
         # the arrival counters are zeroed here once (every launch leaves them zero, graph replays
         # included)
         for counter in self._counters(ws):
@@ -618,6 +624,14 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse):
     def launch_argmax(self, ws: Workspace) -> None:
         k_argmax.argmax(ws.tok, ws.logits[:1], stream=self.stream, work=ws.amax_work)
         self._tok_value = None
+
+    def mask_logits(self, ws: Workspace, words) -> None:
+        w = self.mask_words(words)
+        self._mask_event.synchronize()     # the previous upload has read the staging buffer
+        ws.mask_host[:] = w
+        ws.mask.copy_to_device(ws.mask_host, stream=self.stream)
+        self._mask_event.record(self.stream)
+        k_token_mask.mask_logits(ws.logits[0], ws.mask, stream=self.stream)
 
     def read_argmax(self, ws: Workspace) -> int:
         ws.tok.copy_to_host(self._tok_host, stream=self.stream)

@@ -18,7 +18,7 @@ implementations over the primitives; a backend overrides them with fused kernels
 launches or passes over memory. The forward only calls composites and the few primitives it needs.
 
 Optional capabilities (:data:`CAPABILITIES`) are mixin classes a backend inherits:
-:class:`TreeOps`, :class:`DeviceChaining` and :class:`CacheReuse`. Callers ask :meth:`Backend.supports` and fall back;
+:class:`TreeOps`, :class:`DeviceChaining`, :class:`CacheReuse` and :class:`TokenMasks`. Callers ask :meth:`Backend.supports` and fall back;
 a decoder that cannot declares ``Decoder.requires``. Backends are registered as
 :class:`BackendEntry` classes through the ``tinyloop_backends`` hook (one registry for every name
 check).
@@ -423,9 +423,37 @@ class CacheReuse(ABC):
         so it is released with its last reference."""
 
 
+class TokenMasks(ABC):
+    """Capability ``token_masks``: a constraint's allowed set (a grammar's) is applied to the
+    pending logits where they live, so a constrained greedy step sends ~V/8 bytes of mask to the
+    device and reads back one id, and the next step can be queued before that id reaches the host
+    (Session.greedy). Without it the logits row is copied to the host and masked there (the same
+    tokens)."""
+
+    @abstractmethod
+    def mask_logits(self, ws: Workspace, words: np.ndarray) -> None:
+        """ws.logits[0][i] := -inf for every token i whose bit (i % 32) of ``words[i // 32]`` is
+        clear (a host int32 array of at least ceil(vocab / 32) words; allowed entries keep their
+        bits). Ordered after every op queued before it and before every op queued after it (read
+        the masked argmax with launch_argmax + read_argmax / begin_read_argmax); `words` may be
+        reused by the caller once the call returns."""
+
+    def mask_words(self, words) -> np.ndarray:
+        """`words` checked for mask_logits: a 1-D int32 numpy array covering the vocabulary
+        (BackendError otherwise), its first ceil(vocab / 32) words."""
+        n = -(-self.cfg.vocab_size // 32)
+        if not isinstance(words, np.ndarray) or words.dtype != np.int32 or words.ndim != 1:
+            raise BackendError(f"mask_logits takes a 1-D int32 numpy array of mask words, got "
+                               f"{type(words).__name__} {getattr(words, 'dtype', '')}".rstrip())
+        if words.shape[0] < n:
+            raise BackendError(f"mask_logits: {words.shape[0]} mask words cover fewer tokens than the "
+                               f"vocabulary's {self.cfg.vocab_size} (need {n} words)")
+        return words[:n]
+
+
 #: The optional capabilities by name (Backend.supports).
 CAPABILITIES: Dict[str, type] = {"tree": TreeOps, "device_chaining": DeviceChaining,
-                                 "cache_reuse": CacheReuse}
+                                 "cache_reuse": CacheReuse, "token_masks": TokenMasks}
 
 
 # =============================================================================== registry

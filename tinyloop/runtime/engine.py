@@ -572,13 +572,20 @@ class Session:
         call is advance(that token, lane) or nothing (the engine may stop): where the backend keeps
         the argmax on the device, the decode step of that token is queued before the token is read
         back, so the device never waits for the host between steps (the step is dropped, unseen,
-        if the promise is not kept)."""
+        if the promise is not kept). A chain whose only argmax-changing members are masks
+        (ProcessorChain.maskable) takes the same path on a backend with token_masks: the mask goes
+        to the device, the masked argmax is read back."""
         if self._ahead is not None and lane == self._lane:
             return self._ahead
         self._check_pending(lane)
-        if not self.chain.argmax_invariant:
-            return int(np.argmax(self.logits(lane)))
         be, ws = self.model.backend, self.model.ws
+        if not self.chain.argmax_invariant:
+            if not (self.chain.maskable and be.supports("token_masks")):
+                return int(np.argmax(self.logits(lane)))
+            # only masks change the argmax: apply them where the logits live (a StopRequest from
+            # a mask comes before anything is queued)
+            be.mask_logits(ws, self.chain.allowed_words())
+            be.launch_argmax(ws)
         generated = len(self.tokens) - self._prompt_len + 1      # counting the token read now
         if not (ahead and self._lookahead and be.supports("device_chaining") and not self.uncached
                 and lane == self._lane and generated < self.config.max_tokens):

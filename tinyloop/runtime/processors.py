@@ -14,7 +14,10 @@ Interface (after llama.cpp's sampler chain): ``prepare(model)`` once per instanc
 setup and checks, before any allocation), ``reset(prompt)`` before decoding, ``apply(logits)``
 in place, ``accept(token)`` only for tokens really emitted, ``clone()`` for forked sequences. A
 processor that never changes which token is the argmax sets ``argmax_invariant`` so greedy paths
-can skip it and keep the argmax on the device.
+can skip it and keep the argmax on the device. A processor whose ``apply`` only forbids tokens
+(sets them to -inf, leaves the others' bits alone) sets ``mask_only`` and gives the allowed set as
+packed words from ``allowed_words()``: greedy paths then apply it where the logits live (the
+backend capability ``token_masks``) instead of copying the logits row to the host.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ class LogitProcessor:
     """Where the processor runs in the chain."""
     argmax_invariant: ClassVar[bool] = False
     """True when apply() never changes the argmax (greedy paths may skip it)."""
+    mask_only: ClassVar[bool] = False
+    """True when apply() only sets forbidden tokens to -inf and allowed_words() gives that set."""
 
     @classmethod
     def from_config(cls, config) -> Optional["LogitProcessor"]:
@@ -66,6 +71,13 @@ class LogitProcessor:
     def accept(self, token: int) -> None:
         """Record a token that was really emitted."""
 
+    def allowed_words(self) -> np.ndarray:
+        """(``mask_only`` processors) The tokens apply() would leave as they are, for the pending
+        step: an int32 array of ceil(vocab / 32) or more words, bit (i % 32) of word i // 32 set
+        for an allowed token i; raises the StopRequest apply() would raise. A fresh array or one
+        the processor keeps: the caller does not keep it past the step."""
+        raise NotImplementedError(f"processor {self.name} offers no token mask")
+
     def clone(self) -> "LogitProcessor":
         """An independent copy with the same state."""
         raise NotImplementedError(f"processor {self.name} cannot be cloned")
@@ -82,6 +94,25 @@ class ProcessorChain(LogitProcessor):
     @property
     def argmax_invariant(self) -> bool:  # type: ignore[override]
         return all(p.argmax_invariant for p in self.processors)
+
+    @property
+    def maskable(self) -> bool:
+        """Every member leaves the argmax alone or is a mask: a greedy step needs only
+        allowed_words() (and none of the logits on the host)."""
+        return all(p.argmax_invariant or p.mask_only for p in self.processors)
+
+    def allowed_words(self) -> Optional[np.ndarray]:
+        """The intersection of the masks' allowed sets (None: no member masks)."""
+        out = None
+        for p in self.processors:
+            if p.mask_only:
+                w = p.allowed_words()
+                if out is None:
+                    out = w
+                else:
+                    n = min(len(out), len(w))
+                    out = out[:n] & w[:n]
+        return out
 
     def __len__(self) -> int:
         return len(self.processors)

@@ -4,9 +4,9 @@
 def kernel_modules():
     """Every op module of this package (each has `ptx_signatures()`)."""
     from . import (add, argmax, attention, cache_move, embed, kv_store, matmul, position, rmsnorm,
-                   rope, sample, swiglu)
+                   rope, sample, swiglu, token_mask)
     return (matmul, rmsnorm, rope, attention, kv_store, swiglu, embed, add, argmax, sample, position,
-            cache_move)
+            cache_move, token_mask)
 
 
 def ptx_signatures():

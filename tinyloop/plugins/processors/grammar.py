@@ -2,15 +2,19 @@
 (tinyloop.runtime.grammar; the optional extra tinyloop[grammar]).
 
 Per sequence the processor holds its own llguidance matcher (a copy of the grammar's template for
-the model's tokenizer). ``apply`` sets every token the grammar forbids to -inf; ``accept`` feeds the
-matcher only tokens really emitted and at once starts computing the NEXT mask: on a worker thread
-(llguidance releases the GIL while it computes) when masks take long enough for that to pay, so the
-mask is ready by the time the forward of the next token has produced its logits; inline when they
-are cheaper than the hand-over (INLINE_MASK_S, a running mean per sequence). EOS is allowed exactly when the grammar accepts (llguidance
-also offers EOS where no token can go on; the processor takes it away then, which is a dead end). Ends: a mask that allows nothing ends the request with
-GRAMMAR_DEAD_END (raised as a StopRequest from ``apply``, or from ``check`` when the matcher has
-entered its error state); for a model without an EOS id, a complete grammar (only the virtual EOS
-allowed) ends it with GRAMMAR_COMPLETE.
+the model's tokenizer). ``accept`` feeds the matcher only tokens really emitted and at once starts
+computing the NEXT mask: on a worker thread (llguidance releases the GIL while it computes) when
+masks take long enough for that to pay, so the mask is ready by the time the forward of the next
+token has produced its logits; inline when they are cheaper than the hand-over (INLINE_MASK_S, a
+running mean per sequence). The processor is ``mask_only``: ``allowed_words`` hands the packed mask
+as llguidance wrote it to greedy paths, which apply it where the logits live (the backend
+capability token_masks); ``apply`` sets every token the grammar forbids to -inf on a host row
+(sampling, processors that need the logits). EOS is allowed exactly when the grammar accepts
+(llguidance also offers EOS where no token can go on; the processor takes it away then, which is a
+dead end). Ends: a mask that allows nothing ends the request with GRAMMAR_DEAD_END (raised as a
+StopRequest from ``allowed_words`` / ``apply``, or from ``check`` when the matcher has entered its
+error state); for a model without an EOS id, a complete grammar (only the virtual EOS allowed) ends
+it with GRAMMAR_COMPLETE.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class GrammarMask(LogitProcessor, Stopper):
     stage = Stage.MASK
     order = StopOrder.PLUGIN
     argmax_invariant = False
+    mask_only = True
     ending_tokens = None
 
     def __init__(self, grammar) -> None:
@@ -77,15 +82,14 @@ class GrammarMask(LogitProcessor, Stopper):
         self.matcher = self.grammar.matcher(model.tokenizer, c.vocab_size, c.eos_id)
         n, self._eos = ll_vocab(c.vocab_size, c.eos_id)
         self._V = c.vocab_size
-        self._words = np.zeros((1, (n + 31) // 32), np.int32)
+        self._words = np.zeros((1, (n + 31) // 32), np.int32)     # written by llguidance
 
     def _compute(self) -> np.ndarray:
         t = time.perf_counter()
         w = self._words
         self.matcher.unsafe_compute_mask_ptr(w.ctypes.data, w.nbytes)      # releases the GIL
-        out = np.unpackbits(w.view(np.uint8), bitorder="little").astype(bool)
         self._mask_s = 0.8 * self._mask_s + 0.2 * (time.perf_counter() - t)
-        return out
+        return w[0]
 
     def _start(self) -> None:
         """Start the next mask: on the worker when masks are slow enough for the overlap with the
@@ -102,16 +106,23 @@ class GrammarMask(LogitProcessor, Stopper):
         self._error = False
         self._start()
 
-    def apply(self, logits: np.ndarray) -> None:
-        allowed = self._future.result()
-        if allowed[self._eos] and not self.matcher.is_accepting():
-            allowed[self._eos] = False       # llguidance offers EOS where nothing else can go on: a dead end
-        within = allowed[:self._V]
-        if not within.any():
-            if self._eos == self._V and allowed[self._eos]:      # the virtual EOS: the grammar is complete
+    def allowed_words(self) -> np.ndarray:
+        words = self._future.result()
+        bits = words.view(np.uint32)
+        e, V = self._eos, self._V
+        eos_bit = np.uint32(1 << (e & 31))
+        if bits[e >> 5] & eos_bit and not self.matcher.is_accepting():
+            bits[e >> 5] &= ~eos_bit         # llguidance offers EOS where nothing else can go on: a dead end
+        full, rest = divmod(V, 32)
+        if not (bits[:full].any() or (rest and bits[full] & np.uint32((1 << rest) - 1))):
+            if e == V and bits[e >> 5] & eos_bit:      # only the virtual EOS: the grammar is complete
                 raise StopRequest(StopReason.GRAMMAR_COMPLETE)
             raise StopRequest(StopReason.GRAMMAR_DEAD_END)
-        logits[~within] = -np.inf
+        return words
+
+    def apply(self, logits: np.ndarray) -> None:
+        within = np.unpackbits(self.allowed_words().view(np.uint8), count=self._V, bitorder="little")
+        logits[within == 0] = -np.inf
 
     def accept(self, token: int) -> None:
         if self._future is not None:
