@@ -900,8 +900,8 @@ def ref_mask(logits, words):
     return np.where(bits == 1, logits, np.float32(-np.inf)).astype(np.float32)
 
 
-def test_mask_logits(ties_rig):
-    """token_masks backends: mask_logits sets exactly the tokens whose bit is clear to -inf (the
+def test_launch_masked_argmax(ties_rig):
+    """token_masks backends: launch_masked_argmax sets exactly the tokens whose bit is clear to -inf (the
     others keep their bits, bit 31 included), the masked argmax is read back as usual (tied maxima,
     one allowed token, the top token forbidden), and mask words that do not cover the vocabulary
     or are not an int32 numpy array are a BackendError before anything changes."""
@@ -923,17 +923,16 @@ def test_mask_logits(ties_rig):
     for words in masks:
         r.embed([0])
         be.matmul(ws.x, r.w.head, ws.logits, 1)
-        be.mask_logits(ws, words)
+        be.launch_masked_argmax(ws, words)
         want = ref_mask(logits[0], words)
-        assert_bits(np.array(be.logits_to_host(ws, 0), np.float32), want, "masked logits")
-        be.launch_argmax(ws)
         assert be.read_argmax(ws) == int(np.argmax(want))
+        assert_bits(np.array(be.logits_to_host(ws, 0), np.float32), want, "masked logits")
     for bad in (np.zeros(n_words - 1, np.int32), np.zeros(n_words, np.int64), [0] * n_words,
                 np.zeros((1, n_words), np.int32)):
         r.embed([0])
         be.matmul(ws.x, r.w.head, ws.logits, 1)
         with pytest.raises(BackendError, match="mask"):
-            be.mask_logits(ws, bad)
+            be.launch_masked_argmax(ws, bad)
         assert_bits(np.array(be.logits_to_host(ws, 0), np.float32), logits[0], "logits after a refused mask")
 
 

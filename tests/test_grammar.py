@@ -322,15 +322,15 @@ def test_text_api_ends_at_eos(demo):
 
 def test_device_mask_path_equals_the_host_path(demo, monkeypatch):
     """Greedy grammar decoding applies the mask where the logits live (backend token_masks:
-    mask_logits + the backend argmax); without that capability the logits row comes to the host
-    and the processor's apply() masks it. Same tokens and stop reasons, over schemas, regexes and a
+    launch_masked_argmax); without that capability the logits row comes to the host and the
+    processor's apply() masks it. Same tokens and stop reasons, over schemas, regexes and a
     dead end; allowed_words and apply agree on every step."""
     from tinyloop.plugins.processors.grammar import GrammarMask
     be = demo.backend
     assert be.supports("token_masks")
     calls = []
-    real = type(be).mask_logits
-    monkeypatch.setattr(type(be), "mask_logits", lambda self, ws, w: (calls.append(1), real(self, ws, w)))
+    real = type(be).launch_masked_argmax
+    monkeypatch.setattr(type(be), "launch_masked_argmax", lambda self, ws, w: (calls.append(1), real(self, ws, w)))
     checked = []
     real_apply = GrammarMask.apply
 

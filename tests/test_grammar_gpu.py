@@ -45,16 +45,16 @@ def test_constrained_greedy_tokens_equal_cpu(pair, g, loops):
 
 
 def test_device_mask_keeps_greedy_on_the_device(pair, monkeypatch):
-    """Under a grammar the greedy step stays on the device path: the mask goes up (mask_logits),
-    the next step is queued before the token is read back, and the tokens equal the host-mask
+    """Under a grammar the greedy step stays on the device path: the mask goes up
+    (launch_masked_argmax), the next step is queued before the token is read back, and the tokens equal the host-mask
     path's (token_masks switched off: logits copied to the host and masked there)."""
     cpu, gpu = pair
     monkeypatch.delenv("TINYLOOP_LOOKAHEAD", raising=False)
     be = gpu.backend
     calls = []
-    begin, mask = be.begin_read_argmax, be.mask_logits
+    begin, mask = be.begin_read_argmax, be.launch_masked_argmax
     monkeypatch.setattr(be, "begin_read_argmax", lambda ws: (calls.append("ahead"), begin(ws)))
-    monkeypatch.setattr(be, "mask_logits", lambda ws, w: (calls.append("mask"), mask(ws, w)))
+    monkeypatch.setattr(be, "launch_masked_argmax", lambda ws, w: (calls.append("mask"), mask(ws, w)))
     for g in GRAMMARS:
         ids = cpu.tokenizer.encode("value = ")
         cfg = tl.GenerateConfig(max_tokens=32, loops=3, grammar=g)

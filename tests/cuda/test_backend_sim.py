@@ -233,8 +233,8 @@ class _MaskPlugin:
 
 def test_masked_greedy_stays_on_the_device(small_path, monkeypatch):
     """A mask-only processor (a grammar's kind) keeps greedy decoding on the device path: the mask
-    goes up (mask_logits), the decode step is still queued ahead of the token's read-back, and the
-    tokens equal the CPU backend's and the host path's (logits copied and masked on the host)."""
+    goes up (launch_masked_argmax), the decode step is still queued ahead of the token's read-back,
+    and the tokens equal the CPU backend's and the host path's (logits copied and masked on the host)."""
     monkeypatch.delenv("TINYLOOP_LOOKAHEAD", raising=False)
     pm = get_plugin_manager()
     plugin = _MaskPlugin()
@@ -248,9 +248,9 @@ def test_masked_greedy_stays_on_the_device(small_path, monkeypatch):
         for a, b in zip(want[1:], want[2:]):
             assert (a + b) % 3 != 0
         calls = []
-        begin, mask = m.backend.begin_read_argmax, m.backend.mask_logits
+        begin, mask = m.backend.begin_read_argmax, m.backend.launch_masked_argmax
         monkeypatch.setattr(m.backend, "begin_read_argmax", lambda ws: (calls.append("ahead"), begin(ws)))
-        monkeypatch.setattr(m.backend, "mask_logits", lambda ws, w: (calls.append("mask"), mask(ws, w)))
+        monkeypatch.setattr(m.backend, "launch_masked_argmax", lambda ws, w: (calls.append("mask"), mask(ws, w)))
         assert tl.generate(m, [3, 7], cfg) == want       # the host path's tokens: tests/test_grammar.py
         assert calls.count("mask") == 3 and calls.count("ahead") == 2
     finally:

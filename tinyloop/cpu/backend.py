@@ -260,8 +260,8 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks):
     def read_argmax(self, ws: Workspace) -> int:
         return int(ops.argmax(ws.logits[0]))
 
-    def mask_logits(self, ws: Workspace, words) -> None:
-        ops.mask_logits(ws.logits[0], self.mask_words(words))
+    def launch_masked_argmax(self, ws: Workspace, words) -> None:
+        ops.mask_logits(ws.logits[0], self.mask_words(words))     # read_argmax reads the row
 
     def read_argmax_rows(self, ws: Workspace, n: int) -> list:
         return [int(ops.argmax(ws.logits[r])) for r in range(n)]

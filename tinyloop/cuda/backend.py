@@ -207,7 +207,7 @@ class CUDAWorkspace(Workspace):
     moves (2, T) cache slot moves, moves_host; ids_host (T,) pinned staging for set_ids;
     logits_host (vocab,) pinned row of logits; att_work / att_count split-KV attention partials and
     per-(row, head) arrival counters; amax_work (values, ids, counters) of the split argmax; mask
-    (ceil(vocab / 32),) the token mask words of mask_logits, mask_host their pinned staging. The
+    (ceil(vocab / 32),) the token mask words of launch_masked_argmax, mask_host their pinned staging. The
     counters are zeroed once at allocation, and every launch leaves them zero.
     """
 
@@ -625,13 +625,19 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks):
         k_argmax.argmax(ws.tok, ws.logits[:1], stream=self.stream, work=ws.amax_work)
         self._tok_value = None
 
-    def mask_logits(self, ws: Workspace, words) -> None:
+    def launch_masked_argmax(self, ws: Workspace, words) -> None:
         w = self.mask_words(words)
         self._mask_event.synchronize()     # the previous upload has read the staging buffer
         ws.mask_host[:] = w
-        ws.mask.copy_to_device(ws.mask_host, stream=self.stream)
+        # upload, mask and split argmax as one captured graph: three eager numba launches would
+        # cost the host more than the decode step they overlap with
+        self.replay(("masked_argmax", ws.mask), lambda: self._masked_argmax(ws))
         self._mask_event.record(self.stream)
+
+    def _masked_argmax(self, ws: Workspace) -> None:
+        ws.mask.copy_to_device(ws.mask_host, stream=self.stream)
         k_token_mask.mask_logits(ws.logits[0], ws.mask, stream=self.stream)
+        self.launch_argmax(ws)
 
     def read_argmax(self, ws: Workspace) -> int:
         ws.tok.copy_to_host(self._tok_host, stream=self.stream)
@@ -692,7 +698,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks):
         if entry[0] == "warm":
             # the capture run issues the same ops, so it leaves the host mirrors as a replay will
             pos0 = self._pos_value
-            gexec = self._capture(fn)
+            gexec = self._capture(fn, step=key[0] != "masked_argmax")
             effect = (None if pos0 is None or self._pos_value is None else self._pos_value - pos0,
                       self._tok_value is None)
             self._graphs[key] = ("graph", gexec, effect)
@@ -711,13 +717,15 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks):
         while len(self._graphs) > MAX_GRAPHS:
             self._graphs.popitem(last=False)
 
-    def _capture(self, fn) -> Graph:
+    def _capture(self, fn, step: bool = True) -> Graph:
+        """Capture `fn`; `step`: it is a decode step (its node counts are the step's, reported)."""
         t0 = time.perf_counter()
         g = Graph(self.stream, fn, programmatic=self.pdl)
-        self.step_nodes = g.nodes
-        self.step_programmatic_edges = g.programmatic_edges
+        if step:
+            self.step_nodes = g.nodes
+            self.step_programmatic_edges = g.programmatic_edges
         if self.profile:
-            print(f"[tinyloop cuda] captured a decode step: {g.nodes} graph nodes "
+            print(f"[tinyloop cuda] captured {'a decode step' if step else 'the masked argmax'}: {g.nodes} graph nodes "
                   f"({g.programmatic_edges} programmatic edges) in "
                   f"{(time.perf_counter() - t0) * 1e3:.1f} ms", file=sys.stderr)
         return g

@@ -431,22 +431,22 @@ class TokenMasks(ABC):
     tokens)."""
 
     @abstractmethod
-    def mask_logits(self, ws: Workspace, words: np.ndarray) -> None:
+    def launch_masked_argmax(self, ws: Workspace, words: np.ndarray) -> None:
         """ws.logits[0][i] := -inf for every token i whose bit (i % 32) of ``words[i // 32]`` is
         clear (a host int32 array of at least ceil(vocab / 32) words; allowed entries keep their
-        bits). Ordered after every op queued before it and before every op queued after it (read
-        the masked argmax with launch_argmax + read_argmax / begin_read_argmax); `words` may be
-        reused by the caller once the call returns."""
+        bits), then launch_argmax: read the masked argmax with read_argmax / begin_read_argmax /
+        device_token. Ordered after every op queued before it; `words` may be reused by the
+        caller once the call returns."""
 
     def mask_words(self, words) -> np.ndarray:
-        """`words` checked for mask_logits: a 1-D int32 numpy array covering the vocabulary
+        """`words` checked for launch_masked_argmax: a 1-D int32 numpy array covering the vocabulary
         (BackendError otherwise), its first ceil(vocab / 32) words."""
         n = -(-self.cfg.vocab_size // 32)
         if not isinstance(words, np.ndarray) or words.dtype != np.int32 or words.ndim != 1:
-            raise BackendError(f"mask_logits takes a 1-D int32 numpy array of mask words, got "
+            raise BackendError(f"launch_masked_argmax takes a 1-D int32 numpy array of mask words, got "
                                f"{type(words).__name__} {getattr(words, 'dtype', '')}".rstrip())
         if words.shape[0] < n:
-            raise BackendError(f"mask_logits: {words.shape[0]} mask words cover fewer tokens than the "
+            raise BackendError(f"launch_masked_argmax: {words.shape[0]} mask words cover fewer tokens than the "
                                f"vocabulary's {self.cfg.vocab_size} (need {n} words)")
         return words[:n]
 

@@ -584,8 +584,7 @@ class Session:
                 return int(np.argmax(self.logits(lane)))
             # only masks change the argmax: apply them where the logits live (a StopRequest from
             # a mask comes before anything is queued)
-            be.mask_logits(ws, self.chain.allowed_words())
-            be.launch_argmax(ws)
+            be.launch_masked_argmax(ws, self.chain.allowed_words())
         generated = len(self.tokens) - self._prompt_len + 1      # counting the token read now
         if not (ahead and self._lookahead and be.supports("device_chaining") and not self.uncached
                 and lane == self._lane and generated < self.config.max_tokens):
