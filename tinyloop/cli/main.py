@@ -1,4 +1,4 @@
-"""``python -m tinyloop``: run CFG.yaml | inspect | convert | synth | bench."""
+"""``python -m tinyloop``: run CFG.yaml | inspect | convert | synth | ppl | lens | bench | serve."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import List, Optional
 from ..errors import TinyLoopError
 
 #: subcommand modules, each exposing add_parser(subparsers) and run(args) -> int
-COMMANDS = ("run", "inspect_cmd", "convert", "synth", "ppl", "lens", "bench")
+COMMANDS = ("run", "inspect_cmd", "convert", "synth", "ppl", "lens", "bench", "serve")
 
 
 def build_parser() -> argparse.ArgumentParser:

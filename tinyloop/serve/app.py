@@ -1,0 +1,367 @@
+"""The HTTP server: OpenAI-compatible routes over one loaded model (FastAPI; ``tinyloop[serve]``).
+
+Routes: ``POST /v1/completions`` (text or token-id prompts, streaming as server-sent events),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /`` (the
+playground page). Every request is validated by tinyloop itself before it is queued (a
+TinyLoopError or a malformed body is a 400 naming the field; an unknown model a 404; a full queue
+a 429 with Retry-After); one ModelWorker drains the queue (tinyloop.serve.worker)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+from ..errors import ConfigError, IncompatibleModesError, TinyLoopError
+from ..runtime.config import GenerateStats
+from .config import ServeConfig
+from .worker import Job, ModelWorker, QueueFullError, loop_sink
+
+try:
+    import fastapi
+    import prometheus_client  # noqa: F401
+except ImportError as _exc:                     # tinyloop.serve.create_app turns this into a ConfigError
+    raise ImportError(f"the server needs the serve extra: pip install 'tinyloop[serve]' ({_exc})") from None
+
+from .schema import (ChoiceStats, Choice, Completion, CompletionRequest, ErrorResponse, FieldError,  # noqa: E402
+                     ModelCard, ModelList, Usage, generate_config, stops_of)
+
+
+# =============================================================================== the served model
+@dataclass
+class Served:
+    """What one app serves: the model, its worker, the prefix pool of its scaffolds, metrics."""
+
+    cfg: ServeConfig
+    model: Any
+    name: str
+    worker: ModelWorker
+    pool: Any
+    metrics: Any
+    created: int
+
+    def close(self) -> None:
+        from ..runtime.engine import free_model
+        from ..runtime.reuse import free_prefix_pool
+        self.worker.stop()
+        if self.pool is not None:
+            free_prefix_pool(self.pool)
+            self.pool = None
+        free_model(self.model)
+
+
+class Metrics:
+    """The Prometheus metrics of one server (its own registry)."""
+
+    def __init__(self, served_depth, pool_stats):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        from prometheus_client.core import CounterMetricFamily
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("tinyloop_requests", "HTTP requests answered", ["route", "code"], registry=r)
+        self.prompt_tokens = Counter("tinyloop_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.tokens = Counter("tinyloop_generated_tokens", "Tokens generated", registry=r)
+        self.stops = Counter("tinyloop_stop_reasons", "Finished requests by stop reason", ["reason"], registry=r)
+        depth = Gauge("tinyloop_queue_depth", "Requests waiting or running", registry=r)
+        depth.set_function(served_depth)
+        self.ttft = Histogram("tinyloop_time_to_first_token_seconds", "Queueing + prefill until the first token",
+                              buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30), registry=r)
+        self.token_latency = Histogram("tinyloop_token_latency_seconds", "Time between successive tokens",
+                                       buckets=(.0002, .0005, .001, .002, .005, .01, .025, .05, .1, .25, 1),
+                                       registry=r)
+
+        class PoolCollector:
+            def collect(self):
+                s = pool_stats()
+                for key, doc in (("hits", "Prefix-pool lookups that reused a scaffold"),
+                                 ("misses", "Prefix-pool lookups without a registered prefix"),
+                                 ("evictions", "Prefix-pool entries evicted")):
+                    fam = CounterMetricFamily(f"tinyloop_prefix_pool_{key}", doc)
+                    fam.add_metric([], float(s.get(key, 0)))
+                    yield fam
+        r.register(PoolCollector())
+
+    def finished(self, job: Job, prompt_len: int) -> None:
+        self.prompt_tokens.inc(prompt_len)
+        self.tokens.inc(job.stats.tokens_emitted)
+        self.stops.labels(str(job.stop_reason or "NONE")).inc()
+        if job.first_token_s is not None:
+            self.ttft.observe(job.first_token_s)
+        for g in job.token_gaps:
+            self.token_latency.observe(g)
+
+
+def load_served(cfg: ServeConfig, model=None) -> Served:
+    """Load the model (unless given), register the scaffolds, start the worker."""
+    from ..runtime.engine import free_model, load_model
+    from ..runtime.reuse import create_prefix_pool, register_prefix
+    own = model is None
+    if own:
+        model = load_model(cfg.model, max_seq_len=cfg.max_seq_len, backend=cfg.backend)
+    pool = None
+    try:
+        if cfg.scaffolds:
+            pool = create_prefix_pool(cfg.pool_capacity, cfg.pool_max_bytes)
+            for s in cfg.scaffolds:
+                register_prefix(pool, model, model.tokenizer.encode(s.text), loops=s.loops,
+                                cache_mode=s.cache_mode)
+    except BaseException:
+        if own:
+            free_model(model)
+        raise
+    name = cfg.model_name or os.path.splitext(os.path.basename(model.path))[0]
+    holder: dict = {}
+    metrics = Metrics(lambda: holder["worker"].depth, lambda: pool.stats() if pool is not None else {})
+
+    def on_finish(job: Job) -> None:
+        metrics.finished(job, job.prompt_len)
+    worker = ModelWorker(model, cfg.queue_size, on_finish)
+    holder["worker"] = worker
+    return Served(cfg, model, name, worker, pool, metrics, int(time.time()))
+
+
+# =============================================================================== requests
+def _finish_reason(reason) -> Optional[str]:
+    if reason is None:
+        return None
+    if str(reason) in ("MAX_TOKENS", "DEADLINE"):
+        return "length"
+    return "stop"
+
+
+def _prompts(served: Served, prompt) -> List[List[int]]:
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        prompt = [prompt]
+    if not prompt:
+        raise FieldError("prompt", "prompt is empty: give a text, a list of token ids, or a list of either")
+    out = []
+    for p in prompt:
+        ids = served.model.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        if not ids:
+            raise FieldError("prompt", "a prompt encodes to no tokens; give at least one character or id")
+        out.append(ids)
+    return out
+
+
+def _token_iter(served: Served, ids: List[int], config, stats: GenerateStats):
+    """The validated token generator of one prompt: through the prefix pool when the server has
+    scaffolds and the request's mode composes with prefix reuse, else plain."""
+    from ..runtime.engine import generate_iter
+    from ..runtime.reuse import generate_with_pool_iter
+    if served.pool is not None:
+        try:
+            return generate_with_pool_iter(served.model, served.pool, ids, config, stats=stats)
+        except IncompatibleModesError:
+            pass                      # e.g. a speculative request: prefix reuse does not compose
+    return generate_iter(served.model, ids, config, stats=stats)
+
+
+class Request:
+    """One HTTP completion request: its jobs (one per prompt) and their event queues."""
+
+    def __init__(self, served: Served, body):
+        self.served, self.body = served, body
+        self.id = f"cmpl-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+        config = generate_config(body, served.cfg.max_tokens_default, served.model.cfg.vocab_size)
+        stops = stops_of(body)
+        prompts = _prompts(served, body.prompt)
+        timeout = served.cfg.deadline_s if body.timeout is None else min(body.timeout, served.cfg.deadline_s)
+        loop = asyncio.get_running_loop()
+        self.jobs: List[Job] = []
+        self.queues: List[asyncio.Queue] = []
+        self.prompts = prompts
+        try:
+            for ids in prompts:
+                stats = GenerateStats()
+                tokens = _token_iter(served, ids, config, stats)
+                q: asyncio.Queue = asyncio.Queue()
+                job = Job(tokens, stats, loop_sink(loop, q), stops)
+                job.deadline = job.enqueued + timeout
+                job.prompt_len = len(ids)
+                self.jobs.append(job)
+                self.queues.append(q)
+            served.worker.submit(self.jobs)
+        except BaseException:
+            self.cancel()
+            raise
+
+    def cancel(self) -> None:
+        for job in self.jobs:
+            job.cancelled.set()
+
+    def choice_stats(self, i: int):
+        job = self.jobs[i]
+        st = job.stats
+        secs = st.decode_ms / 1e3
+        return ChoiceStats(stop_reason=str(job.stop_reason) if job.stop_reason else None,
+                           loops_used=st.loops_used, decoder=st.decoder, prompt_tokens=len(self.prompts[i]),
+                           completion_tokens=st.tokens_emitted, reused_tokens=st.reused_tokens,
+                           first_token_ms=st.first_token_ms,
+                           tokens_per_s=(st.tokens_emitted - 1) / secs if secs > 0 and st.tokens_emitted > 1 else 0.0)
+
+    def usage(self):
+        p = sum(len(x) for x in self.prompts)
+        c = sum(j.stats.tokens_emitted for j in self.jobs)
+        return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+    def echo(self, i: int) -> str:
+        p = self.body.prompt
+        if isinstance(p, str):
+            return p
+        return self.served.model.tokenizer.decode(self.prompts[i])
+
+
+def _error(status: int, message: str, type_: str, param: Optional[str] = None, headers=None):
+    from fastapi.responses import JSONResponse
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": None}},
+                        status_code=status, headers=headers)
+
+
+def _tinyloop_error(exc: TinyLoopError, retry_after: int):
+    if isinstance(exc, QueueFullError):
+        return _error(429, str(exc), "rate_limit_error", headers={"Retry-After": str(retry_after)})
+    return _error(400, " ".join(str(exc).split()), type(exc).__name__, getattr(exc, "param", None))
+
+
+# =============================================================================== the app
+def create_app(cfg: Optional[ServeConfig] = None, model=None):
+    """The FastAPI app serving `cfg`'s model (or `model`, already loaded; the app then does not free
+    it). The model is loaded and the scaffolds registered now, so a bad config fails before any
+    socket is opened."""
+    from contextlib import asynccontextmanager
+
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    cfg = cfg if cfg is not None else ServeConfig()
+    if not isinstance(cfg, ServeConfig):
+        raise ConfigError(f"create_app takes a ServeConfig, got {type(cfg).__name__}")
+    served = load_served(cfg, model)
+    owns_model = model is None
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        if owns_model:
+            served.close()
+        else:
+            served.worker.stop()
+
+    app = fastapi.FastAPI(title="TinyLoop", version="0.1.0", lifespan=lifespan,
+                          description="OpenAI-compatible completions over a weight-shared looped transformer")
+    app.state.served = served
+    errors = {400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 429: {"model": ErrorResponse}}
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(request, exc):
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            served.metrics.requests.labels(request.url.path, "400").inc()
+            return _error(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'malformed')}",
+                          "invalid_request_error")
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
+                        for e in exc.errors()[:5])
+        served.metrics.requests.labels(request.url.path, "400").inc()
+        return _error(400, msg or "malformed request", "invalid_request_error", ".".join(loc) or None)
+
+    @app.exception_handler(TinyLoopError)
+    async def tinyloop_error(request, exc):
+        resp = _tinyloop_error(exc, cfg.retry_after_s)
+        served.metrics.requests.labels(request.url.path, str(resp.status_code)).inc()
+        return resp
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": served.name, "backend": served.model.backend_name,
+                "queue_depth": served.worker.depth}
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        c = served.model.cfg
+        return ModelList(data=[ModelCard(id=served.name, created=served.created, max_seq_len=served.model.max_seq_len,
+                                         max_loops=c.max_loops, default_loops=c.default_loops,
+                                         backend=served.model.backend_name)])
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(served.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def playground() -> HTMLResponse:
+        path = os.path.join(os.path.dirname(__file__), "static", "playground.html")
+        with open(path, encoding="utf-8") as fh:
+            return HTMLResponse(fh.read())
+
+    @app.post("/v1/completions", response_model=Completion, responses=errors)
+    async def completions(body: CompletionRequest):
+        route = "/v1/completions"
+        if body.model != served.name:
+            served.metrics.requests.labels(route, "404").inc()
+            return _error(404, f"model {body.model!r} is not served here (this server serves {served.name!r})",
+                          "model_not_found", "model")
+        req = Request(served, body)
+        served.metrics.requests.labels(route, "200").inc()
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_sse(req, include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            choices = []
+            for i, q in enumerate(req.queues):
+                text = [req.echo(i)] if body.echo else []
+                while True:
+                    ev = await q.get()
+                    if ev[0] == "text":
+                        text.append(ev[1])
+                    elif ev[0] == "error":
+                        raise ev[1] if isinstance(ev[1], TinyLoopError) else RuntimeError(str(ev[1]))
+                    else:
+                        break
+                choices.append(Choice(text="".join(text), index=i, finish_reason=_finish_reason(ev[1]),
+                                      tinyloop=req.choice_stats(i)))
+        finally:
+            req.cancel()              # a handler cancelled by a disconnect stops its jobs
+        return JSONResponse(Completion(id=req.id, created=req.created, model=served.name, choices=choices,
+                                       usage=req.usage()).model_dump())
+
+    async def _sse(req: Request, include_usage: bool):
+        def chunk(i, text, finish=None, stats=None) -> str:
+            c = {"id": req.id, "object": "text_completion", "created": req.created, "model": served.name,
+                 "choices": [{"text": text, "index": i, "logprobs": None, "finish_reason": finish,
+                              **({"tinyloop": stats.model_dump()} if stats is not None else {})}]}
+            return f"data: {json.dumps(c)}\n\n"
+        try:
+            for i, q in enumerate(req.queues):
+                if req.body.echo:
+                    yield chunk(i, req.echo(i))
+                while True:
+                    ev = await q.get()
+                    if ev[0] == "text":
+                        if ev[1]:
+                            yield chunk(i, ev[1])
+                    elif ev[0] == "error":
+                        exc = ev[1]
+                        err = {"message": " ".join(str(exc).split()), "type": type(exc).__name__,
+                               "param": None, "code": None}
+                        yield f"data: {json.dumps({'error': err})}\n\n"
+                        break
+                    else:
+                        yield chunk(i, "", _finish_reason(ev[1]), req.choice_stats(i))
+                        break
+            if include_usage:
+                u = {"id": req.id, "object": "text_completion", "created": req.created, "model": served.name,
+                     "choices": [], "usage": req.usage().model_dump()}
+                yield f"data: {json.dumps(u)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            req.cancel()              # the client went away (or the stream ended): stop decoding
+
+    return app

@@ -1,0 +1,228 @@
+"""The request and response bodies of the OpenAI-compatible routes (pydantic models; FastAPI builds
+the OpenAPI schema from them), and the mapping of a completion request onto a GenerateConfig.
+
+OpenAI fields with their OpenAI meaning (``temperature`` defaults to 1.0, ``max_tokens`` to the
+server's max_tokens_default, ``stop`` is text); TinyLoop's knobs are extra body fields (the openai
+client's ``extra_body``). OpenAI features TinyLoop does not have (n > 1, best_of > 1, logprobs,
+presence / frequency penalties, logit_bias, suffix) are refused with a 400 naming the field,
+never ignored. Unknown fields are a 400 too."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import ConfigError
+from ..runtime.config import GenerateConfig
+
+#: OpenAI's limit on stop strings.
+MAX_STOPS = 4
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Strict):
+    """``{"type": "text"}``; ``{"type": "json_object"}`` (any JSON); ``{"type": "json_schema",
+    "json_schema": {"name": ..., "schema": {...}}}``; TinyLoop's ``{"type": "regex", "regex": ...}``
+    and ``{"type": "lark", "lark": ...}``."""
+
+    type: Literal["text", "json_object", "json_schema", "regex", "lark"]
+    json_schema: Optional[Dict[str, Any]] = None
+    regex: Optional[str] = None
+    lark: Optional[str] = None
+
+
+class CompletionRequest(_Strict):
+    model: str
+    prompt: Union[str, List[int], List[str], List[List[int]]]
+    max_tokens: Optional[int] = Field(default=None, ge=0)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=100.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    stop: Optional[Union[str, List[str]]] = None
+    seed: Optional[int] = Field(default=None, ge=0, le=2 ** 64 - 1)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    echo: bool = False
+    n: int = 1
+    best_of: Optional[int] = None
+    logprobs: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[Dict[str, float]] = None
+    suffix: Optional[str] = None
+    user: Optional[str] = None
+    # TinyLoop's own knobs
+    loops: Optional[int] = Field(default=None, ge=1)
+    decoder: Optional[str] = None
+    options: Optional[Dict[str, Any]] = None
+    top_k: Optional[int] = Field(default=None, ge=1)
+    repetition_penalty: Optional[float] = None
+    cache_mode: Optional[str] = None
+    cache_window: Optional[int] = Field(default=None, ge=0)
+    beam_size: Optional[int] = Field(default=None, ge=0)
+    length_penalty: Optional[float] = None
+    early_exit_patience: Optional[int] = Field(default=None, ge=0)
+    early_exit_min_L: Optional[int] = Field(default=None, ge=1)
+    early_exit_peek_every: Optional[int] = Field(default=None, ge=1)
+    early_exit_logit_margin: Optional[float] = Field(default=None, ge=0.0)
+    stop_token_ids: Optional[List[List[int]]] = None
+    response_format: Optional[ResponseFormat] = None
+    timeout: Optional[float] = Field(default=None, gt=0.0)
+
+
+class ChoiceStats(BaseModel):
+    """TinyLoop's per-choice statistics (beside OpenAI's fields)."""
+
+    stop_reason: Optional[str] = None
+    loops_used: int = 0
+    decoder: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reused_tokens: int = 0
+    first_token_ms: float = 0.0
+    tokens_per_s: float = 0.0
+
+
+class Choice(BaseModel):
+    text: str
+    index: int
+    logprobs: None = None
+    finish_reason: Optional[Literal["stop", "length"]] = None
+    tinyloop: Optional[ChoiceStats] = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: List[Choice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tinyloop"
+    max_seq_len: int
+    max_loops: int
+    default_loops: int
+    backend: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: List[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class FieldError(ConfigError):
+    """A request field TinyLoop cannot honour (HTTP 400 naming the field)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _unsupported(req: CompletionRequest) -> None:
+    checks = [("n", req.n != 1, "n must be 1 (one completion per prompt)"),
+              ("best_of", req.best_of not in (None, 1), "best_of must be 1 or absent"),
+              ("logprobs", req.logprobs is not None, "logprobs are not supported"),
+              ("presence_penalty", req.presence_penalty not in (None, 0, 0.0),
+               "presence_penalty is not supported (use repetition_penalty)"),
+              ("frequency_penalty", req.frequency_penalty not in (None, 0, 0.0),
+               "frequency_penalty is not supported (use repetition_penalty)"),
+              ("logit_bias", bool(req.logit_bias), "logit_bias is not supported"),
+              ("suffix", req.suffix is not None, "suffix (insertion) is not supported")]
+    for param, bad, message in checks:
+        if bad:
+            raise FieldError(param, message)
+
+
+def grammar_of(fmt: Optional[ResponseFormat]) -> Any:
+    """The GenerateConfig grammar a response_format asks for (None: unconstrained)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"json": {}}
+    if fmt.type == "json_schema":
+        spec = fmt.json_schema or {}
+        schema = spec.get("schema", spec) if isinstance(spec, dict) else spec
+        if not isinstance(schema, dict) or not schema:
+            raise FieldError("response_format", "response_format json_schema needs {'schema': {...}}")
+        return {"json_schema": schema}
+    value = getattr(fmt, fmt.type)
+    if not isinstance(value, str) or not value:
+        raise FieldError("response_format", f"response_format type {fmt.type!r} needs a non-empty "
+                                            f"{fmt.type!r} field")
+    return {fmt.type: value}
+
+
+def stops_of(req: CompletionRequest) -> List[str]:
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stops) > MAX_STOPS:
+        raise FieldError("stop", f"stop holds {len(stops)} strings; at most {MAX_STOPS}")
+    if any(not s for s in stops):
+        raise FieldError("stop", "stop strings must be non-empty")
+    return stops
+
+
+def generate_config(req: CompletionRequest, max_tokens_default: int, vocab_size: int) -> GenerateConfig:
+    """The request as a GenerateConfig (ConfigError naming the field for what it cannot be)."""
+    _unsupported(req)
+    temperature = 1.0 if req.temperature is None else float(req.temperature)
+    fields: Dict[str, Any] = dict(max_tokens=max_tokens_default if req.max_tokens is None else req.max_tokens,
+                                  temperature=temperature)
+    sampling = temperature > 0.01
+    if sampling:
+        # OpenAI has no top-k: every token stays a candidate unless the request says otherwise
+        fields["top_k"] = req.top_k if req.top_k is not None else vocab_size
+        fields["top_p"] = 1.0 if req.top_p is None else float(req.top_p)
+        fields["sample_seed"] = req.seed if req.seed is not None else secrets.randbits(63)
+    else:
+        for name in ("top_k", "seed"):
+            if getattr(req, name) is not None:
+                raise FieldError(name, f"{name} is a sampling knob; the request is greedy (temperature "
+                                       f"{temperature} <= 0.01)")
+        if req.top_p not in (None, 1.0):
+            raise FieldError("top_p", f"top_p is a sampling knob; the request is greedy (temperature "
+                                      f"{temperature} <= 0.01)")
+    for name in ("loops", "decoder", "repetition_penalty", "cache_mode", "cache_window", "beam_size",
+                 "length_penalty", "early_exit_patience", "early_exit_min_L", "early_exit_peek_every",
+                 "early_exit_logit_margin"):
+        v = getattr(req, name)
+        if v is not None:
+            fields[name] = v
+    if req.options:
+        fields["options"] = req.options
+    if req.stop_token_ids:
+        fields["stop_sequences"] = [tuple(s) for s in req.stop_token_ids]
+    grammar = grammar_of(req.response_format)
+    if grammar is not None:
+        fields["grammar"] = grammar
+    return GenerateConfig(**fields)

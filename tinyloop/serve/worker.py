@@ -1,0 +1,204 @@
+"""One worker per loaded model: a thread that drains a bounded queue of validated requests (the
+model is not reentrant), turns each request's tokens into text pieces (stop strings applied), and
+hands events back to the asyncio loop that waits for them.
+
+A request is validated in the HTTP handler (tinyloop's own checks: generate_iter validates when it
+is called, before the first token), so bad input is a 4xx before anything is queued. The worker
+checks the request's cancel flag and deadline between tokens: a client that disconnects stops its
+generation within one token, and a request past its deadline ends with what it has
+(stop_reason DEADLINE)."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, List, Optional, Sequence
+
+from ..errors import TinyLoopError
+from ..runtime.config import GenerateStats, StopReason
+
+#: The stop reason of a request that ran past its deadline.
+DEADLINE = StopReason("DEADLINE")
+#: The stop reason of a request whose client went away.
+CANCELLED = StopReason("CALLBACK_ABORT")
+#: The stop reason of a request that matched one of its stop strings.
+STOP_STRING = StopReason("STOP_SEQUENCE")
+
+
+class QueueFullError(TinyLoopError):
+    """The request queue is full (HTTP 429 with Retry-After)."""
+
+
+@dataclass
+class Job:
+    """One validated request: `tokens` is its generator (validated, not started); events go to
+    `sink` (called on the worker thread) as ("text", piece, n_tokens), ("done", finish) or
+    ("error", exc)."""
+
+    tokens: Iterator[int]
+    stats: GenerateStats
+    sink: Callable[[tuple], None]
+    stops: Sequence[str] = ()
+    deadline: float = float("inf")
+    prompt_len: int = 0
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    enqueued: float = field(default_factory=time.perf_counter)
+    first_token_s: Optional[float] = None
+    token_gaps: List[float] = field(default_factory=list)
+    stop_reason: Optional[StopReason] = None
+
+
+class StopStrings:
+    """Text pieces with stop strings applied: text that could still be the start of a stop string
+    is held back until it cannot; at a match the text before it is the end of the completion."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.keep = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""         # received, not yet handed out
+        self.hit = False
+
+    def push(self, piece: str) -> str:
+        """The text that can be handed out after `piece` ("" while held back)."""
+        self.text += piece
+        if self.stops:
+            cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
+            if cut >= 0:
+                self.hit = True
+                out, self.text = self.text[:cut], ""
+                return out
+        n = len(self.text) - self.keep if self.stops else len(self.text)
+        out, self.text = self.text[:max(0, n)], self.text[max(0, n):]
+        return out
+
+    def flush(self) -> str:
+        out, self.text = self.text, ""
+        return out
+
+
+class ModelWorker:
+    """Owns a loaded model and runs its requests one at a time from a bounded queue."""
+
+    def __init__(self, model, queue_size: int, on_finish: Optional[Callable[[Job], None]] = None):
+        self.model = model
+        self.queue: "queue.Queue[Optional[List[Job]]]" = queue.Queue(maxsize=queue_size)
+        self.on_finish = on_finish
+        self.running = 0               # requests being decoded now (0 or 1)
+        self._thread = threading.Thread(target=self._loop, name="tinyloop-serve-worker", daemon=True)
+        self._stopped = False
+        self._thread.start()
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting or running."""
+        return self.queue.qsize() + self.running
+
+    def submit(self, jobs: Sequence[Job]) -> None:
+        """Queue the jobs of one request (one queue entry, run in order); QueueFullError when the
+        queue is full (their generators are closed then)."""
+        try:
+            if self._stopped:
+                raise QueueFullError("the server is shutting down")
+            self.queue.put_nowait(list(jobs))
+        except (queue.Full, QueueFullError) as exc:
+            for job in jobs:
+                job.tokens.close()
+            if isinstance(exc, QueueFullError):
+                raise
+            raise QueueFullError(f"the request queue is full ({self.queue.maxsize} waiting); retry later") from None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel what is queued, let the running request end, stop the thread."""
+        self._stopped = True
+        while True:
+            try:
+                jobs = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            for job in jobs or ():
+                job.cancelled.set()
+                job.tokens.close()
+                self._finish(job, CANCELLED)
+        self.queue.put(None)
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ the thread
+    def _loop(self) -> None:
+        while True:
+            jobs = self.queue.get()
+            if jobs is None:
+                return
+            self.running = 1
+            try:
+                for job in jobs:
+                    self._run(job)
+            finally:
+                self.running = 0
+
+    def _run(self, job: Job) -> None:
+        if job.cancelled.is_set() or time.perf_counter() >= job.deadline:
+            job.tokens.close()
+            self._finish(job, CANCELLED if job.cancelled.is_set() else DEADLINE)
+            return
+        decoder = self.model.tokenizer.stream_decoder()
+        eos = self.model.cfg.eos_id
+        text = StopStrings(job.stops)
+        reason = None
+        last = time.perf_counter()
+        try:
+            for tok in job.tokens:
+                now = time.perf_counter()
+                if job.first_token_s is None:
+                    job.first_token_s = now - job.enqueued
+                else:
+                    job.token_gaps.append(now - last)
+                last = now
+                piece = text.push(decoder.push(tok)) if tok != eos else ""
+                job.sink(("text", piece, 1))
+                if text.hit:
+                    reason = STOP_STRING
+                elif job.cancelled.is_set():
+                    reason = CANCELLED
+                elif now >= job.deadline:
+                    reason = DEADLINE
+                if reason is not None:
+                    break
+        except Exception as exc:       # TinyLoopError, or a bug: the request fails, the server goes on
+            job.tokens.close()
+            job.sink(("error", exc))
+            self._done(job)
+            return
+        job.tokens.close()
+        if not text.hit:
+            tail = text.push(decoder.flush())
+            tail += text.flush() if not text.hit else ""
+            if text.hit and reason is None:
+                reason = STOP_STRING
+            if tail:
+                job.sink(("text", tail, 0))
+        self._finish(job, reason or job.stats.stop_reason)
+
+    def _finish(self, job: Job, reason) -> None:
+        job.stop_reason = reason
+        job.sink(("done", reason))
+        self._done(job)
+
+    def _done(self, job: Job) -> None:
+        if self.on_finish is not None:
+            try:
+                self.on_finish(job)
+            except Exception:
+                pass
+
+
+def loop_sink(loop: asyncio.AbstractEventLoop, q: "asyncio.Queue") -> Callable[[tuple], None]:
+    """A Job.sink that hands events to an asyncio queue from the worker thread."""
+    def sink(event: tuple) -> None:
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, event)
+        except RuntimeError:        # the loop is closed: nobody is waiting any more
+            pass
+    return sink
