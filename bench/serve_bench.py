@@ -60,7 +60,7 @@ def stream_once(url, name, prompt, max_tokens, loops):
             if line.startswith("data: ") and line != "data: [DONE]":
                 msg = json.loads(line[6:])
                 c = msg["choices"][0] if msg.get("choices") else {}
-                if c.get("text"):
+                if c and not c.get("tinyloop"):          # one chunk per token
                     arrivals.append(time.perf_counter())
                 if c.get("tinyloop"):
                     n = c["tinyloop"]["completion_tokens"]

@@ -19,7 +19,7 @@ from typing import Any, List, Optional
 from ..errors import ConfigError, IncompatibleModesError, TinyLoopError
 from ..runtime.config import GenerateStats
 from .config import ServeConfig
-from .worker import Job, ModelWorker, QueueFullError, loop_sink
+from .worker import EventBox, Job, ModelWorker, QueueFullError
 
 try:
     import fastapi
@@ -174,18 +174,18 @@ class Request:
         timeout = served.cfg.deadline_s if body.timeout is None else min(body.timeout, served.cfg.deadline_s)
         loop = asyncio.get_running_loop()
         self.jobs: List[Job] = []
-        self.queues: List[asyncio.Queue] = []
+        self.boxes: List[EventBox] = []
         self.prompts = prompts
         try:
             for ids in prompts:
                 stats = GenerateStats()
                 tokens = _token_iter(served, ids, config, stats)
-                q: asyncio.Queue = asyncio.Queue()
-                job = Job(tokens, stats, loop_sink(loop, q), stops)
+                box = EventBox(loop)
+                job = Job(tokens, stats, box.put, stops)
                 job.deadline = job.enqueued + timeout
                 job.prompt_len = len(ids)
                 self.jobs.append(job)
-                self.queues.append(q)
+                self.boxes.append(box)
             served.worker.submit(self.jobs)
         except BaseException:
             self.cancel()
@@ -315,17 +315,18 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             choices = []
-            for i, q in enumerate(req.queues):
+            for i, box in enumerate(req.boxes):
                 text = [req.echo(i)] if body.echo else []
-                while True:
-                    ev = await q.get()
-                    if ev[0] == "text":
-                        text.append(ev[1])
-                    elif ev[0] == "error":
-                        raise ev[1] if isinstance(ev[1], TinyLoopError) else RuntimeError(str(ev[1]))
-                    else:
-                        break
-                choices.append(Choice(text="".join(text), index=i, finish_reason=_finish_reason(ev[1]),
+                end = None
+                while end is None:
+                    for ev in await box.take():
+                        if ev[0] == "text":
+                            text.append(ev[1])
+                        elif ev[0] == "error":
+                            raise ev[1] if isinstance(ev[1], TinyLoopError) else RuntimeError(str(ev[1]))
+                        else:
+                            end = ev
+                choices.append(Choice(text="".join(text), index=i, finish_reason=_finish_reason(end[1]),
                                       tinyloop=req.choice_stats(i)))
         finally:
             req.cancel()              # a handler cancelled by a disconnect stops its jobs
@@ -339,23 +340,25 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
                               **({"tinyloop": stats.model_dump()} if stats is not None else {})}]}
             return f"data: {json.dumps(c)}\n\n"
         try:
-            for i, q in enumerate(req.queues):
+            for i, box in enumerate(req.boxes):
                 if req.body.echo:
                     yield chunk(i, req.echo(i))
-                while True:
-                    ev = await q.get()
-                    if ev[0] == "text":
-                        if ev[1]:
-                            yield chunk(i, ev[1])
-                    elif ev[0] == "error":
-                        exc = ev[1]
-                        err = {"message": " ".join(str(exc).split()), "type": type(exc).__name__,
-                               "param": None, "code": None}
-                        yield f"data: {json.dumps({'error': err})}\n\n"
-                        break
-                    else:
-                        yield chunk(i, "", _finish_reason(ev[1]), req.choice_stats(i))
-                        break
+                ended = False
+                while not ended:
+                    out = []
+                    for ev in await box.take():
+                        if ev[0] == "text":
+                            out.append(chunk(i, ev[1]))      # one chunk per token, "" while a character is incomplete
+                        elif ev[0] == "error":
+                            exc = ev[1]
+                            err = {"message": " ".join(str(exc).split()), "type": type(exc).__name__,
+                                   "param": None, "code": None}
+                            out.append(f"data: {json.dumps({'error': err})}\n\n")
+                            ended = True
+                        else:
+                            out.append(chunk(i, "", _finish_reason(ev[1]), req.choice_stats(i)))
+                            ended = True
+                    yield "".join(out)
             if include_usage:
                 u = {"id": req.id, "object": "text_completion", "created": req.created, "model": served.name,
                      "choices": [], "usage": req.usage().model_dump()}

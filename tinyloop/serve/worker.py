@@ -14,6 +14,7 @@ import asyncio
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional, Sequence
 
@@ -194,11 +195,44 @@ class ModelWorker:
                 pass
 
 
-def loop_sink(loop: asyncio.AbstractEventLoop, q: "asyncio.Queue") -> Callable[[tuple], None]:
-    """A Job.sink that hands events to an asyncio queue from the worker thread."""
-    def sink(event: tuple) -> None:
+class EventBox:
+    """Events from the worker thread to one asyncio consumer, coalesced: the worker appends and
+    wakes the loop only when no wake-up is pending, and the consumer takes everything that has
+    arrived at once (one loop wake-up and one socket write per batch, not per token: the worker's
+    decode loop and the event loop share the GIL)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.items: deque = deque()
+        self.ready = asyncio.Event()
+        self._armed = False
+        self._lock = threading.Lock()
+
+    def put(self, event: tuple) -> None:
+        """Called on the worker thread (Job.sink)."""
+        self.items.append(event)
+        with self._lock:
+            if self._armed:
+                return
+            self._armed = True
         try:
-            loop.call_soon_threadsafe(q.put_nowait, event)
+            self.loop.call_soon_threadsafe(self._wake)
         except RuntimeError:        # the loop is closed: nobody is waiting any more
             pass
-    return sink
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._armed = False
+        self.ready.set()
+
+    async def take(self) -> List[tuple]:
+        """Every event that has arrived (waits for at least one)."""
+        while not self.items:
+            self.ready.clear()
+            if self.items:
+                break
+            await self.ready.wait()
+        out = []
+        while self.items:
+            out.append(self.items.popleft())
+        return out
