@@ -143,6 +143,7 @@ def main(argv=None) -> int:
     finally:
         server.should_exit = True
         thread.join(30)
+        served.close()
     res = {"date": time.strftime("%Y-%m-%d"), "commit": _commit(), "backend": args.backend,
            "gpu": gpu_name() if args.backend == "cuda" else None, "host": platform.node(),
            "model": os.path.basename(path), "loops": args.loops, "max_tokens": args.max_tokens,

@@ -48,6 +48,7 @@ class Live:
     def close(self):
         self.server.should_exit = True
         self.thread.join(30)
+        self.app.state.served.close()
 
     def post(self, body, **kw):
         return httpx.post(self.url + "/v1/completions", json=body, timeout=60, **kw)

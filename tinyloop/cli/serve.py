@@ -40,5 +40,8 @@ def run(args) -> int:
     from ..serve import create_app
     app = create_app(cfg)
     print(f"[tinyloop] serving {app.state.served.name} on http://{cfg.host}:{cfg.port}", file=sys.stderr)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
+    try:
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
+    finally:
+        app.state.served.close()
     return 0

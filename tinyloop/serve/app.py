@@ -44,14 +44,19 @@ class Served:
     metrics: Any
     created: int
 
+    owns_model: bool = True
+
     def close(self) -> None:
+        """Stop the worker (queued requests are cancelled), free the pool and, when the server
+        loaded it, the model. Idempotent."""
         from ..runtime.engine import free_model
         from ..runtime.reuse import free_prefix_pool
         self.worker.stop()
         if self.pool is not None:
             free_prefix_pool(self.pool)
             self.pool = None
-        free_model(self.model)
+        if self.owns_model and not self.model._freed:
+            free_model(self.model)
 
 
 class Metrics:
@@ -120,7 +125,7 @@ def load_served(cfg: ServeConfig, model=None) -> Served:
         metrics.finished(job, job.prompt_len)
     worker = ModelWorker(model, cfg.queue_size, on_finish)
     holder["worker"] = worker
-    return Served(cfg, model, name, worker, pool, metrics, int(time.time()))
+    return Served(cfg, model, name, worker, pool, metrics, int(time.time()), own)
 
 
 # =============================================================================== requests
@@ -231,33 +236,26 @@ def _tinyloop_error(exc: TinyLoopError, retry_after: int):
 
 # =============================================================================== the app
 def create_app(cfg: Optional[ServeConfig] = None, model=None):
-    """The FastAPI app serving `cfg`'s model (or `model`, already loaded; the app then does not free
-    it). The model is loaded and the scaffolds registered now, so a bad config fails before any
-    socket is opened."""
-    from contextlib import asynccontextmanager
-
+    """The FastAPI app serving `cfg`'s model (or `model`, already loaded). The model is loaded and the
+    scaffolds registered now, so a bad config fails before any socket is opened; the app outlives
+    any number of server lifespans (test clients open one per request), and
+    ``app.state.served.close()`` stops its worker and frees what it loaded (not a `model` it was
+    given)."""
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+    from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     cfg = cfg if cfg is not None else ServeConfig()
     if not isinstance(cfg, ServeConfig):
         raise ConfigError(f"create_app takes a ServeConfig, got {type(cfg).__name__}")
     served = load_served(cfg, model)
-    owns_model = model is None
 
-    @asynccontextmanager
-    async def lifespan(app):
-        yield
-        if owns_model:
-            served.close()
-        else:
-            served.worker.stop()
-
-    app = fastapi.FastAPI(title="TinyLoop", version="0.1.0", lifespan=lifespan,
+    app = fastapi.FastAPI(title="TinyLoop", version="0.1.0",
                           description="OpenAI-compatible completions over a weight-shared looped transformer")
     app.state.served = served
-    errors = {400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 429: {"model": ErrorResponse}}
+    errors = {400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 429: {"model": ErrorResponse},
+              200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+                    "description": "A completion (JSON), or with stream=true server-sent events"}}
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request, exc):
@@ -279,23 +277,23 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
         return resp
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health():
         return {"status": "ok", "model": served.name, "backend": served.model.backend_name,
                 "queue_depth": served.worker.depth}
 
     @app.get("/v1/models", response_model=ModelList)
-    async def models() -> ModelList:
+    async def models():
         c = served.model.cfg
         return ModelList(data=[ModelCard(id=served.name, created=served.created, max_seq_len=served.model.max_seq_len,
                                          max_loops=c.max_loops, default_loops=c.default_loops,
                                          backend=served.model.backend_name)])
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics():
         return Response(generate_latest(served.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/", response_class=HTMLResponse)
-    async def playground() -> HTMLResponse:
+    async def playground():
         path = os.path.join(os.path.dirname(__file__), "static", "playground.html")
         with open(path, encoding="utf-8") as fh:
             return HTMLResponse(fh.read())
