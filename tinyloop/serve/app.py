@@ -279,7 +279,7 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": served.name, "backend": served.model.backend_name,
-                "queue_depth": served.worker.depth}
+                "queue_depth": served.worker.depth, "pid": os.getpid()}
 
     @app.get("/v1/models", response_model=ModelList)
     async def models():
