@@ -115,7 +115,6 @@ def main(argv=None) -> int:
     app, server, thread, url = start_server(cfg)
     served = app.state.served
     model, name = served.model, served.name
-    prompts = [model.tokenizer.encode(p) for p in PROMPTS]
     try:
         for p in PROMPTS:                                     # compile, capture, warm
             stream_once(url, name, p, 8, args.loops)
