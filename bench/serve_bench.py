@@ -1,8 +1,9 @@
 """The HTTP server under load: throughput and time to first token at several client counts, and the
 overhead of the HTTP path against calling generate_stream in-process.
 
-One process: a live uvicorn server (tinyloop.serve) on 127.0.0.1 over the model (default: the demo
-model; --preset 360m for the synth preset on the GPU), then
+A live uvicorn server (tinyloop.serve) on 127.0.0.1 over the model (default: the demo model;
+--preset 360m for the synth preset on the GPU) in this process; the HTTP clients run in separate
+processes (--same-process: threads of this one, which then share the GIL with the server), then
 * in-process: generate_stream over the same prompts, greedy, ms/token after the first token;
 * HTTP, one client: the same requests streamed over SSE, ms/token from the first chunk to the
   last as the client sees them (tokens counted from the final chunk's stats), and the overhead
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import json
+import multiprocessing
 import os
 import platform
 import sys
@@ -78,6 +80,18 @@ def stream_once(url, name, prompt, max_tokens, loops):
     return (arrivals[0] - t0 if arrivals else float("nan")), arrivals, n
 
 
+def clients(n: int, same_process: bool):
+    """An executor of n HTTP clients: processes (spawned; each with its own keep-alive client) or
+    threads of this process."""
+    if same_process:
+        return cf.ThreadPoolExecutor(n)
+    return cf.ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"))
+
+
+def _warm(url) -> int:
+    return _client().get(url + "/health").status_code
+
+
 def in_process_ms(model, prompts, max_tokens, loops, repeats):
     import tinyloop as tl
     per = []
@@ -101,6 +115,8 @@ def main(argv=None) -> int:
     ap.add_argument("--clients", default="1,4,16", help="comma-separated concurrent client counts")
     ap.add_argument("--requests", type=int, default=16, help="requests per client count")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--same-process", action="store_true",
+                    help="run the clients as threads of the server's process (default: separate processes)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
 
@@ -120,20 +136,23 @@ def main(argv=None) -> int:
             stream_once(url, name, p, 8, args.loops)
         inproc = in_process_ms(model, PROMPTS, args.max_tokens, args.loops, args.repeats)
         gaps = []
-        for _ in range(args.repeats):
-            for p in PROMPTS:
-                # the first chunk carries the first token; the final stats chunk the count
-                _, arr, n = stream_once(url, name, p, args.max_tokens, args.loops)
-                if len(arr) > 2 and n > 1:
-                    gaps.append(1e3 * (arr[-1] - arr[0]) / (n - 1))
+        with clients(1, args.same_process) as ex:
+            for _ in range(args.repeats):
+                for p in PROMPTS:
+                    # the first chunk carries the first token; the final stats chunk the count
+                    _, arr, n = ex.submit(stream_once, url, name, p, args.max_tokens, args.loops).result()
+                    if len(arr) > 2 and n > 1:
+                        gaps.append(1e3 * (arr[-1] - arr[0]) / (n - 1))
         http_ms = float(np.median(gaps))
         rows = []
         for c in [int(x) for x in args.clients.split(",")]:
-            t0 = time.perf_counter()
-            with cf.ThreadPoolExecutor(c) as ex:
-                res = list(ex.map(lambda i: stream_once(url, name, PROMPTS[i % len(PROMPTS)], args.max_tokens,
-                                                        args.loops), range(args.requests)))
-            wall = time.perf_counter() - t0
+            with clients(c, args.same_process) as ex:
+                list(ex.map(_warm, [url] * c))                  # the client processes are up
+                t0 = time.perf_counter()
+                futs = [ex.submit(stream_once, url, name, PROMPTS[i % len(PROMPTS)], args.max_tokens, args.loops)
+                        for i in range(args.requests)]
+                res = [f.result() for f in futs]
+                wall = time.perf_counter() - t0
             ttft = np.array([r[0] for r in res]) * 1e3
             toks = sum(r[2] for r in res)
             rows.append({"clients": c, "requests": args.requests, "tokens_per_s": toks / wall,
@@ -147,7 +166,8 @@ def main(argv=None) -> int:
            "gpu": gpu_name() if args.backend == "cuda" else None, "host": platform.node(),
            "model": os.path.basename(path), "loops": args.loops, "max_tokens": args.max_tokens,
            "in_process_ms_per_token": inproc, "http_ms_per_token": http_ms,
-           "http_overhead": http_ms / inproc - 1, "load": rows}
+           "http_overhead": http_ms / inproc - 1, "clients_in": "threads" if args.same_process else "processes",
+           "load": rows}
     print(f"\nTinyLoop HTTP server  {res['date']}  {res['gpu'] or 'cpu'}  commit {res['commit']}  "
           f"model {res['model']}  L={args.loops}  {args.max_tokens} tokens")
     print(f"in-process {inproc:.3f} ms/token   HTTP stream {http_ms:.3f} ms/token   overhead "
