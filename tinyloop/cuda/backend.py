@@ -631,7 +631,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks):
         ws.mask_host[:] = w
         # upload, mask and split argmax as one captured graph: three eager numba launches would
         # cost the host more than the decode step they overlap with
-        self.replay(("masked_argmax", ws.mask), lambda: self._masked_argmax(ws))
+        self._replay(("masked_argmax", ws.mask), lambda: self._masked_argmax(ws), step=False)
         self._mask_event.record(self.stream)
 
     def _masked_argmax(self, ws: Workspace) -> None:
@@ -684,6 +684,11 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks):
 
     # ------------------------------------------------------------------ graphs
     def replay(self, key, fn) -> None:
+        self._replay(key, fn, step=True)
+
+    def _replay(self, key, fn, step: bool) -> None:
+        """replay; `step`: `fn` is a decode step (its captured node counts are reported as the
+        step's), not one of the backend's own small graphs."""
         if not self.use_graphs:
             fn()
             return
@@ -698,7 +703,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks):
         if entry[0] == "warm":
             # the capture run issues the same ops, so it leaves the host mirrors as a replay will
             pos0 = self._pos_value
-            gexec = self._capture(fn, step=key[0] != "masked_argmax")
+            gexec = self._capture(fn, step)
             effect = (None if pos0 is None or self._pos_value is None else self._pos_value - pos0,
                       self._tok_value is None)
             self._graphs[key] = ("graph", gexec, effect)
@@ -717,15 +722,15 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks):
         while len(self._graphs) > MAX_GRAPHS:
             self._graphs.popitem(last=False)
 
-    def _capture(self, fn, step: bool = True) -> Graph:
-        """Capture `fn`; `step`: it is a decode step (its node counts are the step's, reported)."""
+    def _capture(self, fn, step: bool) -> Graph:
+        """Capture `fn` (`step`: see _replay)."""
         t0 = time.perf_counter()
         g = Graph(self.stream, fn, programmatic=self.pdl)
         if step:
             self.step_nodes = g.nodes
             self.step_programmatic_edges = g.programmatic_edges
         if self.profile:
-            print(f"[tinyloop cuda] captured {'a decode step' if step else 'the masked argmax'}: {g.nodes} graph nodes "
+            print(f"[tinyloop cuda] captured {'a decode step' if step else 'a backend graph'}: {g.nodes} graph nodes "
                   f"({g.programmatic_edges} programmatic edges) in "
                   f"{(time.perf_counter() - t0) * 1e3:.1f} ms", file=sys.stderr)
         return g
