@@ -129,6 +129,9 @@ def test_token_prompts_and_several_prompts(live):
     assert r["usage"]["completion_tokens"] == 12
     e = live.post({"model": "demo", "prompt": "ab", "max_tokens": 3, "temperature": 0, "echo": True}).json()
     assert e["choices"][0]["text"].startswith("ab")
+    texts = ["ab  c", "\tdef  "]                 # echoed exactly as sent, not re-decoded
+    e = live.post({"model": "demo", "prompt": texts, "max_tokens": 2, "temperature": 0, "echo": True}).json()
+    assert [c["text"][:len(t)] for c, t in zip(e["choices"], texts)] == texts
 
 
 def test_response_format_json_schema_validates(live, client):
@@ -270,6 +273,15 @@ def test_metrics(live):
                  "tinyloop_stop_reasons_total", "tinyloop_prefix_pool_hits_total"):
         assert name in text, name
     assert live.metric("tinyloop_prefix_pool_hits_total") >= 1       # PROMPT is a scaffold
+    # every response is counted by route and code: answers, refusals, validation failures
+    ok = live.metric("tinyloop_requests_total", '{code="200",route="/v1/completions"}')
+    bad = live.metric("tinyloop_requests_total", '{code="400",route="/v1/completions"}')
+    live.post({"model": "demo", "prompt": "x", "max_tokens": "8"})
+    live.post({"model": "demo", "prompt": "x", "max_tokens": 1})
+    assert live.metric("tinyloop_requests_total", '{code="400",route="/v1/completions"}') == bad + 1
+    assert live.metric("tinyloop_requests_total", '{code="200",route="/v1/completions"}') == ok + 1
+    httpx.get(live.url + "/no/such/path")
+    assert live.metric("tinyloop_requests_total", '{code="404",route="other"}') >= 1
 
 
 def test_bounded_soak_with_random_disconnects():

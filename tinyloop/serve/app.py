@@ -14,7 +14,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 from ..errors import ConfigError, IncompatibleModesError, TinyLoopError
 from ..runtime.config import GenerateStats
@@ -89,8 +89,8 @@ class Metrics:
                     yield fam
         r.register(PoolCollector())
 
-    def finished(self, job: Job, prompt_len: int) -> None:
-        self.prompt_tokens.inc(prompt_len)
+    def finished(self, job: Job) -> None:
+        self.prompt_tokens.inc(job.prompt_len)
         self.tokens.inc(job.stats.tokens_emitted)
         self.stops.labels(str(job.stop_reason or "NONE")).inc()
         if job.first_token_s is not None:
@@ -102,7 +102,7 @@ class Metrics:
 def load_served(cfg: ServeConfig, model=None) -> Served:
     """Load the model (unless given), register the scaffolds, start the worker."""
     from ..runtime.engine import free_model, load_model
-    from ..runtime.reuse import create_prefix_pool, register_prefix
+    from ..runtime.reuse import create_prefix_pool, free_prefix_pool, register_prefix
     own = model is None
     if own:
         model = load_model(cfg.model, max_seq_len=cfg.max_seq_len, backend=cfg.backend)
@@ -114,17 +114,14 @@ def load_served(cfg: ServeConfig, model=None) -> Served:
                 register_prefix(pool, model, model.tokenizer.encode(s.text), loops=s.loops,
                                 cache_mode=s.cache_mode)
     except BaseException:
+        if pool is not None:
+            free_prefix_pool(pool)
         if own:
             free_model(model)
         raise
     name = cfg.model_name or os.path.splitext(os.path.basename(model.path))[0]
-    holder: dict = {}
-    metrics = Metrics(lambda: holder["worker"].depth, lambda: pool.stats() if pool is not None else {})
-
-    def on_finish(job: Job) -> None:
-        metrics.finished(job, job.prompt_len)
-    worker = ModelWorker(model, cfg.queue_size, on_finish)
-    holder["worker"] = worker
+    metrics = Metrics(lambda: worker.depth, lambda: pool.stats() if pool is not None else {})
+    worker = ModelWorker(model, cfg.queue_size, metrics.finished)
     return Served(cfg, model, name, worker, pool, metrics, int(time.time()), own)
 
 
@@ -137,7 +134,8 @@ def _finish_reason(reason) -> Optional[str]:
     return "stop"
 
 
-def _prompts(served: Served, prompt) -> List[List[int]]:
+def _prompts(served: Served, prompt) -> List[Tuple[Optional[str], List[int]]]:
+    """(text or None, ids) of each prompt of a request."""
     if isinstance(prompt, str):
         prompt = [prompt]
     elif prompt and isinstance(prompt[0], int):
@@ -146,10 +144,11 @@ def _prompts(served: Served, prompt) -> List[List[int]]:
         raise FieldError("prompt", "prompt is empty: give a text, a list of token ids, or a list of either")
     out = []
     for p in prompt:
-        ids = served.model.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        text = p if isinstance(p, str) else None
+        ids = served.model.tokenizer.encode(p) if text is not None else list(p)
         if not ids:
             raise FieldError("prompt", "a prompt encodes to no tokens; give at least one character or id")
-        out.append(ids)
+        out.append((text, ids))
     return out
 
 
@@ -176,19 +175,19 @@ class Request:
         config = generate_config(body, served.cfg.max_tokens_default, served.model.cfg.vocab_size)
         stops = stops_of(body)
         prompts = _prompts(served, body.prompt)
+        self.texts = [t for t, _ in prompts]
+        self.prompts = [ids for _, ids in prompts]
         timeout = served.cfg.deadline_s if body.timeout is None else min(body.timeout, served.cfg.deadline_s)
         loop = asyncio.get_running_loop()
         self.jobs: List[Job] = []
         self.boxes: List[EventBox] = []
-        self.prompts = prompts
         try:
-            for ids in prompts:
+            for ids in self.prompts:
                 stats = GenerateStats()
                 tokens = _token_iter(served, ids, config, stats)
                 box = EventBox(loop)
-                job = Job(tokens, stats, box.put, stops)
+                job = Job(tokens, stats, box.put, stops, prompt_len=len(ids))
                 job.deadline = job.enqueued + timeout
-                job.prompt_len = len(ids)
                 self.jobs.append(job)
                 self.boxes.append(box)
             served.worker.submit(self.jobs)
@@ -216,25 +215,51 @@ class Request:
         return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
     def echo(self, i: int) -> str:
-        p = self.body.prompt
-        if isinstance(p, str):
-            return p
-        return self.served.model.tokenizer.decode(self.prompts[i])
+        """Prompt i as the client sent it (token-id prompts decoded)."""
+        text = self.texts[i]
+        return text if text is not None else self.served.model.tokenizer.decode(self.prompts[i])
+
+
+def _error_body(message: str, type_: str, param: Optional[str] = None) -> dict:
+    """The OpenAI error object (a 4xx body, or an error event of a stream)."""
+    return {"error": {"message": " ".join(message.split()), "type": type_, "param": param, "code": None}}
 
 
 def _error(status: int, message: str, type_: str, param: Optional[str] = None, headers=None):
     from fastapi.responses import JSONResponse
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": None}},
-                        status_code=status, headers=headers)
+    return JSONResponse(_error_body(message, type_, param), status_code=status, headers=headers)
 
 
 def _tinyloop_error(exc: TinyLoopError, retry_after: int):
     if isinstance(exc, QueueFullError):
         return _error(429, str(exc), "rate_limit_error", headers={"Retry-After": str(retry_after)})
-    return _error(400, " ".join(str(exc).split()), type(exc).__name__, getattr(exc, "param", None))
+    return _error(400, str(exc), type(exc).__name__, getattr(exc, "param", None))
 
 
 # =============================================================================== the app
+#: Routes counted by name in tinyloop_requests_total; any other path counts as "other".
+ROUTES = frozenset({"/v1/completions", "/v1/models", "/health", "/metrics", "/", "/openapi.json", "/docs"})
+
+
+class _CountResponses:
+    """ASGI middleware: every HTTP response, by route and status code, as it starts (errors,
+    streams and validation failures alike)."""
+
+    def __init__(self, app, counter):
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                self.counter.labels(route, str(message["status"])).inc()
+            await send(message)
+        await self.app(scope, receive, counted)
+
+
 def create_app(cfg: Optional[ServeConfig] = None, model=None):
     """The FastAPI app serving `cfg`'s model (or `model`, already loaded). The model is loaded and the
     scaffolds registered now, so a bad config fails before any socket is opened; the app outlives
@@ -253,6 +278,7 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
     app = fastapi.FastAPI(title="TinyLoop", version="0.1.0",
                           description="OpenAI-compatible completions over a weight-shared looped transformer")
     app.state.served = served
+    app.add_middleware(_CountResponses, counter=served.metrics.requests)
     errors = {400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 429: {"model": ErrorResponse},
               200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
                     "description": "A completion (JSON), or with stream=true server-sent events"}}
@@ -261,20 +287,16 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
     async def bad_body(request, exc):
         first = exc.errors()[0] if exc.errors() else {}
         if first.get("type") == "json_invalid":
-            served.metrics.requests.labels(request.url.path, "400").inc()
-            return _error(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'malformed')}",
+                return _error(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'malformed')}",
                           "invalid_request_error")
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
                         for e in exc.errors()[:5])
-        served.metrics.requests.labels(request.url.path, "400").inc()
         return _error(400, msg or "malformed request", "invalid_request_error", ".".join(loc) or None)
 
     @app.exception_handler(TinyLoopError)
     async def tinyloop_error(request, exc):
-        resp = _tinyloop_error(exc, cfg.retry_after_s)
-        served.metrics.requests.labels(request.url.path, str(resp.status_code)).inc()
-        return resp
+        return _tinyloop_error(exc, cfg.retry_after_s)
 
     @app.get("/health")
     async def health():
@@ -300,13 +322,10 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
 
     @app.post("/v1/completions", response_model=Completion, responses=errors)
     async def completions(body: CompletionRequest):
-        route = "/v1/completions"
         if body.model != served.name:
-            served.metrics.requests.labels(route, "404").inc()
             return _error(404, f"model {body.model!r} is not served here (this server serves {served.name!r})",
                           "model_not_found", "model")
         req = Request(served, body)
-        served.metrics.requests.labels(route, "200").inc()
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_sse(req, include_usage), media_type="text/event-stream",
@@ -348,10 +367,7 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
                         if ev[0] == "text":
                             out.append(chunk(i, ev[1]))      # one chunk per token, "" while a character is incomplete
                         elif ev[0] == "error":
-                            exc = ev[1]
-                            err = {"message": " ".join(str(exc).split()), "type": type(exc).__name__,
-                                   "param": None, "code": None}
-                            out.append(f"data: {json.dumps({'error': err})}\n\n")
+                            out.append(f"data: {json.dumps(_error_body(str(ev[1]), type(ev[1]).__name__))}\n\n")
                             ended = True
                         else:
                             out.append(chunk(i, "", _finish_reason(ev[1]), req.choice_stats(i)))

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..errors import ConfigError
+from ..runtime.config import check_float, check_int
 from .config import ServeConfig
 
 
@@ -37,11 +38,10 @@ def application(cfg: Optional[ServeConfig] = None, num_replicas: int = 2, num_gp
     cfg = cfg if cfg is not None else ServeConfig()
     if not isinstance(cfg, ServeConfig):
         raise ConfigError(f"application takes a ServeConfig, got {type(cfg).__name__}")
-    for what, v, lo in (("num_replicas", num_replicas, 1), ("num_gpus", num_gpus, 0), ("num_cpus", num_cpus, 0)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < lo:
-            raise ConfigError(f"{what}={v!r} must be a number >= {lo}")
-    if not isinstance(num_replicas, int):
-        raise ConfigError(f"num_replicas={num_replicas!r} must be an integer >= 1")
+    check_int("num_replicas", num_replicas, 1)
+    for what, v in (("num_gpus", num_gpus), ("num_cpus", num_cpus)):
+        if check_float(what, v) < 0:
+            raise ConfigError(f"{what}={v!r} is outside the allowed range >= 0")
 
     def build():                        # runs on each replica: its own model, worker and metrics
         from tinyloop.serve.app import create_app

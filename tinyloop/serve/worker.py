@@ -36,8 +36,8 @@ class QueueFullError(TinyLoopError):
 @dataclass
 class Job:
     """One validated request: `tokens` is its generator (validated, not started); events go to
-    `sink` (called on the worker thread) as ("text", piece, n_tokens), ("done", finish) or
-    ("error", exc)."""
+    `sink` (called on the worker thread) as ("text", piece) once per token (and once for text
+    held back at the end), ("done", stop_reason) or ("error", exc)."""
 
     tokens: Iterator[int]
     stats: GenerateStats
@@ -100,16 +100,17 @@ class ModelWorker:
     def submit(self, jobs: Sequence[Job]) -> None:
         """Queue the jobs of one request (one queue entry, run in order); QueueFullError when the
         queue is full (their generators are closed then)."""
-        try:
-            if self._stopped:
-                raise QueueFullError("the server is shutting down")
-            self.queue.put_nowait(list(jobs))
-        except (queue.Full, QueueFullError) as exc:
-            for job in jobs:
-                job.tokens.close()
-            if isinstance(exc, QueueFullError):
-                raise
-            raise QueueFullError(f"the request queue is full ({self.queue.maxsize} waiting); retry later") from None
+        if self._stopped:
+            why = "the server is shutting down"
+        else:
+            try:
+                self.queue.put_nowait(list(jobs))
+                return
+            except queue.Full:
+                why = f"the request queue is full ({self.queue.maxsize} waiting); retry later"
+        for job in jobs:
+            job.tokens.close()
+        raise QueueFullError(why)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Cancel what is queued, let the running request end, stop the thread."""
@@ -158,7 +159,7 @@ class ModelWorker:
                     job.token_gaps.append(now - last)
                 last = now
                 piece = text.push(decoder.push(tok)) if tok != eos else ""
-                job.sink(("text", piece, 1))
+                job.sink(("text", piece))
                 if text.hit:
                     reason = STOP_STRING
                 elif job.cancelled.is_set():
@@ -179,7 +180,7 @@ class ModelWorker:
             if text.hit and reason is None:
                 reason = STOP_STRING
             if tail:
-                job.sink(("text", tail, 0))
+                job.sink(("text", tail))
         self._finish(job, reason or job.stats.stop_reason)
 
     def _finish(self, job: Job, reason) -> None:
