@@ -332,6 +332,13 @@ def test_bounded_soak_with_random_disconnects():
 
 
 # =============================================================================== config
+def test_create_app_argument_errors():
+    with pytest.raises(tl.ConfigError, match="ServeConfig"):
+        create_app({"port": 1})
+    with pytest.raises(tl.InvalidInputError, match="model must be a Model"):
+        create_app(ServeConfig(backend="cpu"), model="demo")
+
+
 def test_serve_config_errors(tmp_path):
     with pytest.raises(tl.ConfigError, match="port"):
         ServeConfig(port=70000)
@@ -341,6 +348,12 @@ def test_serve_config_errors(tmp_path):
         ServeConfig(scaffolds="abc")
     with pytest.raises(tl.ConfigError, match="deadline_s"):
         ServeConfig(deadline_s=-1)
+    with pytest.raises(tl.ConfigError, match="port"):
+        ServeConfig(port="8000")
+    with pytest.raises(tl.ConfigError, match="deadline_s"):
+        ServeConfig(deadline_s="soon")
+    with pytest.raises(tl.ConfigError, match="unknown field"):
+        ServeConfig(prot=1)
     p = tmp_path / "serve.yaml"
     p.write_text("port: 8001\nbogus: 1\n")
     with pytest.raises(tl.ConfigError, match="bogus"):

@@ -48,6 +48,14 @@ def test_bad_arguments_are_config_errors():
         application(ServeConfig(), num_gpus=-1)
     with pytest.raises(tl.ConfigError, match="ServeConfig"):
         application({"port": 1})
+    with pytest.raises(tl.ConfigError, match="num_replicas"):
+        application(ServeConfig(), num_replicas="2")
+    with pytest.raises(tl.ConfigError, match="num_cpus"):
+        application(ServeConfig(), num_cpus="one")
+    with pytest.raises(tl.ConfigError, match="name"):
+        application(ServeConfig(), name="")
+    with pytest.raises(tl.ConfigError, match="http_port"):
+        deploy(ServeConfig(), http_port=70000)
 
 
 def test_requests_spread_over_both_replicas(cluster):

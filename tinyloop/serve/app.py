@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
-from ..errors import ConfigError, IncompatibleModesError, TinyLoopError
+from ..errors import ConfigError, IncompatibleModesError, InvalidInputError, TinyLoopError
 from ..runtime.config import GenerateStats
 from .config import ServeConfig
 from .worker import EventBox, Job, ModelWorker, QueueFullError
@@ -270,9 +270,13 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
     from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+    from ..runtime.engine import Model
     cfg = cfg if cfg is not None else ServeConfig()
     if not isinstance(cfg, ServeConfig):
         raise ConfigError(f"create_app takes a ServeConfig, got {type(cfg).__name__}")
+    if model is not None and not isinstance(model, Model):
+        raise InvalidInputError(f"model must be a Model from tinyloop.load_model (or None: load cfg.model), "
+                                f"got {type(model).__name__}")
     served = load_served(cfg, model)
 
     app = fastapi.FastAPI(title="TinyLoop", version="0.1.0",

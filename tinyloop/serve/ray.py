@@ -39,6 +39,8 @@ def application(cfg: Optional[ServeConfig] = None, num_replicas: int = 2, num_gp
     if not isinstance(cfg, ServeConfig):
         raise ConfigError(f"application takes a ServeConfig, got {type(cfg).__name__}")
     check_int("num_replicas", num_replicas, 1)
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"name={name!r} must be a non-empty application name")
     for what, v in (("num_gpus", num_gpus), ("num_cpus", num_cpus)):
         if check_float(what, v) < 0:
             raise ConfigError(f"{what}={v!r} is outside the allowed range >= 0")
@@ -58,6 +60,7 @@ def deploy(cfg: Optional[ServeConfig] = None, num_replicas: int = 2, num_gpus: f
     """Start Ray Serve on the running Ray cluster (or a local one) with `application(...)` at route
     prefix ``/`` on `http_port`; returns the deployment handle."""
     ray, serve = _ray()
+    check_int("http_port", http_port, 0, 65535)
     app = application(cfg, num_replicas, num_gpus, num_cpus, name)
     if not ray.is_initialized():
         ray.init(ignore_reinit_error=True)
