@@ -326,7 +326,7 @@ def test_memory_returns_to_base(flat):
     (lambda m, p: tl.generate_batch(m, [p, p], GenerateConfig(beam_size=3)),
      tl.IncompatibleModesError, r"beam_search \(beam_size=3\) is rejected in batched decoding"),
     (lambda m, p: tl.generate(m, p, GenerateConfig(beam_size=2, early_exit_patience=2)),
-     tl.NotImplementedModeError, "early_exit"),
+     tl.IncompatibleModesError, "per-token adaptive depth does not compose with beams"),
 ])
 def test_rejected_before_any_allocation(flat, monkeypatch, call, exc, match):
     calls = []

@@ -137,9 +137,15 @@ def test_random_mode_combinations(byte_model, prompt, monkeypatch, knobs, contex
 
 
 def test_rejection_names_the_rule(tiny_model, prompt):
+    m = load_matrix()
+    rows = dict(m.modes, early_exit=dataclasses.replace(m.modes["early_exit"], status="planned"))
     with pytest.raises(tl.NotImplementedModeError,
                        match=r"early_exit \(early_exit_patience=2\) is not implemented yet"):
-        tl.generate(tiny_model, prompt, tl.GenerateConfig(early_exit_patience=2))
+        CompatMatrix(m.contexts, rows, m.pairs, m.source).check("single", tl.GenerateConfig(early_exit_patience=2))
+    with pytest.raises(tl.IncompatibleModesError, match=r"early_exit \(early_exit_patience=2\) is rejected in batched"):
+        tl.generate_batch(tiny_model, [prompt], tl.GenerateConfig(early_exit_patience=2))
+    with pytest.raises(tl.IncompatibleModesError, match=r"early_exit.*rejected in warm_start"):
+        m.check("warm_start", tl.GenerateConfig(early_exit_patience=1))
     with pytest.raises(tl.IncompatibleModesError, match=r"beam_search \(beam_size=4\) is rejected in batched"):
         tl.generate_batch(tiny_model, [prompt], tl.GenerateConfig(beam_size=4))
     with pytest.raises(tl.IncompatibleModesError, match=r"repetition_penalty.*rejected in speculative"):

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from ..model.arch import required_tensors
-from ..runtime.backend import Backend, CacheReuse, ModelWeights, TokenMasks, TreeOps, TreeRows, Workspace
+from ..runtime.backend import (Backend, CacheReuse, KVLayerCopy, ModelWeights, TokenMasks, TreeOps, TreeRows,
+                               Workspace)
 from ..runtime.cache import shared_layers
 from ..errors import BackendError, OutOfMemoryError
 from . import ops, threads
@@ -81,7 +82,7 @@ class CPUCache:
         return sum(st.nbytes for st in self.storages())
 
 
-class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks):
+class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy):
     """Numba/numpy implementation of the backend ops."""
 
     name = "cpu"
@@ -163,6 +164,18 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks):
                 for da, sa in zip(d.arrays, s_.arrays):
                     if sa.size:
                         np.copyto(da[:n_layers, :n_slots], sa[:n_layers, :n_slots])
+
+    def copy_kv_layers_at(self, cache: CPUCache, position: int, src_layer: int, dst_layers) -> None:
+        slot = cache.spec.slots.slot(position)
+        gi, src = cache.spec.group_of(src_layer)
+        for layer in dst_layers:
+            gd, dst = cache.spec.group_of(layer)
+            if gd != gi:
+                raise BackendError(f"copy_kv_layers_at: layer {layer} is not in the group of layer {src_layer}")
+            for st in cache.groups[gi][2:]:                 # K, then V storage
+                for a in st.arrays:
+                    if a.size:
+                        a[dst, slot] = a[src, slot]
 
     def alloc_rows(self, n: int, cols: int) -> np.ndarray:
         check_host_memory(4 * n * cols, f"a row buffer of {n} x {cols}")

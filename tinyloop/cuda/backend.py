@@ -61,7 +61,7 @@ from numba.cuda.cudadrv.driver import device_memset
 
 from dataclasses import dataclass
 
-from ..runtime.backend import (Backend, CacheReuse, DeviceChaining, ModelWeights, TokenMasks, TreeOps,
+from ..runtime.backend import (Backend, CacheReuse, DeviceChaining, KVLayerCopy, ModelWeights, TokenMasks, TreeOps,
                                TreeRows, Workspace)
 from ..runtime.cache import CacheSpec, SlotMap, shared_layers
 from ..runtime.config import env_switch
@@ -227,7 +227,7 @@ class CUDAWorkspace(Workspace):
     mask_host: Any = None
 
 
-class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks):
+class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLayerCopy):
     """numba-cuda implementation of the backend ops, with graph-captured decode steps."""
 
     name = "cuda"
@@ -496,6 +496,18 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks):
             for da, sa in zip(dst.groups[di].arrays, src.groups[si].arrays):
                 for layer in range(n_layers):
                     da[layer, :n_slots].copy_to_device(sa[layer, :n_slots], stream=self.stream)
+
+    def copy_kv_layers_at(self, cache: CUDACache, position: int, src_layer: int, dst_layers) -> None:
+        """One device-to-device copy per (layer, storage array) on the backend stream: a slot's
+        rows of one layer are contiguous in every storage array."""
+        slot = cache.spec.slots.slot(position)
+        g, src = cache.group(src_layer)
+        for layer in dst_layers:
+            gd, dst = cache.group(layer)
+            if gd is not g:
+                raise BackendError(f"copy_kv_layers_at: layer {layer} is not in the group of layer {src_layer}")
+            for a in g.arrays:
+                a[dst, slot].copy_to_device(a[src, slot], stream=self.stream)
 
     def alloc_rows(self, n: int, cols: int):
         buf = self._empty((n, cols), np.float32)

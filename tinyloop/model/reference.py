@@ -38,8 +38,8 @@ def _kv_model(kv_round, kv_codec):
     return None
 
 
-def _block(cfg: ModelConfig, W: Mapping[str, np.ndarray], p: str, x: np.ndarray,
-           kv, window: int = 0) -> np.ndarray:
+def _qkv(cfg: ModelConfig, W: Mapping[str, np.ndarray], p: str, x: np.ndarray, kv):
+    """q, k, v rows of block `p` for residual rows x (RoPE'd; k, v as the cache stores them)."""
     T, D = x.shape[0], cfg.head_dim
     h = _rmsnorm(x, W[p + "attn_norm"], cfg.norm_eps)
     q = _rope(h @ W[p + "wq"].T, cfg.n_heads, D, cfg.rope_theta)
@@ -48,6 +48,18 @@ def _block(cfg: ModelConfig, W: Mapping[str, np.ndarray], p: str, x: np.ndarray,
     if kv is not None:   # model what the KV cache stores, per (position, kv head) row
         k = kv(k.reshape(T, cfg.n_kv_heads, D)).reshape(T, cfg.n_kv_heads * D)
         v = kv(v.reshape(T, cfg.n_kv_heads, D)).reshape(T, cfg.n_kv_heads * D)
+    return q, k, v
+
+
+def _block(cfg: ModelConfig, W: Mapping[str, np.ndarray], p: str, x: np.ndarray,
+           kv, window: int = 0) -> np.ndarray:
+    return _block_with(cfg, W, p, x, *_qkv(cfg, W, p, x, kv), window)
+
+
+def _block_with(cfg: ModelConfig, W: Mapping[str, np.ndarray], p: str, x: np.ndarray, q, k, v,
+                window: int = 0) -> np.ndarray:
+    """Block `p` on residual rows x given every row's q and its cached k, v."""
+    T, D = x.shape[0], cfg.head_dim
     group = cfg.n_heads // cfg.n_kv_heads
     qh = q.reshape(T, cfg.n_heads, D).transpose(1, 0, 2)                        # (H, T, D)
     kh = np.repeat(k.reshape(T, cfg.n_kv_heads, D).transpose(1, 0, 2), group, 0)
@@ -118,3 +130,45 @@ def reference_loop_residuals(cfg: ModelConfig, weights: Mapping[str, np.ndarray]
             x = _block(cfg, W, f"loop.{j}.", x, kv_round)
         out.append(x)
     return np.stack(out)
+
+
+def reference_logits_exit(cfg: ModelConfig, weights: Mapping[str, np.ndarray], ids: Sequence[int],
+                          depths: Sequence[int], loops: int, kv_policy: str = "copy_last",
+                          kv_round: Optional[type] = None, kv_codec=None, window: int = 0) -> np.ndarray:
+    """Logits (T, vocab_size) in float64 when position t leaves the loop after depths[t]
+    iterations (early exit, tinyloop.runtime.early_exit): its residual stays at that depth, and
+    in the iterations it skipped its cached K/V are, by `kv_policy`, those of its last iteration
+    for the same loop layer (copy_last) or layer j's projections of its exited state plus the
+    loop input where the model injects it (recompute). Other arguments as reference_logits."""
+    depths = np.asarray(depths, dtype=np.int64)
+    ids = np.asarray(ids, dtype=np.int64)
+    if depths.shape != ids.shape or depths.min() < 1 or depths.max() > loops:
+        raise ValueError(f"depths must give every position a depth in [1, {loops}]")
+    W = {k: np.asarray(v, dtype=np.float64) for k, v in weights.items()}
+    kv = _kv_model(kv_round, kv_codec)
+    x = W["embed"][ids]
+    for i in range(cfg.n_pre):
+        x = _block(cfg, W, f"pre.{i}.", x, kv, window)
+    e = x
+    last_kv = [None] * cfg.n_loop            # per loop layer: the k, v of each row's last iteration
+    for it in range(loops):
+        live = depths > it                   # rows still in the loop at this iteration
+        done = ~live[:, None]
+        if it > 0 and cfg.loop_inject == "add":
+            x = np.where(done, x, x + e)
+        exited = x + e if (it > 0 and cfg.loop_inject == "add") else x     # recompute's input
+        for j in range(cfg.n_loop):
+            p = f"loop.{j}."
+            q, k, v = _qkv(cfg, W, p, x, kv)
+            if not live.all():
+                if kv_policy == "copy_last":
+                    k0, v0 = last_kv[j]
+                else:
+                    _, k0, v0 = _qkv(cfg, W, p, exited, kv)
+                k, v = np.where(done, k0, k), np.where(done, v0, v)
+            last_kv[j] = (k, v)
+            x = np.where(done, x, _block_with(cfg, W, p, x, q, k, v, window))
+    for i in range(cfg.n_post):
+        x = _block(cfg, W, f"post.{i}.", x, kv, window)
+    head = W["embed"] if cfg.tied_embeddings else W["head"]
+    return _rmsnorm(x, W["final_norm"], cfg.norm_eps) @ head.T

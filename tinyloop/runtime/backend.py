@@ -18,7 +18,8 @@ implementations over the primitives; a backend overrides them with fused kernels
 launches or passes over memory. The forward only calls composites and the few primitives it needs.
 
 Optional capabilities (:data:`CAPABILITIES`) are mixin classes a backend inherits:
-:class:`TreeOps`, :class:`DeviceChaining`, :class:`CacheReuse` and :class:`TokenMasks`. Callers ask :meth:`Backend.supports` and fall back;
+:class:`TreeOps`, :class:`DeviceChaining`, :class:`CacheReuse`, :class:`TokenMasks` and
+:class:`KVLayerCopy`. Callers ask :meth:`Backend.supports` and fall back;
 a decoder that cannot declares ``Decoder.requires``. Backends are registered as
 :class:`BackendEntry` classes through the ``tinyloop_backends`` hook (one registry for every name
 check).
@@ -303,6 +304,17 @@ class Backend(ABC):
         self.swiglu(ws.g, ws.u, ws.g, T)
         self.matmul(ws.g, b.w_down, ws.x, T, accumulate=True)
 
+    def kv_project(self, ws: Workspace, b: BlockWeights, cache, layer: int, pos, T: int, src) -> None:
+        """K/V of rows `src` (an activation buffer, not clobbered) through block b's attention
+        norm and projections, RoPE'd and stored to `layer` at positions pos+t; nothing attends
+        and the residual is untouched (ws.h, ws.q, ws.k, ws.v are clobbered). Early exit's
+        ``recompute`` policy fills skipped iterations with it."""
+        self.rmsnorm(src, b.attn_norm, ws.h, T)
+        self.matmul(ws.h, b.wq, ws.q, T)
+        self.matmul(ws.h, b.wk, ws.k, T)
+        self.matmul(ws.h, b.wv, ws.v, T)
+        self.rope_kv_append(ws.q, ws.k, ws.v, cache, layer, pos, T)
+
     def final_logits(self, ws: Workspace, w: ModelWeights, row0: int, T: int) -> None:
         """logits[0:T] = head(norm(x[row0:row0+T]))."""
         self.rmsnorm(self.rows(ws.x, row0), w.final_norm, ws.h, T)
@@ -451,9 +463,24 @@ class TokenMasks(ABC):
         return words[:n]
 
 
+class KVLayerCopy(ABC):
+    """Capability ``kv_layer_copy``: one position's K/V rows copied between layers of a cache, so a
+    token that exits the loop early (tinyloop.runtime.early_exit, policy ``copy_last``) leaves
+    the K/V of its last iteration in the layers of the iterations it skipped. Without it that
+    policy is refused (``recompute`` runs on the required ops)."""
+
+    @abstractmethod
+    def copy_kv_layers_at(self, cache, position: int, src_layer: int, dst_layers) -> None:
+        """For each layer of `dst_layers` (global layers of the same layer group as `src_layer`):
+        the stored K and V rows of absolute position `position` (its slot under the cache's
+        slot map; codes, scales and zero points) := those of `src_layer`. Ordered after every
+        op queued before it."""
+
+
 #: The optional capabilities by name (Backend.supports).
 CAPABILITIES: Dict[str, type] = {"tree": TreeOps, "device_chaining": DeviceChaining,
-                                 "cache_reuse": CacheReuse, "token_masks": TokenMasks}
+                                 "cache_reuse": CacheReuse, "token_masks": TokenMasks,
+                                 "kv_layer_copy": KVLayerCopy}
 
 
 # =============================================================================== registry

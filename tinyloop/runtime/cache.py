@@ -136,6 +136,13 @@ class SlotMap:
     def ring(self) -> bool:
         return self.window > 0
 
+    def slot(self, position: int) -> int:
+        """The slot absolute position `position` lives in."""
+        if not 0 <= position < (1 << 40) or (not self.ring and position >= self.n_slots):
+            raise PluginError(f"position {position} has no slot in a cache of {self.n_slots} slots "
+                              f"(window={self.window})")
+        return position % self.n_slots if self.ring else position
+
 
 class SlotMapMode:
     """A slot-map plugin: switched on by a request setting (``from_config``), it sizes the ring."""

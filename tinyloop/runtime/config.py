@@ -65,6 +65,8 @@ MAX_WINDOW = 1 << 20
 #: Float knobs are bounded so no arithmetic on them overflows float32 (penalties divide logits).
 MAX_PENALTY = 1e6
 MAX_LENGTH_PENALTY = 10.0
+#: GenerateConfig.early_exit_kv: what the skipped loop iterations of an exited token store.
+EXIT_KV_POLICIES = ("copy_last", "recompute")
 
 
 def typed_init(cls):
@@ -184,7 +186,19 @@ class GenerateConfig:
     early_exit_peek_every: int = 1
     """Probe cadence past early_exit_min_L (>= 1)."""
     early_exit_logit_margin: float = 0.0
-    """> 0 switches early exit from hidden-state L2 stability to logit-margin stability."""
+    """> 0 switches early exit from hidden-state L2 stability to logit-margin stability: a probe is
+    stable when the head logits' top-1 minus top-2 is at least this margin."""
+    early_exit_criterion: str = ""
+    """The exit-criterion plugin (tinyloop.runtime.early_exit; built in: hidden_l2, logit_margin,
+    kl, argmax). "" is the spec's choice: logit_margin when early_exit_logit_margin > 0, else
+    hidden_l2."""
+    early_exit_threshold: float = 0.0
+    """The criterion's threshold (> 0); 0 uses the criterion's documented default. logit_margin
+    takes its margin from early_exit_logit_margin, argmax takes none."""
+    early_exit_kv: str = "copy_last"
+    """K/V of the loop iterations an exited token skipped: copy_last (the K/V of the last iteration
+    it ran, for the same loop layer) or recompute (each skipped layer's K/V projected from the
+    exited state)."""
     sample_seed: int = 0
     """RNG seed for sampling in [0, 2**64 - 1]; same seed + config + model -> same tokens. A
     sampling knob (an error on greedy and beam requests)."""
@@ -233,6 +247,15 @@ class GenerateConfig:
         if not 0 <= m <= MAX_PENALTY:
             raise ConfigError(f"early_exit_logit_margin={m} is outside the allowed range [0, {MAX_PENALTY:g}]")
         object.__setattr__(self, "early_exit_logit_margin", m)
+        if not isinstance(self.early_exit_criterion, str):
+            raise ConfigError(f"early_exit_criterion must be a plugin name or \"\", got {self.early_exit_criterion!r}")
+        th = _float("early_exit_threshold", self.early_exit_threshold)
+        if not 0 <= th <= MAX_PENALTY:
+            raise ConfigError(f"early_exit_threshold={th} is outside the allowed range [0, {MAX_PENALTY:g}] "
+                              f"(0: the criterion's default)")
+        object.__setattr__(self, "early_exit_threshold", th)
+        if self.early_exit_kv not in EXIT_KV_POLICIES:
+            raise ConfigError(f"early_exit_kv={self.early_exit_kv!r} is not one of {', '.join(EXIT_KV_POLICIES)}")
         _int("sample_seed", self.sample_seed, 0, MAX_SEED)
         if not isinstance(self.cache_mode, str) or not self.cache_mode:
             raise ConfigError(f"cache_mode must be a plugin name, got {self.cache_mode!r}")
@@ -402,8 +425,15 @@ class GenerateStats:
     """Tokens emitted (prompt excluded)."""
     stop_reason: Optional[StopReason] = None
     """Why decoding ended."""
-    loops_used: int = 0
-    """Effective loop depth used."""
+    loops_used: float = 0
+    """Effective loop depth used: the request's depth (an int), or with early exit the mean of
+    ``token_loops`` (a float)."""
+    token_loops: list = dataclasses.field(default_factory=list)
+    """Early exit: the loop iterations of the forward whose logits chose each emitted token (the
+    first token's is the prompt's, at full depth); appended before the token reaches the caller,
+    so a streaming consumer holding these stats reads ``token_loops[-1]``. Empty otherwise."""
+    exit_probes: int = 0
+    """Early exit: criterion evaluations over all decode steps."""
     decoder: str = ""
     """The decoder that ran: the one the request named or the automatic choice, after any
     hand-over (e.g. tree_speculative on a backend without tree ops runs speculative)."""

@@ -44,6 +44,11 @@ ENGINE_FIELDS = frozenset({"max_tokens", "loops", "stop_sequences", "cache_mode"
 #: Fields the logit processors read: honoured by every decoder whose tokens come through the
 #: processor chain (``applies_processors``).
 PROCESSOR_FIELDS = frozenset({"repetition_penalty", "grammar"})
+#: The early-exit knobs (tinyloop.runtime.early_exit): the engine's one-token steps apply them, so
+#: they are honoured by decoders whose forwards are those steps (``adaptive_depth``).
+EXIT_FIELDS = frozenset({"early_exit_patience", "early_exit_min_L", "early_exit_peek_every",
+                         "early_exit_logit_margin", "early_exit_criterion", "early_exit_threshold",
+                         "early_exit_kv"})
 #: The sampling knobs.
 SAMPLING_FIELDS = frozenset({"temperature", "top_k", "top_p", "sample_seed"})
 
@@ -120,6 +125,10 @@ class Decoder:
     applies_processors)."""
     applies_processors: ClassVar[bool] = True
     """The decoder's tokens come through the processor chain (session.logits() / greedy())."""
+    adaptive_depth: ClassVar[bool] = False
+    """The decoder advances one token at a time through the engine Session's steps (start /
+    advance), so the engine's per-token early exit applies: it honours EXIT_FIELDS while early
+    exit is on (early_exit_patience > 0; without it the other exit knobs would do nothing)."""
     requires: ClassVar[FrozenSet[str]] = frozenset()
     """Optional backend capabilities (tinyloop.runtime.backend.CAPABILITIES) the decoder cannot run
     without; a request on a backend that lacks one is a BackendError before any allocation. A
@@ -135,7 +144,8 @@ class Decoder:
     def honoured(cls, config) -> FrozenSet[str]:
         """Every GenerateConfig field this decoder honours for `config` (override when that
         depends on the request, e.g. sampling knobs only while sampling)."""
-        return ENGINE_FIELDS | cls.honours | (PROCESSOR_FIELDS if cls.applies_processors else frozenset())
+        return (ENGINE_FIELDS | cls.honours | (PROCESSOR_FIELDS if cls.applies_processors else frozenset())
+                | (EXIT_FIELDS if cls.adaptive_depth and config.early_exit_patience > 0 else frozenset()))
 
     @classmethod
     def validate(cls, model, config, options) -> None:

@@ -44,6 +44,7 @@ from ..model.tokenizer import Tokenizer, resolve_tokenizer
 from ..models import model_path
 from .forward import Forward
 from .decoding import check_honoured, parse_options
+from .early_exit import ExitStep, resolve_exit
 from .plugins import get_plugin_manager
 from .processors import ProcessorChain
 from .stopping import CallbackStopper, Stopper, StopperChain, StopRequest
@@ -303,6 +304,8 @@ class Plan:
         self.slot_mode = pm.slot_map_for(config)
         self._check_codecs(model, pm)
         self.loops = resolve_loops(model, dec.depth(config, options))
+        #: the request's early exit (tinyloop.runtime.early_exit.ExitPlan), None without
+        self.exit = resolve_exit(model, config, self.loops, pm.exit_criteria())
         self.config, self.decoder_cls, self.options = config, dec, options
         self.session_factory = dec.session_class or Session
         self._pm = pm
@@ -405,6 +408,11 @@ class Session:
         # greedy(ahead=True): the token returned whose decode step already runs (None: none)
         self._ahead: Optional[int] = None
         self._lookahead = env_switch("TINYLOOP_LOOKAHEAD")
+        #: early exit: the step runner, the depth each decoded position ran (position -> depth,
+        #: replayed by the uncached path) and the depth behind the pending logits
+        self._exit = ExitStep(self, plan.exit) if getattr(plan, "exit", None) is not None else None
+        self._depths = {}
+        self.logits_depth = self.loops
 
     def close(self) -> None:
         """Hand every lane's cache back to the backend (idempotent)."""
@@ -493,8 +501,10 @@ class Session:
         backend may capture once and replay (positions and ids live in backend buffers)."""
         be, fwd, ws = self.model.backend, self.model.fwd, self.model.ws
         rows = self.launch_rows
-        for a in range(start, stop, rows):
-            T = min(rows, stop - a)
+        # early exit: prompt positions run at full depth, generated ones through the exit step
+        plain = stop if self._exit is None else min(stop, max(start, self._prompt_len))
+        for a in range(start, plain, rows):
+            T = min(rows, plain - a)
             ids = be.set_ids(ws, self.tokens[a:a + T])
             pos = be.positions(a)
             last = a + T == stop
@@ -506,6 +516,14 @@ class Session:
                     fwd.logits(T - 1, 1)
                     be.launch_argmax(ws)
             self.stats.loop_iters_run += self.loops
+            self.logits_depth = self.loops
+        for p in range(plain, stop):
+            # the last position probes; earlier ones (the uncached path) replay their recorded depth
+            depth = self._exit.step(be.set_ids(ws, self.tokens[p:p + 1]), be.positions(p), p,
+                                    forced=None if p == stop - 1 else self._depths[p])
+            self._depths[p] = depth
+            self.stats.loop_iters_run += depth
+            self.logits_depth = depth
         self.position = stop
 
     def _one_token_step(self, ids, pos) -> None:
@@ -587,7 +605,7 @@ class Session:
             be.launch_masked_argmax(ws, self.chain.allowed_words())
         generated = len(self.tokens) - self._prompt_len + 1      # counting the token read now
         if not (ahead and self._lookahead and be.supports("device_chaining") and not self.uncached
-                and lane == self._lane and generated < self.config.max_tokens):
+                and self._exit is None and lane == self._lane and generated < self.config.max_tokens):
             return be.read_argmax(ws)
         be.begin_read_argmax(ws)
         self._one_token_step(be.device_token(ws), be.positions(len(self.tokens)))
@@ -630,6 +648,8 @@ def _decode(model: Model, prompt: List[int], plan: Plan, stats: GenerateStats,
                                   f"[0, {V})")
             tok = int(tok)
             out.append(tok)
+            if session._exit is not None:
+                stats.token_loops.append(session.logits_depth)
             chain.accept(tok)
             stats.tokens_emitted = len(out)
             if t_first is None:
@@ -655,6 +675,8 @@ def _decode(model: Model, prompt: List[int], plan: Plan, stats: GenerateStats,
         if t_first is not None:
             stats.decode_ms = (time.perf_counter() - t_first) * 1e3
         session.close()
+        if stats.token_loops:
+            stats.loops_used = sum(stats.token_loops) / len(stats.token_loops)
         stats.finalize()
         model.backend.report(stats)
 

@@ -67,6 +67,16 @@ def tinyloop_stoppers():
 
 
 @hookspec
+def tinyloop_exit_criteria():
+    """Return a list of ExitCriterion subclasses (tinyloop.runtime.early_exit.ExitCriterion).
+
+    An exit criterion (GenerateConfig.early_exit_criterion) decides from a probe of the state
+    between loop iterations whether a decode step is stable enough to leave the loop; its
+    ``statistic`` and ``stable`` run once per probe. Result: all implementations' lists,
+    concatenated."""
+
+
+@hookspec
 def tinyloop_backends():
     """Return a list of BackendEntry subclasses (tinyloop.runtime.backend.BackendEntry).
 

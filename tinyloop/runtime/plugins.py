@@ -18,6 +18,7 @@ from . import hookspecs
 from .backend import BackendEntry
 from .cache import CacheMode, KVCodec, SlotMapMode
 from .decoding import Decoder
+from .early_exit import ExitCriterion
 from ..errors import BackendError, ConfigError, PluginError
 from .processors import LogitProcessor
 from .stopping import Stopper
@@ -37,6 +38,7 @@ DEFAULT_PLUGINS = (
     "tinyloop.plugins.processors.repetition",
     "tinyloop.plugins.processors.grammar",
     "tinyloop.plugins.stoppers.standard",
+    "tinyloop.plugins.exits.criteria",
     "tinyloop.plugins.backends",
 )
 
@@ -112,6 +114,9 @@ class PluginManager:
     def stoppers(self) -> Dict[str, Type[Stopper]]:
         return self._registry("tinyloop_stoppers", Stopper)
 
+    def exit_criteria(self) -> Dict[str, Type[ExitCriterion]]:
+        return self._registry("tinyloop_exit_criteria", ExitCriterion)
+
     def backends(self) -> Dict[str, Type[BackendEntry]]:
         return self._registry("tinyloop_backends", BackendEntry)
 
@@ -146,6 +151,7 @@ class PluginManager:
         yield from self.cache_modes().values()
         yield from self.processors().values()
         yield from self.slot_maps().values()
+        yield from self.exit_criteria().values()
 
     # ------------------------------------------------------------------ per-request lookups
     def decoder_for(self, config) -> Type[Decoder]:

@@ -204,7 +204,7 @@ class Request:
         st = job.stats
         secs = st.decode_ms / 1e3
         return ChoiceStats(stop_reason=str(job.stop_reason) if job.stop_reason else None,
-                           loops_used=st.loops_used, decoder=st.decoder, prompt_tokens=len(self.prompts[i]),
+                           loops_used=st.loops_used, token_loops=list(st.token_loops), decoder=st.decoder, prompt_tokens=len(self.prompts[i]),
                            completion_tokens=st.tokens_emitted, reused_tokens=st.reused_tokens,
                            first_token_ms=st.first_token_ms,
                            tokens_per_s=(st.tokens_emitted - 1) / secs if secs > 0 and st.tokens_emitted > 1 else 0.0)

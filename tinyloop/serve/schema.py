@@ -73,6 +73,9 @@ class CompletionRequest(_Strict):
     early_exit_min_L: Optional[int] = Field(default=None, ge=1)
     early_exit_peek_every: Optional[int] = Field(default=None, ge=1)
     early_exit_logit_margin: Optional[float] = Field(default=None, ge=0.0)
+    early_exit_criterion: Optional[str] = None
+    early_exit_threshold: Optional[float] = Field(default=None, ge=0.0)
+    early_exit_kv: Optional[str] = None
     stop_token_ids: Optional[List[List[int]]] = None
     response_format: Optional[ResponseFormat] = None
     timeout: Optional[float] = Field(default=None, gt=0.0)
@@ -82,7 +85,10 @@ class ChoiceStats(BaseModel):
     """TinyLoop's per-choice statistics (beside OpenAI's fields)."""
 
     stop_reason: Optional[str] = None
-    loops_used: int = 0
+    loops_used: float = 0
+    """The request's loop depth, or with early exit the mean depth its tokens ran."""
+    token_loops: List[int] = []
+    """Early exit: the depth behind each generated token (empty otherwise)."""
     decoder: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -214,7 +220,7 @@ def generate_config(req: CompletionRequest, max_tokens_default: int, vocab_size:
                                       f"{temperature} <= 0.01)")
     for name in ("loops", "decoder", "repetition_penalty", "cache_mode", "cache_window", "beam_size",
                  "length_penalty", "early_exit_patience", "early_exit_min_L", "early_exit_peek_every",
-                 "early_exit_logit_margin"):
+                 "early_exit_logit_margin", "early_exit_criterion", "early_exit_threshold", "early_exit_kv"):
         v = getattr(req, name)
         if v is not None:
             fields[name] = v

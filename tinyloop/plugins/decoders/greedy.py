@@ -12,6 +12,7 @@ class GreedyDecoder(Decoder):
     name = "greedy"
     mode = "greedy"
     compat = ALL_CONTEXTS_OK
+    adaptive_depth = True               # its steps are Session.advance: early exit applies
     honours = frozenset()               # the engine's fields and the processors' only
 
     @classmethod

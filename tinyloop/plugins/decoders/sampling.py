@@ -16,6 +16,7 @@ class SamplingDecoder(Decoder):
     name = "sampling"
     mode = "sampling"
     compat = ALL_CONTEXTS_OK
+    adaptive_depth = True               # its steps are Session.advance: early exit applies
     honours = SAMPLING_FIELDS
 
     @classmethod

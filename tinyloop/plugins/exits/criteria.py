@@ -1,0 +1,110 @@
+"""The built-in early-exit criteria (GenerateConfig.early_exit_criterion; tinyloop.runtime.early_exit).
+
+Each probe looks at one row: the residual after the probed iteration (``hidden``), or the head's
+logits of that residual (``logits``: the final norm and head applied to the probed state, as the
+post blocks are not; one extra head evaluation per probe). With x the probed residual, x' the
+previous probe's, z the probed logits and z' the previous probe's:
+
+===============  ============================================  ======================  =========
+criterion        statistic                                     stable when             default
+===============  ============================================  ======================  =========
+hidden_l2        ||x - x'||_2 / ||x||_2                        statistic < threshold   0.1
+logit_margin     z[top1] - z[top2] (this probe only)           statistic >= margin     3.0
+kl               KL(softmax(z) || softmax(z')), in nats        statistic < threshold   0.01
+argmax           argmax z == argmax z' (1 when it changed)     statistic == 0          none
+===============  ============================================  ======================  =========
+
+logit_margin reads its margin from the spec's ``early_exit_logit_margin`` (> 0 also selects it when
+no criterion is named); the others from ``early_exit_threshold`` (0: the default above). The
+defaults are where the demo model keeps its perplexity within about 1 % at its default depth
+(docs/BENCHMARKS.md, "Early exit").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...errors import ConfigError
+from ...runtime.early_exit import ExitCriterion
+from ...runtime.hookspecs import hookimpl
+
+#: The early_exit row of configs/compat.yaml.
+EXIT_COMPAT = {"single": "ok", "batched": "rejected", "speculative": "rejected", "tree_speculative": "rejected",
+               "prefix_reuse": "ok", "warm_start": "rejected"}
+
+
+def _log_softmax(z: np.ndarray) -> np.ndarray:
+    m = z.max()
+    return z - (m + np.log(np.exp(z - m).sum()))
+
+
+class HiddenL2(ExitCriterion):
+    """Relative L2 change of the residual since the previous probe (the spec's default)."""
+
+    name = "hidden_l2"
+    compat = EXIT_COMPAT
+    reads = "hidden"
+    default_threshold = 0.1
+
+    def statistic(self, cur, prev):
+        n = float(np.linalg.norm(cur))
+        d = float(np.linalg.norm(cur - prev))
+        return d / n if n > 0 else (0.0 if d == 0 else float("inf"))
+
+
+class LogitMargin(ExitCriterion):
+    """Top-1 minus top-2 of the probed logits (the spec's early_exit_logit_margin)."""
+
+    name = "logit_margin"
+    compat = EXIT_COMPAT
+    reads = "logits"
+    needs_previous = False
+    default_threshold = 3.0
+
+    @classmethod
+    def threshold_of(cls, config):
+        if config.early_exit_threshold:
+            raise ConfigError(f"early_exit_threshold={config.early_exit_threshold} is set, but the logit_margin "
+                              f"criterion takes its margin from early_exit_logit_margin (leave the threshold at 0)")
+        m = config.early_exit_logit_margin
+        return float(m) if m > 0 else float(cls.default_threshold)
+
+    def statistic(self, cur, prev):
+        top2 = np.partition(cur, -2)[-2:]
+        return float(top2[1] - top2[0])
+
+    def stable(self, stat):
+        return stat >= self.threshold
+
+
+class KLDivergence(ExitCriterion):
+    """KL divergence of the probed next-token distribution from the previous probe's."""
+
+    name = "kl"
+    compat = EXIT_COMPAT
+    reads = "logits"
+    default_threshold = 0.01
+
+    def statistic(self, cur, prev):
+        lp, lq = _log_softmax(cur), _log_softmax(prev)
+        return max(0.0, float(np.sum(np.exp(lp) * (lp - lq))))
+
+
+class ArgmaxStable(ExitCriterion):
+    """The probed greedy token equals the previous probe's."""
+
+    name = "argmax"
+    compat = EXIT_COMPAT
+    reads = "logits"
+    default_threshold = None
+
+    def statistic(self, cur, prev):
+        return 0.0 if int(np.argmax(cur)) == int(np.argmax(prev)) else 1.0
+
+    def stable(self, stat):
+        return stat == 0.0
+
+
+@hookimpl
+def tinyloop_exit_criteria():
+    return [HiddenL2, LogitMargin, KLDivergence, ArgmaxStable]

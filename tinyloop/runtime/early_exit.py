@@ -1,0 +1,237 @@
+"""Adaptive depth: per-token early exit from the loop (GenerateConfig.early_exit_*).
+
+A decode step of one token runs the loop iterations one at a time and *probes* the state between
+them. The spec's semantics, with the depth d counted in loop iterations run:
+
+* probes are taken at depths ``min_L, min_L + peek_every, min_L + 2 * peek_every, ...`` below
+  ``loops`` (a probe at the full depth could not save anything, so none is taken there);
+* a probe is *stable* when the request's exit criterion (a plugin, :class:`ExitCriterion`) says so
+  for the probed value and the previous one. A criterion that compares two probes gets its first
+  reference at depth ``max(0, min_L - peek_every)``, so every comparison spans ``peek_every``
+  iterations except that the first one spans ``min_L`` when min_L < peek_every;
+* after ``patience`` consecutive stable probes the token exits at the depth of the last one: its
+  state goes through the post blocks and the head as if the loop had ended there;
+* never beyond ``loops``: a token that never becomes stable runs every iteration.
+
+Prompt positions (the prefill) always run at full depth; exits apply to decode steps.
+
+The skipped iterations' cache layers (loop iterations d .. loops-1 of an exited token's position)
+are read by every later token that runs deeper. ``early_exit_kv`` says what they hold:
+
+* ``copy_last`` (default): the K/V of the last iteration the token ran (d - 1), for the same loop
+  layer (backend capability ``kv_layer_copy``). Huginn-0125's "latest-m4" cache policy is the
+  analogue for its four-layer core.
+* ``recompute``: each skipped (iteration i, loop layer j) gets layer j's K/V projections of the
+  state iteration i would start from if the exited state were its fixed point: the exited state,
+  plus the loop input when the model injects it (i > 0). One K/V projection per skipped layer
+  (attention and MLP are not run); exact for iteration d itself when n_loop = 1.
+
+The statistics the criteria compute are documented on each built-in (tinyloop.plugins.exits) and
+in docs/ARCHITECTURE.md ("Early exit").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Mapping, Optional, Tuple
+
+import numpy as np
+
+from ..errors import BackendError, ConfigError, IncompatibleModesError, PluginError
+
+
+class ExitCriterion:
+    """Base class of exit-criterion plugins (hook ``tinyloop_exit_criteria``).
+
+    A subclass declares ``name`` (GenerateConfig.early_exit_criterion selects it), ``reads``
+    ("hidden": the probed value is the residual row after the iteration; "logits": the head's
+    logits of that row), ``needs_previous`` (the statistic compares with the previous probe),
+    ``default_threshold`` (None: the criterion takes no threshold) and implements
+    :meth:`statistic` and :meth:`stable`. ``mode`` / ``compat`` tie the plugins to the
+    ``early_exit`` row of configs/compat.yaml. The statistic runs on float64 copies of float32
+    rows: on every backend the same code decides."""
+
+    name: ClassVar[str] = ""
+    mode: ClassVar[str] = "early_exit"
+    compat: ClassVar[Mapping[str, str]] = {}
+    reads: ClassVar[str] = "hidden"
+    needs_previous: ClassVar[bool] = True
+    default_threshold: ClassVar[Optional[float]] = None
+
+    def __init__(self, threshold: Optional[float]):
+        self.threshold = threshold
+
+    @classmethod
+    def threshold_of(cls, config) -> Optional[float]:
+        """The threshold a request asks for (validated): early_exit_threshold, or the default."""
+        t = config.early_exit_threshold
+        if cls.default_threshold is None:
+            if t:
+                raise ConfigError(f"early_exit_threshold={t} is set, but the {cls.name!r} exit criterion takes "
+                                  f"no threshold (leave it at 0)")
+            return None
+        return float(t) if t > 0 else float(cls.default_threshold)
+
+    def statistic(self, cur: np.ndarray, prev: Optional[np.ndarray]) -> float:
+        """The probe's statistic from the probed value `cur` (float64, one row) and the previous
+        probe's (None where ``needs_previous`` is False)."""
+        raise NotImplementedError
+
+    def stable(self, stat: float) -> bool:
+        """Whether a probe of statistic `stat` counts as stable (default: below the threshold)."""
+        return stat < self.threshold
+
+
+@dataclass(frozen=True)
+class ExitPlan:
+    """A request's early exit, resolved and checked before any work (Plan.exit)."""
+
+    criterion: ExitCriterion
+    patience: int
+    min_L: int
+    peek_every: int
+    loops: int
+    kv: str
+
+    @property
+    def probe_depths(self) -> Tuple[int, ...]:
+        """The depths probed: min_L, min_L + peek_every, ... below loops."""
+        return tuple(range(self.min_L, self.loops, self.peek_every))
+
+    @property
+    def reference_depth(self) -> Optional[int]:
+        """The depth of the first probe's reference (None: the criterion compares with nothing)."""
+        return max(0, self.min_L - self.peek_every) if self.criterion.needs_previous else None
+
+
+def resolve_exit(model, config, loops: int, criteria: Mapping[str, type]) -> Optional[ExitPlan]:
+    """The request's ExitPlan (None without early exit); typed errors naming the value, before any
+    allocation. `criteria`: the registered ExitCriterion classes by name."""
+    if config.early_exit_patience == 0:
+        return None
+    name = config.early_exit_criterion or ("logit_margin" if config.early_exit_logit_margin > 0 else "hidden_l2")
+    if name not in criteria:
+        raise PluginError(f"early_exit_criterion={name!r} is not a registered exit criterion; available: "
+                          f"{', '.join(sorted(criteria))}")
+    cls = criteria[name]
+    if config.early_exit_logit_margin > 0 and name != "logit_margin":
+        raise IncompatibleModesError(
+            f"early_exit_logit_margin={config.early_exit_logit_margin} selects the logit_margin criterion, but "
+            f"early_exit_criterion={name!r} was asked for (set one of them)")
+    criterion = cls(cls.threshold_of(config))
+    if config.early_exit_min_L >= loops:
+        raise ConfigError(f"early_exit_min_L={config.early_exit_min_L} leaves no probe before the last of "
+                          f"loops={loops} iterations (early exit needs early_exit_min_L < loops)")
+    if config.early_exit_kv == "copy_last" and not model.backend.supports("kv_layer_copy"):
+        raise BackendError(f"early_exit_kv='copy_last' needs the backend capability 'kv_layer_copy', which the "
+                           f"{model.backend.name} backend does not provide (early_exit_kv='recompute' runs on "
+                           f"the required ops)")
+    return ExitPlan(criterion, config.early_exit_patience, config.early_exit_min_L,
+                    config.early_exit_peek_every, loops, config.early_exit_kv)
+
+
+class ExitStep:
+    """Runs one-token decode steps with early exit for a session (Session builds one when the
+    plan has an ExitPlan). Written against the forward's pieces and backend ops only.
+
+    On a backend that captures graphs, the stretches between probes (prefix and first
+    iterations, each probe interval, the K/V fill of each exit depth, the tail) are replayed as
+    captured graphs; the probed row is read back after its stretch, so each probe is one host
+    round trip (docs/ARCHITECTURE.md, "Early exit", says what a device-side exit would need)."""
+
+    def __init__(self, session, plan: ExitPlan):
+        self.s, self.plan = session, plan
+        cfg = session.model.cfg
+        self.inject = cfg.loop_inject == "add"
+        self.n_loop = cfg.n_loop
+        probes = plan.probe_depths
+        ref = plan.reference_depth
+        # the depths where the host looks at the state: the reference, then every probe
+        self.stops = tuple(sorted(set(probes) | ({ref} if ref is not None else set())))
+        self.probes = frozenset(probes)
+
+    # ------------------------------------------------------------------ pieces
+    def _replay(self, key, fn) -> None:
+        s = self.s
+        s.model.backend.replay(("exit",) + key + (s.cache,), fn)
+
+    def _probe(self) -> np.ndarray:
+        """The probed value of the row now in the residual, as float64."""
+        s = self.s
+        be, ws = s.model.backend, s.model.ws
+        if self.plan.criterion.reads == "logits":
+            s.model.fwd.logits(0, 1)
+            return np.asarray(be.logits_to_host(ws, 0), np.float64).copy()
+        return be.rows_to_host(ws.x, 1)[0].astype(np.float64)
+
+    def _fill(self, depth: int, pos, position: int) -> None:
+        """The skipped iterations' K/V at `position` (the plan's policy)."""
+        s = self.s
+        be, ws, fwd, cache = s.model.backend, s.model.ws, s.model.fwd, s.cache
+        spec, L = cache.spec, self.plan.loops
+        if self.plan.kv == "copy_last":
+            def fill():
+                for j in range(self.n_loop):
+                    be.copy_kv_layers_at(cache, position, spec.layer("loop", j, iteration=depth - 1),
+                                         [spec.layer("loop", j, iteration=i) for i in range(depth, L)])
+            fill()          # the slot differs per position: copies are not replayed
+            return
+
+        def fill():
+            src = ws.x
+            if self.inject:
+                be.copy(ws.snap_x, ws.x, 1)
+                be.add(ws.snap_x, ws.e, 1)
+                src = ws.snap_x
+            for i in range(depth, L):
+                for j, blk in enumerate(fwd.w.loop):
+                    be.kv_project(ws, blk, cache, spec.layer("loop", j, iteration=i), pos, 1, src)
+        self._replay(("fill", depth), fill)
+
+    # ------------------------------------------------------------------ the step
+    def step(self, ids, pos, position: int, forced: Optional[int] = None) -> int:
+        """Forward the token at `position` (ids, pos: backend handles) with early exit; leaves its
+        logits (and their argmax, started) pending like the plain step. `forced`: run exactly that
+        depth without probing (the uncached reference path replaying recorded depths). Returns
+        the depth run."""
+        s, plan = self.s, self.plan
+        be, fwd, ws, cache = s.model.backend, s.model.fwd, s.model.ws, s.cache
+        L, crit = plan.loops, plan.criterion
+        stops = (forced,) if forced is not None and forced < L else (() if forced is not None else self.stops)
+        done, prev, run, depth = 0, None, 0, L
+        for d in stops:
+            first = done == 0
+
+            def stretch(a=done, b=d, first=first):
+                if first:
+                    fwd.prefix(ids, pos, 1, cache)
+                fwd.run_loop_iters_range(pos, 1, cache, a, b)
+            self._replay(("run", done, d), stretch)
+            done = d
+            if forced is not None:
+                depth = d
+                break
+            cur = self._probe()
+            if d not in self.probes:
+                prev = cur
+                continue
+            stat = crit.statistic(cur, prev)
+            prev = cur
+            s.stats.exit_probes += 1
+            run = run + 1 if crit.stable(stat) else 0
+            if run >= plan.patience:
+                depth = d
+                break
+        if depth < L:
+            self._fill(depth, pos, position)
+
+        def tail(a=done, first=done == 0):
+            if first:
+                fwd.prefix(ids, pos, 1, cache)
+            fwd.run_loop_iters_range(pos, 1, cache, a, depth)
+            fwd.suffix(pos, 1, cache)
+            fwd.logits(0, 1)
+            be.launch_argmax(ws)
+            be.advance_position(pos)
+        self._replay(("tail", done, depth), tail)
+        return depth
