@@ -1132,6 +1132,38 @@ def test_move_cache_slots(rig):
         be.release_cache(cache)
 
 
+@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize("codec", ["fp16", "int8", "int4"])
+def test_copy_kv_layers_at(rig, codec, window):
+    """copy_kv_layers_at(cache, position, src, dsts) (capability kv_layer_copy): the K/V rows of
+    that position's slot in each dst layer := src's (codes, scales, zero points), bit for bit;
+    every other slot and layer keeps its contents; a layer of another group is refused."""
+    _needs(rig.be, "kv_layer_copy")
+    be, n = rig.be, 6
+    cache = be.alloc_cache(spec_of([("pre", 1, "fp32"), ("loop", 4, codec)], 8, window))
+    try:
+        _fill_all_layers(rig, cache, n, 140)
+        if not _has_storage(cache):
+            pytest.skip("the cache exposes no storage arrays")
+        before = cache_storage(rig, cache)
+        position = 4
+        slot = cache.spec.slots.slot(position)
+        be.copy_kv_layers_at(cache, be.positions(position), 2, range(3, 5))      # loop layers 1 -> 2, 3
+        be.read_argmax_rows(rig.ws, 1)                                          # ops finished
+        after = cache_storage(rig, cache)
+        assert_bits(after[0][0]["data"], before[0][0]["data"], "the pre group is untouched")
+        for st0, st1 in zip(before[1], after[1]):
+            for name in st0:
+                want = st0[name].copy()
+                want[2, slot] = want[1, slot]
+                want[3, slot] = want[1, slot]
+                assert_bits(st1[name], want, f"copy_kv_layers_at {codec} {name}")
+        with pytest.raises(BackendError, match="not in the group"):
+            be.copy_kv_layers_at(cache, be.positions(position), 2, range(0, 1))
+    finally:
+        be.release_cache(cache)
+
+
 # =============================================================================== composites
 @pytest.mark.parametrize("codec", ["fp32", "int8"])
 def test_composites_match_the_default_implementations(fwd_rig, codec):

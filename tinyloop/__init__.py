@@ -7,7 +7,7 @@ the plugin author's API (hooks, base classes and the decode-session contract; do
 from .runtime.config import (GenerateConfig, GenerateStats, RunConfig, SpeculativeConfig, StopReason,
                           TreeSpeculativeConfig)
 from .runtime.engine import (Model, free_model, generate, generate_batch, generate_iter, generate_stream,
-                          load_model, score, score_last_token, vram_usage_bytes)
+                          load_model, score, score_decoded, score_last_token, vram_usage_bytes)
 from .errors import (BackendError, ConfigError, IncompatibleModesError, InvalidInputError,
                           ModelBusyError, ModelFormatError, ModelFreedError, NotImplementedModeError,
                           OutOfMemoryError, PluginError, TinyLoopError, TokenizerError, HandleFreedError,
@@ -40,7 +40,7 @@ __all__ = [
     "load_model", "free_model", "vram_usage_bytes", "inspect", "Model",
     "generate", "generate_stream", "generate_iter", "generate_batch", "generate_text", "stream_text", "Tokenizer", "Grammar",
     "generate_speculative", "generate_tree_speculative", "calibrate", "DecoderChoice", "score",
-    "score_last_token", "score_logit_lens", "score_with_uncertainty", "score_with_consistency_escalation",
+    "score_last_token", "score_decoded", "score_logit_lens", "score_with_uncertainty", "score_with_consistency_escalation",
     "LensTopK", "Uncertainty", "Escalation",
     "PrefixCache", "PrefixPool", "ResumeHandle", "build_prefix_cache", "generate_from_prefix_cache",
     "free_prefix_cache", "create_prefix_pool", "register_prefix", "generate_with_pool", "free_prefix_pool",

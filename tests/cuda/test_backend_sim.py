@@ -452,3 +452,23 @@ def test_memory_estimate_equals_held_memory(small_path):
             assert seen[0] == est["total_bytes"], (seen[0], est)
         finally:
             tl.free_model(m)
+
+
+# ----------------------------------------------------------------------------- early exit
+@pytest.mark.parametrize("criterion,threshold,kv", [("hidden_l2", 0.5, "copy_last"), ("kl", 0.05, "recompute"),
+                                                    ("argmax", 0.0, "copy_last")])
+def test_early_exit_matches_the_cpu(small_path, criterion, threshold, kv):
+    """Early exit through the CUDA backend's guarded steps (the simulator reads the probes' flag
+    between stretches): the exit_probe and kv_layer_copy kernels give the CPU's depths and tokens."""
+    cpu = tl.load_model(str(small_path), max_seq_len=10, backend="cpu")
+    m = tl.load_model(str(small_path), max_seq_len=10, backend="cuda")
+    try:
+        assert m.backend.supports("guarded_steps") and m.backend.supports("kv_layer_copy")
+        cfg = tl.GenerateConfig(max_tokens=4, loops=4, early_exit_patience=1, early_exit_min_L=1,
+                                early_exit_criterion=criterion, early_exit_threshold=threshold, early_exit_kv=kv)
+        want, got = tl.GenerateStats(), tl.GenerateStats()
+        assert tl.generate(m, [3, 7, 1], cfg, stats=got) == tl.generate(cpu, [3, 7, 1], cfg, stats=want)
+        assert got.token_loops == want.token_loops and got.exit_probes == want.exit_probes
+    finally:
+        tl.free_model(m)
+        tl.free_model(cpu)

@@ -7,7 +7,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..runtime.engine import Model, score
+from ..runtime.config import GenerateConfig, GenerateStats
+from ..runtime.engine import Model, check_call, score, score_decoded
 from ..errors import InvalidInputError
 from ..progress import bar
 
@@ -39,3 +40,37 @@ def perplexity(model: Model, ids: Sequence[int], loops: Optional[int] = None, wi
         count += window - 1
     return {"ppl": math.exp(nll / count), "nll": nll / count, "tokens": count, "windows": n_win,
             "loops": loops if loops is not None else model.cfg.default_loops, "cache_mode": cache_mode}
+
+
+def decoded_perplexity(model: Model, ids: Sequence[int], config: Optional[GenerateConfig] = None,
+                       window: int = 256, max_windows: Optional[int] = None) -> dict:
+    """Perplexity of `ids` as decoding computes the logits (tinyloop.score_decoded: one decode
+    step per position, teacher-forced), so per-step settings such as early exit apply; windows as
+    :func:`perplexity`. Besides {"ppl", "nll", "tokens", "windows", "loops"} it returns
+    "mean_loops" (the mean depth behind the scored predictions) and "probes" (exit criterion
+    evaluations)."""
+    check_call(model, config)
+    config = config or GenerateConfig()
+    if isinstance(window, bool) or not isinstance(window, int) or not 2 <= window <= model.max_seq_len:
+        raise InvalidInputError(f"window={window!r} is outside the allowed range [2, {model.max_seq_len}]")
+    ids = np.asarray(ids, dtype=np.int64)
+    n_win = len(ids) // window
+    if max_windows is not None:
+        n_win = min(n_win, max_windows)
+    if n_win < 1:
+        raise InvalidInputError(f"{len(ids)} tokens do not fill one window of {window}")
+    nll, count, depth_sum, probes = 0.0, 0, 0.0, 0
+    loops = config.loops if config.loops is not None else model.cfg.default_loops
+    for w in bar(range(n_win), "decoded ppl", unit="window"):
+        chunk = ids[w * window:(w + 1) * window]
+        st = GenerateStats()
+        logits = score_decoded(model, [int(t) for t in chunk], config, stats=st).astype(np.float64)
+        m = logits.max(axis=1, keepdims=True)
+        lse = (m[:, 0] + np.log(np.exp(logits - m).sum(axis=1)))[:-1]
+        nll += float(np.sum(lse - logits[np.arange(window - 1), chunk[1:]]))
+        count += window - 1
+        depths = st.token_loops[:-1] if st.token_loops else [loops] * (window - 1)
+        depth_sum += float(sum(depths))
+        probes += st.exit_probes
+    return {"ppl": math.exp(nll / count), "nll": nll / count, "tokens": count, "windows": n_win, "loops": loops,
+            "mean_loops": depth_sum / count, "probes": probes}

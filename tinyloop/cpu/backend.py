@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 
 from ..model.arch import required_tensors
-from ..runtime.backend import (Backend, CacheReuse, KVLayerCopy, ModelWeights, TokenMasks, TreeOps, TreeRows,
-                               Workspace)
+from ..runtime.backend import (Backend, CacheReuse, GuardedSteps, KVLayerCopy, ModelWeights, TokenMasks, TreeOps,
+                               TreeRows, Workspace)
+from ..runtime.early_exit import STATISTICS, is_stable
 from ..runtime.cache import shared_layers
 from ..errors import BackendError, OutOfMemoryError
 from . import ops, threads
@@ -82,7 +83,7 @@ class CPUCache:
         return sum(st.nbytes for st in self.storages())
 
 
-class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy):
+class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedSteps):
     """Numba/numpy implementation of the backend ops."""
 
     name = "cpu"
@@ -99,6 +100,7 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy):
         self.sin = np.sin(ang).astype(np.float32)
         self._held = 0
         self._scores = None
+        self._exit_run, self._exit_at, self._exit_prev = 0, 0, None     # guarded steps (early exit)
         #: threads of the parallel kernels (TINYLOOP_CPU_THREADS; tinyloop/cpu/threads.py)
         self.threads = threads.configure()
         self._par = threads.Region(self.threads)
@@ -165,8 +167,8 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy):
                     if sa.size:
                         np.copyto(da[:n_layers, :n_slots], sa[:n_layers, :n_slots])
 
-    def copy_kv_layers_at(self, cache: CPUCache, position: int, src_layer: int, dst_layers) -> None:
-        slot = cache.spec.slots.slot(position)
+    def copy_kv_layers_at(self, cache: CPUCache, pos, src_layer: int, dst_layers: range) -> None:
+        slot = cache.spec.slots.slot(int(pos))
         gi, src = cache.spec.group_of(src_layer)
         for layer in dst_layers:
             gd, dst = cache.spec.group_of(layer)
@@ -176,6 +178,24 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy):
                 for a in st.arrays:
                     if a.size:
                         a[dst, slot] = a[src, slot]
+
+    # ------------------------------------------------------------------ guarded steps (early exit)
+    exit_stats = frozenset(STATISTICS)
+
+    def exit_reset(self) -> None:
+        self._exit_run, self._exit_at = 0, 0
+
+    def exit_probe(self, ws, src, stat, threshold, patience, depth, compare) -> None:
+        cur = np.asarray(src[0], np.float64)
+        if compare:
+            value = STATISTICS[stat][0](cur, self._exit_prev)
+            self._exit_run = self._exit_run + 1 if is_stable(stat, value, threshold) else 0
+            if self._exit_run >= patience and not self._exit_at:
+                self._exit_at = depth
+        self._exit_prev = cur.copy()
+
+    def exit_depth(self) -> int:
+        return self._exit_at
 
     def alloc_rows(self, n: int, cols: int) -> np.ndarray:
         check_host_memory(4 * n * cols, f"a row buffer of {n} x {cols}")

@@ -61,12 +61,12 @@ from numba.cuda.cudadrv.driver import device_memset
 
 from dataclasses import dataclass
 
-from ..runtime.backend import (Backend, CacheReuse, DeviceChaining, KVLayerCopy, ModelWeights, TokenMasks, TreeOps,
-                               TreeRows, Workspace)
+from ..runtime.backend import (Backend, CacheReuse, DeviceChaining, GuardedSteps, KVLayerCopy, ModelWeights,
+                               TokenMasks, TreeOps, TreeRows, Workspace)
 from ..runtime.cache import CacheSpec, SlotMap, shared_layers
 from ..runtime.config import env_switch
 from ..errors import BackendError, OutOfMemoryError, PluginError
-from .graphs import Graph
+from .graphs import Graph, GuardedGraph, conditional_nodes_supported
 from .kv_codecs import CUDAKVCodec
 from .kernels._common import no_tree
 from .kernels import _pdl as k_pdl
@@ -75,6 +75,8 @@ from .kernels import argmax as k_argmax
 from .kernels import attention as k_attention
 from .kernels import cache_move as k_cache_move
 from .kernels import embed as k_embed
+from .kernels import exit_probe as k_exit_probe
+from .kernels import kv_layer_copy as k_kv_layer_copy
 from .kernels import kv_store as k_kv_store
 from .kernels import matmul as k_matmul
 from .kernels import position as k_position
@@ -207,8 +209,10 @@ class CUDAWorkspace(Workspace):
     moves (2, T) cache slot moves, moves_host; ids_host (T,) pinned staging for set_ids;
     logits_host (vocab,) pinned row of logits; att_work / att_count split-KV attention partials and
     per-(row, head) arrival counters; amax_work (values, ids, counters) of the split argmax; mask
-    (ceil(vocab / 32),) the token mask words of launch_masked_argmax, mask_host their pinned staging. The
-    counters are zeroed once at allocation, and every launch leaves them zero.
+    (ceil(vocab / 32),) the token mask words of launch_masked_argmax, mask_host their pinned staging;
+    exit_prev (max(d_model, vocab),) the previous early-exit probe's row, exit_state (2,) the probes'
+    [stable count, exit depth], exit_host its pinned copy of the depth. The counters are zeroed once
+    at allocation, and every launch leaves them zero.
     """
 
     tok: Any = None
@@ -225,9 +229,12 @@ class CUDAWorkspace(Workspace):
     amax_work: Any = None
     mask: Any = None
     mask_host: Any = None
+    exit_prev: Any = None
+    exit_state: Any = None
+    exit_host: Any = None
 
 
-class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLayerCopy):
+class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLayerCopy, GuardedSteps):
     """numba-cuda implementation of the backend ops, with graph-captured decode steps."""
 
     name = "cuda"
@@ -266,6 +273,11 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
         self.step_programmatic_edges = 0
         self._no_tree = no_tree()          # made here, never during a capture
         self._tree_layouts = {}
+        # guarded early-exit steps as one graph of conditional nodes: the device runtime's
+        # cudaGraphSetConditional must link, and the driver must have IF nodes (CUDA 12.4)
+        self.guarded_graphs = (self.use_graphs and env_switch("TINYLOOP_CUDA_GUARDED")
+                               and k_exit_probe.DEVRT is not None and conditional_nodes_supported())
+        self._guard_handles = None         # (cont, {depth: fill}) while a guarded graph is captured
 
     # ------------------------------------------------------------------ memory
     def _to_device(self, a: np.ndarray):
@@ -368,6 +380,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
         out.update(ids=((rows,), i32), tok=((1,), i32), toks=((rows,), i32),
                    topk=((rows * MAX_TOPK,), i32),            # (n, k) views over the start
                    moves=((2, rows), i32), mask=((-(-c.vocab_size // 32),), i32),
+                   exit_prev=((max(c.d_model, c.vocab_size),), f), exit_state=((2,), i32),
                    # split-KV attention: per-split partials and per-(row, head) arrival counters
                    att_work=(k_attention.workspace_shape(rows, c.n_heads, c.head_dim), f),
                    att_count=(k_attention.counter_shape(rows, c.n_heads), i32))
@@ -388,6 +401,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
         ws.ids_host = cuda.pinned_array(rows, np.int32)
         ws.logits_host = cuda.pinned_array(c.vocab_size, np.float32)
         ws.mask_host = cuda.pinned_array(ws.mask.shape[0], np.int32)
+        ws.exit_host = cuda.pinned_array(1, np.int32)
         # the arrival counters are zeroed here once (every launch leaves them zero, graph replays
         # included)
         for counter in self._counters(ws):
@@ -435,6 +449,8 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
             k, v = (impl.alloc(self._empty, g.n_layers, spec.n_slots, c.n_kv_heads, c.head_dim)
                     for _ in range(2))
             groups.append(CUDACacheGroup(g.name, codec, impl, k, v))
+            for a in k.arrays:             # load the layer-copy kernel now, never while capturing
+                k_kv_layer_copy.copy_layers_at(a, self.pos, False, 0, range(0), stream=self.stream)
         return CUDACache(spec, groups)
 
     def _zero(self, cache: CUDACache) -> None:
@@ -497,17 +513,21 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
                 for layer in range(n_layers):
                     da[layer, :n_slots].copy_to_device(sa[layer, :n_slots], stream=self.stream)
 
-    def copy_kv_layers_at(self, cache: CUDACache, position: int, src_layer: int, dst_layers) -> None:
-        """One device-to-device copy per (layer, storage array) on the backend stream: a slot's
-        rows of one layer are contiguous in every storage array."""
-        slot = cache.spec.slots.slot(position)
+    def copy_kv_layers_at(self, cache: CUDACache, pos, src_layer: int, dst_layers: range) -> None:
+        """One kv_layer_copy launch per storage array of the group: the slot is read from the
+        device position, so the copy replays inside a captured step."""
         g, src = cache.group(src_layer)
-        for layer in dst_layers:
+        if not isinstance(dst_layers, range) or dst_layers.step < 1:
+            raise BackendError(f"copy_kv_layers_at: dst_layers must be an increasing range, got {dst_layers!r}")
+        local = []
+        for layer in (dst_layers[0], dst_layers[-1]) if len(dst_layers) else ():
             gd, dst = cache.group(layer)
             if gd is not g:
                 raise BackendError(f"copy_kv_layers_at: layer {layer} is not in the group of layer {src_layer}")
-            for a in g.arrays:
-                a[dst, slot].copy_to_device(a[src, slot], stream=self.stream)
+            local.append(dst)
+        dst = range(local[0], local[1] + 1, dst_layers.step) if local else range(0)
+        for a in g.arrays:
+            k_kv_layer_copy.copy_layers_at(a, pos, cache.window > 0, src, dst, stream=self.stream)
 
     def alloc_rows(self, n: int, cols: int):
         buf = self._empty((n, cols), np.float32)
@@ -694,13 +714,64 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
         self.stream.synchronize()
         return [int(t) for t in ws.toks_host[:n]]
 
+    # ------------------------------------------------------------------ guarded steps (early exit)
+    exit_stats = frozenset(k_exit_probe.MODES)
+
+    def exit_reset(self) -> None:
+        k_exit_probe.reset(self._ws.exit_state, stream=self.stream)
+
+    def exit_probe(self, ws, src, stat, threshold, patience, depth, compare) -> None:
+        cont, fill = 0, 0
+        if self._guard_handles is not None and compare:
+            cont, fill = self._guard_handles[0], self._guard_handles[1].get(depth, 0)
+        k_exit_probe.probe(src[0], ws.exit_prev, ws.exit_state, stat, threshold, patience, depth, compare,
+                           cont, fill, stream=self.stream)
+
+    def exit_depth(self) -> int:
+        ws = self._ws
+        ws.exit_state[1:2].copy_to_host(ws.exit_host, stream=self.stream)
+        self.stream.synchronize()
+        return int(ws.exit_host[0])
+
+    def replay_guarded(self, key, head, stretches, fills, tail) -> None:
+        """With graphs: the whole guarded step as one graph of conditional nodes (GuardedGraph),
+        captured on the second call like a decode step; the probes set the graph's handles on the
+        device. Otherwise (TINYLOOP_CUDA_GUARDED=0, no device runtime, drivers before CUDA 12.4,
+        the simulator) the flag is read between stretches."""
+        def eager():
+            GuardedSteps.replay_guarded(self, key, head, stretches, fills, tail)
+        if not self.guarded_graphs:
+            return eager()
+
+        def capture():
+            def on_handles(cont, fill_handles):
+                self._guard_handles = (cont, fill_handles)
+
+            def first():
+                self.exit_reset()
+                head()
+            try:
+                try:
+                    g = GuardedGraph(self.stream, first, stretches, fills, tail, on_handles, programmatic=self.pdl)
+                except BackendError:
+                    if not self.pdl:
+                        raise
+                    # conditional bodies refused programmatic edges: default edges
+                    g = GuardedGraph(self.stream, first, stretches, fills, tail, on_handles)
+            finally:
+                self._guard_handles = None
+            self.step_nodes, self.step_programmatic_edges = g.nodes, g.programmatic_edges
+            return g
+        self._replay(("guarded", key), eager, step=True, capture=capture)
+
     # ------------------------------------------------------------------ graphs
     def replay(self, key, fn) -> None:
         self._replay(key, fn, step=True)
 
-    def _replay(self, key, fn, step: bool) -> None:
+    def _replay(self, key, fn, step: bool, capture=None) -> None:
         """replay; `step`: `fn` is a decode step (its captured node counts are reported as the
-        step's), not one of the backend's own small graphs."""
+        step's), not one of the backend's own small graphs; `capture`: builds the graph instead
+        of capturing `fn` (a guarded step)."""
         if not self.use_graphs:
             fn()
             return
@@ -715,7 +786,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
         if entry[0] == "warm":
             # the capture run issues the same ops, so it leaves the host mirrors as a replay will
             pos0 = self._pos_value
-            gexec = self._capture(fn, step)
+            gexec = capture() if capture is not None else self._capture(fn, step)
             effect = (None if pos0 is None or self._pos_value is None else self._pos_value - pos0,
                       self._tok_value is None)
             self._graphs[key] = ("graph", gexec, effect)

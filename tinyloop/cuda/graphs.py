@@ -127,3 +127,99 @@ class Graph:
     def launch(self) -> None:
         (err,) = _drv().cuGraphLaunch(self.exec, stream_handle(self.stream))
         _check(err, "cuGraphLaunch")
+
+
+# --------------------------------------------------------------------------- guarded graphs
+def _capture_into(stream, fn, graph, relaxed: bool = True) -> None:
+    """Capture `fn()` on `stream` into the existing `graph` (a conditional node's body). Relaxed
+    mode: a kernel's first launch may load its module while capturing."""
+    drv = _drv()
+    st = stream_handle(stream)
+    mode = (drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED if relaxed
+            else drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+    (err,) = drv.cuStreamBeginCaptureToGraph(st, graph, None, None, 0, mode)
+    _check(err, "cuStreamBeginCaptureToGraph")
+    try:
+        fn()
+    finally:
+        err, _ = drv.cuStreamEndCapture(st)
+    _check(err, "cuStreamEndCapture")
+
+
+def conditional_nodes_supported() -> bool:
+    """The driver and bindings build IF conditional nodes (CUDA 12.4 and later)."""
+    try:
+        drv = _drv()
+        err, version = drv.cuDriverGetVersion()
+        return (err == drv.CUresult.CUDA_SUCCESS and version >= 12040
+                and hasattr(drv, "cuGraphConditionalHandleCreate") and hasattr(drv, "cuStreamBeginCaptureToGraph"))
+    except Exception:       # bindings without the API
+        return False
+
+
+class GuardedGraph:
+    """One instantiated graph of a guarded step (GuardedSteps.replay_guarded): `head`, then each
+    of `stretches` in its own IF node on the handle ``cont`` (default 1 at every launch), then each
+    fill in an IF node on its own handle (default 0), then `tail`, all in sequence. Kernels set the
+    handles on the device: ``build(handles)`` is called with (cont, {depth: fill handle}) before
+    any capture so the probes can freeze them into their launches.
+
+    Every piece is captured straight into its node's body (cuStreamBeginCaptureToGraph); with
+    ``programmatic`` the kernel -> kernel edges inside each body become programmatic."""
+
+    def __init__(self, stream, head, stretches, fills, tail, on_handles, programmatic: bool = False):
+        drv = _drv()
+        self.stream = stream
+        err, graph = drv.cuGraphCreate(0)
+        _check(err, "cuGraphCreate")
+        self._graph = graph
+        err, ctx = drv.cuCtxGetCurrent()
+        _check(err, "cuCtxGetCurrent")
+        assign = drv.CU_GRAPH_COND_ASSIGN_DEFAULT
+
+        def handle(default):
+            err, h = drv.cuGraphConditionalHandleCreate(graph, ctx, default, assign)
+            _check(err, "cuGraphConditionalHandleCreate")
+            return h
+        cont = handle(1)
+        fill_handles = {d: handle(0) for d in fills}
+        on_handles(int(cont), {d: int(h) for d, h in fill_handles.items()})
+        self.programmatic_edges = 0
+        prev = []
+
+        def add(body_fn, cond=None):
+            nonlocal prev
+            if cond is None:
+                err, child = drv.cuGraphCreate(0)
+                _check(err, "cuGraphCreate")
+                _capture_into(stream, body_fn, child)
+                self.programmatic_edges += _make_programmatic(child) if programmatic else 0
+                err, node = drv.cuGraphAddChildGraphNode(graph, prev, len(prev), child)
+                _check(err, "cuGraphAddChildGraphNode")
+            else:
+                params = drv.CUgraphNodeParams()
+                params.type = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
+                params.conditional.handle = cond
+                params.conditional.type = drv.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_IF
+                params.conditional.size = 1
+                params.conditional.ctx = ctx
+                err, node = drv.cuGraphAddNode(graph, prev, None, len(prev), params)
+                _check(err, "cuGraphAddNode (conditional)")
+                body = params.conditional.phGraph_out[0]
+                _capture_into(stream, body_fn, body)
+                self.programmatic_edges += _make_programmatic(body) if programmatic else 0
+            prev = [node]
+        add(head)
+        for fn in stretches:
+            add(fn, cont)
+        for d, fn in fills.items():
+            add(fn, fill_handles[d])
+        add(tail)
+        err, self.exec = drv.cuGraphInstantiate(graph, 0)
+        _check(err, "cuGraphInstantiate")
+        res = drv.cuGraphGetNodes(graph)
+        self.nodes = int(res[-1]) if res[0] == drv.CUresult.CUDA_SUCCESS else -1
+
+    def launch(self) -> None:
+        (err,) = _drv().cuGraphLaunch(self.exec, stream_handle(self.stream))
+        _check(err, "cuGraphLaunch")

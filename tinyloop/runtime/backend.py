@@ -18,8 +18,8 @@ implementations over the primitives; a backend overrides them with fused kernels
 launches or passes over memory. The forward only calls composites and the few primitives it needs.
 
 Optional capabilities (:data:`CAPABILITIES`) are mixin classes a backend inherits:
-:class:`TreeOps`, :class:`DeviceChaining`, :class:`CacheReuse`, :class:`TokenMasks` and
-:class:`KVLayerCopy`. Callers ask :meth:`Backend.supports` and fall back;
+:class:`TreeOps`, :class:`DeviceChaining`, :class:`CacheReuse`, :class:`TokenMasks`,
+:class:`KVLayerCopy` and :class:`GuardedSteps`. Callers ask :meth:`Backend.supports` and fall back;
 a decoder that cannot declares ``Decoder.requires``. Backends are registered as
 :class:`BackendEntry` classes through the ``tinyloop_backends`` hook (one registry for every name
 check).
@@ -470,17 +470,64 @@ class KVLayerCopy(ABC):
     policy is refused (``recompute`` runs on the required ops)."""
 
     @abstractmethod
-    def copy_kv_layers_at(self, cache, position: int, src_layer: int, dst_layers) -> None:
-        """For each layer of `dst_layers` (global layers of the same layer group as `src_layer`):
-        the stored K and V rows of absolute position `position` (its slot under the cache's
-        slot map; codes, scales and zero points) := those of `src_layer`. Ordered after every
-        op queued before it."""
+    def copy_kv_layers_at(self, cache, pos, src_layer: int, dst_layers: range) -> None:
+        """For each layer of `dst_layers` (a range of global layers of the same layer group as
+        `src_layer`): the stored K and V rows of the position `pos` (a position handle; the
+        position's slot under the cache's slot map; codes, scales and zero points) := those of
+        `src_layer`. Part of a replayable step (the position is read where it lives)."""
+
+
+class GuardedSteps(ABC):
+    """Capability ``guarded_steps``: a decode step whose later stretches run only while an exit
+    flag, set where the probed state lives, is clear (early exit, tinyloop.runtime.early_exit).
+    A backend with graphs captures the whole step, probes included, as one graph of conditional
+    stretches, so no probe waits for the host; without graphs the flag is read between stretches.
+    Without the capability (or for a statistic not in ``exit_stats``) the runtime probes on the
+    host: the same decisions, one round trip per probe.
+
+    Probe statistics (`stat`; numpy references in tinyloop.runtime.early_exit.STATISTICS, with the
+    direction a stable probe lies in): ``rel_l2``, ``top2_margin``, ``kl``, ``argmax_change``."""
+
+    #: The probe statistics this backend computes where the state lives.
+    exit_stats: FrozenSet[str] = frozenset()
+
+    @abstractmethod
+    def exit_reset(self) -> None:
+        """Queue: clear the exit flag, the recorded depth and the stability count (a step's start)."""
+
+    @abstractmethod
+    def exit_probe(self, ws: Workspace, src, stat: str, threshold: float, patience: int, depth: int,
+                   compare: bool) -> None:
+        """Queue a probe of row 0 of `src` (ws.x or ws.logits). With `compare`: statistic `stat` of
+        it against the stashed previous probe, the count of consecutive stable probes updated
+        (reset by an unstable one) and, when it reaches `patience`, the flag set and `depth`
+        recorded. Then the row is stashed as the previous probe."""
+
+    @abstractmethod
+    def exit_depth(self) -> int:
+        """The depth the last guarded step recorded (0: it did not exit), once it has finished."""
+
+    def replay_guarded(self, key, head, stretches, fills, tail) -> None:
+        """Run head(); each of `stretches` in order while the flag is clear; ``fills[d]()`` for
+        the recorded depth d (if it exited and `fills` has d); then tail(). exit_reset is queued
+        first. A backend with graphs captures it all under `key` and replays it; this default
+        reads the flag on the host between stretches."""
+        self.exit_reset()
+        head()
+        for fn in stretches:
+            if self.exit_depth():
+                break
+            fn()
+        d = self.exit_depth()
+        if d and d in fills:
+            fills[d]()
+        tail()
 
 
 #: The optional capabilities by name (Backend.supports).
 CAPABILITIES: Dict[str, type] = {"tree": TreeOps, "device_chaining": DeviceChaining,
                                  "cache_reuse": CacheReuse, "token_masks": TokenMasks,
-                                 "kv_layer_copy": KVLayerCopy}
+                                 "kv_layer_copy": KVLayerCopy, "guarded_steps": GuardedSteps}
 
 
 # =============================================================================== registry

@@ -40,16 +40,60 @@ import numpy as np
 from ..errors import BackendError, ConfigError, IncompatibleModesError, PluginError
 
 
+def _log_softmax(z: np.ndarray) -> np.ndarray:
+    m = z.max()
+    return z - (m + np.log(np.exp(z - m).sum()))
+
+
+def rel_l2(cur: np.ndarray, prev: np.ndarray) -> float:
+    """||cur - prev||_2 / ||cur||_2 (0 when both are zero, inf when only cur is)."""
+    n = float(np.sqrt(np.sum(cur * cur)))
+    d = float(np.sqrt(np.sum((cur - prev) ** 2)))
+    return d / n if n > 0 else (0.0 if d == 0 else float("inf"))
+
+
+def top2_margin(cur: np.ndarray, prev=None) -> float:
+    """cur's largest value minus its second largest."""
+    top2 = np.partition(cur, -2)[-2:]
+    return float(top2[1] - top2[0])
+
+
+def kl(cur: np.ndarray, prev: np.ndarray) -> float:
+    """KL(softmax(cur) || softmax(prev)) in nats."""
+    lp, lq = _log_softmax(cur), _log_softmax(prev)
+    return max(0.0, float(np.sum(np.exp(lp) * (lp - lq))))
+
+
+def argmax_change(cur: np.ndarray, prev: np.ndarray) -> float:
+    """0 when argmax cur == argmax prev (ties to the lowest index), else 1."""
+    return 0.0 if int(np.argmax(cur)) == int(np.argmax(prev)) else 1.0
+
+
+#: The probe statistics backends may compute where the state lives (GuardedSteps.exit_stats):
+#: name -> (numpy reference over float64 rows, True when a stable probe lies *below* the
+#: threshold, False when at or above it).
+STATISTICS = {"rel_l2": (rel_l2, True), "top2_margin": (top2_margin, False), "kl": (kl, True),
+              "argmax_change": (argmax_change, True)}
+
+
+def is_stable(stat_name: str, value: float, threshold: float) -> bool:
+    """Whether a probe of statistic `stat_name` with `value` is stable under `threshold`."""
+    below = STATISTICS[stat_name][1]
+    return value < threshold if below else value >= threshold
+
+
 class ExitCriterion:
     """Base class of exit-criterion plugins (hook ``tinyloop_exit_criteria``).
 
     A subclass declares ``name`` (GenerateConfig.early_exit_criterion selects it), ``reads``
     ("hidden": the probed value is the residual row after the iteration; "logits": the head's
     logits of that row), ``needs_previous`` (the statistic compares with the previous probe),
-    ``default_threshold`` (None: the criterion takes no threshold) and implements
-    :meth:`statistic` and :meth:`stable`. ``mode`` / ``compat`` tie the plugins to the
-    ``early_exit`` row of configs/compat.yaml. The statistic runs on float64 copies of float32
-    rows: on every backend the same code decides."""
+    ``default_threshold`` (None: the criterion takes no threshold) and either ``stat`` (a name in
+    :data:`STATISTICS`: backends with the ``guarded_steps`` capability compute it where the
+    state lives, and the numpy reference is the default :meth:`statistic` / :meth:`stable`) or
+    its own :meth:`statistic` and :meth:`stable` (``stat`` None: probed on the host, on every
+    backend). ``mode`` / ``compat`` tie the plugins to the ``early_exit`` row of
+    configs/compat.yaml. Host statistics run on float64 copies of the float32 rows."""
 
     name: ClassVar[str] = ""
     mode: ClassVar[str] = "early_exit"
@@ -57,6 +101,7 @@ class ExitCriterion:
     reads: ClassVar[str] = "hidden"
     needs_previous: ClassVar[bool] = True
     default_threshold: ClassVar[Optional[float]] = None
+    stat: ClassVar[Optional[str]] = None
 
     def __init__(self, threshold: Optional[float]):
         self.threshold = threshold
@@ -75,11 +120,16 @@ class ExitCriterion:
     def statistic(self, cur: np.ndarray, prev: Optional[np.ndarray]) -> float:
         """The probe's statistic from the probed value `cur` (float64, one row) and the previous
         probe's (None where ``needs_previous`` is False)."""
-        raise NotImplementedError
+        if self.stat is None:
+            raise NotImplementedError(f"{type(self).__name__} declares no stat and no statistic()")
+        return STATISTICS[self.stat][0](cur, prev)
 
     def stable(self, stat: float) -> bool:
-        """Whether a probe of statistic `stat` counts as stable (default: below the threshold)."""
-        return stat < self.threshold
+        """Whether a probe of statistic `stat` counts as stable (default: the direction of
+        ``self.stat`` against the threshold; below it for a criterion of its own)."""
+        if self.stat is None:
+            return stat < self.threshold
+        return is_stable(self.stat, stat, self.threshold)
 
 
 @dataclass(frozen=True)
@@ -134,10 +184,11 @@ class ExitStep:
     """Runs one-token decode steps with early exit for a session (Session builds one when the
     plan has an ExitPlan). Written against the forward's pieces and backend ops only.
 
-    On a backend that captures graphs, the stretches between probes (prefix and first
-    iterations, each probe interval, the K/V fill of each exit depth, the tail) are replayed as
-    captured graphs; the probed row is read back after its stretch, so each probe is one host
-    round trip (docs/ARCHITECTURE.md, "Early exit", says what a device-side exit would need)."""
+    On a backend with the ``guarded_steps`` capability and a criterion whose statistic it
+    computes, the step is handed to ``Backend.replay_guarded`` as stretches between the probes
+    (CUDA: one captured graph of conditional nodes, no host round trip per probe). Otherwise the
+    probed row is read back after each stretch (each stretch replayed as its own graph where the
+    backend has them) and the criterion's statistic runs on the host: one round trip per probe."""
 
     def __init__(self, session, plan: ExitPlan):
         self.s, self.plan = session, plan
@@ -164,18 +215,18 @@ class ExitStep:
             return np.asarray(be.logits_to_host(ws, 0), np.float64).copy()
         return be.rows_to_host(ws.x, 1)[0].astype(np.float64)
 
-    def _fill(self, depth: int, pos, position: int) -> None:
-        """The skipped iterations' K/V at `position` (the plan's policy)."""
+    def _filler(self, depth: int, pos):
+        """The ops that fill the skipped iterations' K/V of a token that exits at `depth`."""
         s = self.s
         be, ws, fwd, cache = s.model.backend, s.model.ws, s.model.fwd, s.cache
-        spec, L = cache.spec, self.plan.loops
+        spec, L, n = cache.spec, self.plan.loops, self.n_loop
         if self.plan.kv == "copy_last":
             def fill():
-                for j in range(self.n_loop):
-                    be.copy_kv_layers_at(cache, position, spec.layer("loop", j, iteration=depth - 1),
-                                         [spec.layer("loop", j, iteration=i) for i in range(depth, L)])
-            fill()          # the slot differs per position: copies are not replayed
-            return
+                for j in range(n):
+                    first = spec.layer("loop", j, iteration=depth)
+                    be.copy_kv_layers_at(cache, pos, spec.layer("loop", j, iteration=depth - 1),
+                                         range(first, first + (L - depth) * n, n))
+            return fill
 
         def fill():
             src = ws.x
@@ -186,15 +237,65 @@ class ExitStep:
             for i in range(depth, L):
                 for j, blk in enumerate(fwd.w.loop):
                     be.kv_project(ws, blk, cache, spec.layer("loop", j, iteration=i), pos, 1, src)
-        self._replay(("fill", depth), fill)
+        return fill
+
+    # ------------------------------------------------------------------ on the device
+    def guarded(self) -> bool:
+        """The backend runs this criterion's probes where the state lives (GuardedSteps)."""
+        be, stat = self.s.model.backend, self.plan.criterion.stat
+        return stat is not None and be.supports("guarded_steps") and stat in be.exit_stats
+
+    def _guarded_step(self, ids, pos) -> int:
+        """One step as the backend's guarded replay: the stretches between stops run while no
+        probe has asked to exit; the probes decide where the state lives."""
+        s, plan = self.s, self.plan
+        be, fwd, ws, cache = s.model.backend, s.model.fwd, s.model.ws, s.cache
+        L, crit = plan.loops, plan.criterion
+        stops = self.stops
+        logits = crit.reads == "logits"
+
+        def probe(d):
+            if logits:
+                fwd.logits(0, 1)
+            be.exit_probe(ws, ws.logits if logits else ws.x, crit.stat, crit.threshold, plan.patience, d,
+                          compare=d in self.probes)
+
+        def head():
+            fwd.prefix(ids, pos, 1, cache)
+            fwd.run_loop_iters_range(pos, 1, cache, 0, stops[0])
+            probe(stops[0])
+
+        def stretch(a, b, last):
+            def fn():
+                fwd.run_loop_iters_range(pos, 1, cache, a, b)
+                if not last:
+                    probe(b)
+            return fn
+        bounds = list(stops) + [L]
+        stretches = [stretch(bounds[k], bounds[k + 1], k + 1 == len(stops)) for k in range(len(stops))]
+        fills = {d: self._filler(d, pos) for d in sorted(self.probes)}
+
+        def tail():
+            fwd.suffix(pos, 1, cache)
+            fwd.logits(0, 1)
+            be.launch_argmax(ws)
+            be.advance_position(pos)
+        key = ("exit-guarded", crit.name, crit.threshold, plan.patience, plan.min_L, plan.peek_every, L, plan.kv,
+               cache)
+        be.replay_guarded(key, head, stretches, fills, tail)
+        depth = be.exit_depth() or L
+        s.stats.exit_probes += sum(1 for p in self.probes if p <= depth)
+        return depth
 
     # ------------------------------------------------------------------ the step
-    def step(self, ids, pos, position: int, forced: Optional[int] = None) -> int:
-        """Forward the token at `position` (ids, pos: backend handles) with early exit; leaves its
+    def step(self, ids, pos, forced: Optional[int] = None) -> int:
+        """Forward one token (ids, pos: backend handles) with early exit; leaves its
         logits (and their argmax, started) pending like the plain step. `forced`: run exactly that
         depth without probing (the uncached reference path replaying recorded depths). Returns
         the depth run."""
         s, plan = self.s, self.plan
+        if forced is None and self.guarded():
+            return self._guarded_step(ids, pos)
         be, fwd, ws, cache = s.model.backend, s.model.fwd, s.model.ws, s.cache
         L, crit = plan.loops, plan.criterion
         stops = (forced,) if forced is not None and forced < L else (() if forced is not None else self.stops)
@@ -223,7 +324,7 @@ class ExitStep:
                 depth = d
                 break
         if depth < L:
-            self._fill(depth, pos, position)
+            self._replay(("fill", depth), self._filler(depth, pos))
 
         def tail(a=done, first=done == 0):
             if first:

@@ -519,7 +519,7 @@ class Session:
             self.logits_depth = self.loops
         for p in range(plain, stop):
             # the last position probes; earlier ones (the uncached path) replay their recorded depth
-            depth = self._exit.step(be.set_ids(ws, self.tokens[p:p + 1]), be.positions(p), p,
+            depth = self._exit.step(be.set_ids(ws, self.tokens[p:p + 1]), be.positions(p),
                                     forced=None if p == stop - 1 else self._depths[p])
             self._depths[p] = depth
             self.stats.loop_iters_run += depth
@@ -868,6 +868,54 @@ def score(model: Model, tokens: Sequence[int], loops: Optional[int] = None,
             model.fwd.forward(be.set_ids(ws, ids[a:a + T]), be.positions(a), T, s.cache, s.loops)
             model.fwd.logits(0, T)
             out[a:a + T] = be.logits_block_to_host(ws, T)
+    return out
+
+
+def score_decoded(model: Model, tokens: Sequence[int], config: Optional[GenerateConfig] = None,
+                  stats: Optional[GenerateStats] = None) -> np.ndarray:
+    """Logits (T, vocab_size) float32 of every position of `tokens` as decoding computes them:
+    position 0 from the prefill of tokens[:1], every later one from the one-token decode step of
+    that token, so the request's decode-step settings apply (early exit: each position runs the
+    depth its probes choose; ``stats.token_loops`` gets the depth behind each row). Teacher
+    forcing: the steps advance the given tokens, not predicted ones. `config` takes the
+    GenerateConfig fields of the cache and the steps (loops, cache_mode, early_exit_*); its
+    max_tokens is ignored (every position is scored)."""
+    check_call(model, config, stats)
+    config = config or GenerateConfig()
+    if isinstance(tokens, str):
+        tokens = model.tokenizer.encode(tokens)
+    ids = _as_ids(tokens, "tokens", model)
+    if len(ids) < 1:
+        raise InvalidInputError("tokens_len=0: scoring needs at least 1 token")
+    cfg = dataclasses.replace(config, max_tokens=len(ids) - 1, decoder="greedy")
+    plan = Plan(model, cfg, "single")
+    active = [p.name for p in plan.new_processors().processors]
+    if active or cfg.stop_sequences:
+        raise IncompatibleModesError(f"score_decoded returns the raw logits of every position: "
+                                     f"{'processors ' + str(active) if active else 'stop_sequences'} would not "
+                                     f"apply (score without them)")
+    validate_request(model, ids[:1], cfg, what="tokens")
+    stats = stats if stats is not None else GenerateStats()
+    out = np.empty((len(ids), model.cfg.vocab_size), np.float32)
+    lock = _locked(model)
+    try:
+        s = Session(model, ids[:1], plan, ProcessorChain([]), stats)
+        try:
+            s.start()
+            for t in range(len(ids)):
+                if t:
+                    s.advance(ids[t])
+                out[t] = model.backend.logits_to_host(model.ws, 0)
+                if s._exit is not None:
+                    stats.token_loops.append(s.logits_depth)
+        finally:
+            s.close()
+    finally:
+        lock.release()
+    if stats.token_loops:
+        stats.loops_used = sum(stats.token_loops) / len(stats.token_loops)
+    else:
+        stats.loops_used = plan.loops
     return out
 
 

@@ -22,8 +22,6 @@ defaults are where the demo model keeps its perplexity within about 1 % at its d
 
 from __future__ import annotations
 
-import numpy as np
-
 from ...errors import ConfigError
 from ...runtime.early_exit import ExitCriterion
 from ...runtime.hookspecs import hookimpl
@@ -33,23 +31,14 @@ EXIT_COMPAT = {"single": "ok", "batched": "rejected", "speculative": "rejected",
                "prefix_reuse": "ok", "warm_start": "rejected"}
 
 
-def _log_softmax(z: np.ndarray) -> np.ndarray:
-    m = z.max()
-    return z - (m + np.log(np.exp(z - m).sum()))
-
-
 class HiddenL2(ExitCriterion):
     """Relative L2 change of the residual since the previous probe (the spec's default)."""
 
     name = "hidden_l2"
     compat = EXIT_COMPAT
     reads = "hidden"
+    stat = "rel_l2"
     default_threshold = 0.1
-
-    def statistic(self, cur, prev):
-        n = float(np.linalg.norm(cur))
-        d = float(np.linalg.norm(cur - prev))
-        return d / n if n > 0 else (0.0 if d == 0 else float("inf"))
 
 
 class LogitMargin(ExitCriterion):
@@ -58,6 +47,7 @@ class LogitMargin(ExitCriterion):
     name = "logit_margin"
     compat = EXIT_COMPAT
     reads = "logits"
+    stat = "top2_margin"
     needs_previous = False
     default_threshold = 3.0
 
@@ -69,13 +59,6 @@ class LogitMargin(ExitCriterion):
         m = config.early_exit_logit_margin
         return float(m) if m > 0 else float(cls.default_threshold)
 
-    def statistic(self, cur, prev):
-        top2 = np.partition(cur, -2)[-2:]
-        return float(top2[1] - top2[0])
-
-    def stable(self, stat):
-        return stat >= self.threshold
-
 
 class KLDivergence(ExitCriterion):
     """KL divergence of the probed next-token distribution from the previous probe's."""
@@ -83,11 +66,8 @@ class KLDivergence(ExitCriterion):
     name = "kl"
     compat = EXIT_COMPAT
     reads = "logits"
+    stat = "kl"
     default_threshold = 0.01
-
-    def statistic(self, cur, prev):
-        lp, lq = _log_softmax(cur), _log_softmax(prev)
-        return max(0.0, float(np.sum(np.exp(lp) * (lp - lq))))
 
 
 class ArgmaxStable(ExitCriterion):
@@ -96,13 +76,13 @@ class ArgmaxStable(ExitCriterion):
     name = "argmax"
     compat = EXIT_COMPAT
     reads = "logits"
+    stat = "argmax_change"
     default_threshold = None
 
-    def statistic(self, cur, prev):
-        return 0.0 if int(np.argmax(cur)) == int(np.argmax(prev)) else 1.0
-
-    def stable(self, stat):
-        return stat == 0.0
+    @classmethod
+    def threshold_of(cls, config):
+        super().threshold_of(config)        # refuses a threshold
+        return 0.5                          # argmax_change is 0 or 1: stable below one half
 
 
 @hookimpl
