@@ -277,7 +277,8 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
         # cudaGraphSetConditional must link, and the driver must have IF nodes (CUDA 12.4)
         self.guarded_graphs = (self.use_graphs and env_switch("TINYLOOP_CUDA_GUARDED")
                                and k_exit_probe.DEVRT is not None and conditional_nodes_supported())
-        self._guard_handles = None         # (cont, {depth: fill}) while a guarded graph is captured
+        self._guard = None                 # the GuardedGraph being captured (its handles)
+        self._no_conts = cuda.to_device(np.zeros(1, np.uint64))     # no handles: eager probes
 
     # ------------------------------------------------------------------ memory
     def _to_device(self, a: np.ndarray):
@@ -449,7 +450,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
             k, v = (impl.alloc(self._empty, g.n_layers, spec.n_slots, c.n_kv_heads, c.head_dim)
                     for _ in range(2))
             groups.append(CUDACacheGroup(g.name, codec, impl, k, v))
-            for a in k.arrays:             # load the layer-copy kernel now, never while capturing
+            for a in k.arrays if g.n_layers else ():    # load the layer-copy kernel now, not while capturing
                 k_kv_layer_copy.copy_layers_at(a, self.pos, False, 0, range(0), stream=self.stream)
         return CUDACache(spec, groups)
 
@@ -721,11 +722,20 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
         k_exit_probe.reset(self._ws.exit_state, stream=self.stream)
 
     def exit_probe(self, ws, src, stat, threshold, patience, depth, compare) -> None:
-        cont, fill = 0, 0
-        if self._guard_handles is not None and compare:
-            cont, fill = self._guard_handles[0], self._guard_handles[1].get(depth, 0)
+        g = self._guard
+        if g is not None:               # capturing a guarded graph: an exit skips the stretches after this piece
+            conts, first, fill = g.conts, g.piece, g.fill_handles.get(depth, 0)
+        else:
+            conts, first, fill = self._no_conts, self._no_conts.shape[0], 0
         k_exit_probe.probe(src[0], ws.exit_prev, ws.exit_state, stat, threshold, patience, depth, compare,
-                           cont, fill, stream=self.stream)
+                           conts, first, fill, stream=self.stream)
+
+    def exit_copy_last(self, cache: CUDACache, pos, loops: int) -> None:
+        spec = cache.spec
+        g, first = cache.group(spec.layer("loop", 0, iteration=0))
+        for a in g.arrays:
+            k_kv_layer_copy.copy_from_exit(a, pos, cache.window > 0, self._ws.exit_state, first, spec.n_loop, loops,
+                                           stream=self.stream)
 
     def exit_depth(self) -> int:
         ws = self._ws
@@ -744,22 +754,22 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
             return eager()
 
         def capture():
-            def on_handles(cont, fill_handles):
-                self._guard_handles = (cont, fill_handles)
+            def prepare(graph):
+                self._guard = graph
 
             def first():
                 self.exit_reset()
                 head()
             try:
                 try:
-                    g = GuardedGraph(self.stream, first, stretches, fills, tail, on_handles, programmatic=self.pdl)
+                    g = GuardedGraph(self.stream, first, stretches, fills, tail, prepare, programmatic=self.pdl)
                 except BackendError:
                     if not self.pdl:
                         raise
                     # conditional bodies refused programmatic edges: default edges
-                    g = GuardedGraph(self.stream, first, stretches, fills, tail, on_handles)
+                    g = GuardedGraph(self.stream, first, stretches, fills, tail, prepare)
             finally:
-                self._guard_handles = None
+                self._guard = None
             self.step_nodes, self.step_programmatic_edges = g.nodes, g.programmatic_edges
             return g
         self._replay(("guarded", key), eager, step=True, capture=capture)

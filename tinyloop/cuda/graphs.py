@@ -158,16 +158,21 @@ def conditional_nodes_supported() -> bool:
 
 
 class GuardedGraph:
-    """One instantiated graph of a guarded step (GuardedSteps.replay_guarded): `head`, then each
-    of `stretches` in its own IF node on the handle ``cont`` (default 1 at every launch), then each
-    fill in an IF node on its own handle (default 0), then `tail`, all in sequence. Kernels set the
-    handles on the device: ``build(handles)`` is called with (cont, {depth: fill handle}) before
-    any capture so the probes can freeze them into their launches.
+    """One instantiated graph of a guarded step (GuardedSteps.replay_guarded): `head`, then each of
+    `stretches` in its own IF node, then each fill in an IF node, then `tail`, in sequence. A
+    conditional handle belongs to one node, so every stretch has its own (default 1 at each launch:
+    ``conts``, a device array in stretch order) and every fill too (default 0: ``fill_handles``
+    by depth); probe kernels set them on the device. ``prepare(self)`` is called before anything
+    is captured, and ``piece`` says which piece is being captured (0: the head, i + 1: stretch i),
+    so a probe knows which stretches an exit skips (``conts[piece:]``).
 
-    Every piece is captured straight into its node's body (cuStreamBeginCaptureToGraph); with
-    ``programmatic`` the kernel -> kernel edges inside each body become programmatic."""
+    Pieces are captured straight into their nodes (cuStreamBeginCaptureToGraph: the head and the
+    tail into child graphs, the rest into the conditional bodies); with ``programmatic`` the kernel
+    -> kernel edges inside each become programmatic."""
 
-    def __init__(self, stream, head, stretches, fills, tail, on_handles, programmatic: bool = False):
+    def __init__(self, stream, head, stretches, fills, tail, prepare, programmatic: bool = False):
+        import numpy as np
+        from numba import cuda
         drv = _drv()
         self.stream = stream
         err, graph = drv.cuGraphCreate(0)
@@ -181,10 +186,13 @@ class GuardedGraph:
             err, h = drv.cuGraphConditionalHandleCreate(graph, ctx, default, assign)
             _check(err, "cuGraphConditionalHandleCreate")
             return h
-        cont = handle(1)
+        cont_handles = [handle(1) for _ in stretches]
         fill_handles = {d: handle(0) for d in fills}
-        on_handles(int(cont), {d: int(h) for d, h in fill_handles.items()})
+        self.conts = cuda.to_device(np.array([int(h) for h in cont_handles] or [0], np.uint64)[:len(stretches)])
+        self.fill_handles = {d: int(h) for d, h in fill_handles.items()}
+        self.piece = 0
         self.programmatic_edges = 0
+        prepare(self)
         prev = []
 
         def add(body_fn, cond=None):
@@ -210,8 +218,10 @@ class GuardedGraph:
                 self.programmatic_edges += _make_programmatic(body) if programmatic else 0
             prev = [node]
         add(head)
-        for fn in stretches:
-            add(fn, cont)
+        for i, (fn, h) in enumerate(zip(stretches, cont_handles)):
+            self.piece = i + 1
+            add(fn, h)
+        self.piece = len(stretches)
         for d, fn in fills.items():
             add(fn, fill_handles[d])
         add(tail)

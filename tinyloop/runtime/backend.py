@@ -504,6 +504,12 @@ class GuardedSteps(ABC):
         recorded. Then the row is stashed as the previous probe."""
 
     @abstractmethod
+    def exit_copy_last(self, cache, pos, loops: int) -> None:
+        """Queue early exit's copy_last for the depth d the guarded step recorded (nothing when it
+        did not exit), read where it lives: for each loop layer j and iteration i in d .. loops-1,
+        the K/V rows of position `pos` in layer (loop, j, i) := those of (loop, j, d - 1)."""
+
+    @abstractmethod
     def exit_depth(self) -> int:
         """The depth the last guarded step recorded (0: it did not exit), once it has finished."""
 

@@ -200,6 +200,7 @@ class ExitStep:
         # the depths where the host looks at the state: the reference, then every probe
         self.stops = tuple(sorted(set(probes) | ({ref} if ref is not None else set())))
         self.probes = frozenset(probes)
+        self._pieces = None         # (ids, pos, cache, key, head, stretches, fills, tail) of the last step
 
     # ------------------------------------------------------------------ pieces
     def _replay(self, key, fn) -> None:
@@ -247,45 +248,69 @@ class ExitStep:
 
     def _guarded_step(self, ids, pos) -> int:
         """One step as the backend's guarded replay: the stretches between stops run while no
-        probe has asked to exit; the probes decide where the state lives."""
+        probe has asked to exit; the probes decide where the state lives. The pieces are made
+        once per (ids, pos, cache) handles (a backend whose handles are device buffers passes the
+        same ones every step)."""
+        s = self.s
+        c = self._pieces
+        if c is None or c[0] is not ids or c[1] is not pos or c[2] is not s.cache:
+            c = self._pieces = (ids, pos, s.cache) + self._make_pieces(ids, pos)
+        be = s.model.backend
+        be.replay_guarded(*c[3:])
+        depth = be.exit_depth() or self.plan.loops
+        s.stats.exit_probes += sum(1 for p in self.probes if p <= depth)
+        return depth
+
+    def _make_pieces(self, ids, pos) -> tuple:
+        """(key, head, stretches, fills, tail) of a guarded step for these handles. The head runs
+        up to the first comparing probe (a reference probe cannot exit, so nothing before it needs
+        a guard); each stretch runs to the next probe (the last one to the full depth). With
+        copy_last the tail copies the skipped layers' K/V for whatever depth was recorded
+        (GuardedSteps.exit_copy_last), so no fill is guarded by depth."""
         s, plan = self.s, self.plan
         be, fwd, ws, cache = s.model.backend, s.model.fwd, s.model.ws, s.cache
         L, crit = plan.loops, plan.criterion
-        stops = self.stops
+        probes = sorted(self.probes)
+        ref = plan.reference_depth
         logits = crit.reads == "logits"
 
-        def probe(d):
+        def probe(d, compare=True):
             if logits:
                 fwd.logits(0, 1)
             be.exit_probe(ws, ws.logits if logits else ws.x, crit.stat, crit.threshold, plan.patience, d,
-                          compare=d in self.probes)
+                          compare=compare)
 
         def head():
             fwd.prefix(ids, pos, 1, cache)
-            fwd.run_loop_iters_range(pos, 1, cache, 0, stops[0])
-            probe(stops[0])
+            done = 0
+            if ref is not None:
+                fwd.run_loop_iters_range(pos, 1, cache, 0, ref)
+                probe(ref, compare=False)
+                done = ref
+            fwd.run_loop_iters_range(pos, 1, cache, done, probes[0])
+            probe(probes[0])
 
-        def stretch(a, b, last):
+        def stretch(a, b):
             def fn():
                 fwd.run_loop_iters_range(pos, 1, cache, a, b)
-                if not last:
+                if b < L:
                     probe(b)
             return fn
-        bounds = list(stops) + [L]
-        stretches = [stretch(bounds[k], bounds[k + 1], k + 1 == len(stops)) for k in range(len(stops))]
-        fills = {d: self._filler(d, pos) for d in sorted(self.probes)}
+        bounds = probes + [L]
+        stretches = [stretch(bounds[k], bounds[k + 1]) for k in range(len(probes))]
+        copy_last = plan.kv == "copy_last"
+        fills = {} if copy_last else {d: self._filler(d, pos) for d in probes}
 
         def tail():
+            if copy_last:
+                be.exit_copy_last(cache, pos, L)
             fwd.suffix(pos, 1, cache)
             fwd.logits(0, 1)
             be.launch_argmax(ws)
             be.advance_position(pos)
         key = ("exit-guarded", crit.name, crit.threshold, plan.patience, plan.min_L, plan.peek_every, L, plan.kv,
                cache)
-        be.replay_guarded(key, head, stretches, fills, tail)
-        depth = be.exit_depth() or L
-        s.stats.exit_probes += sum(1 for p in self.probes if p <= depth)
-        return depth
+        return key, head, stretches, fills, tail
 
     # ------------------------------------------------------------------ the step
     def step(self, ids, pos, forced: Optional[int] = None) -> int:

@@ -17,9 +17,10 @@ accumulated in float64:
 
 With ``compare`` the probe updates the count (+1 when stable, else 0) and, when it reaches
 `patience` and no depth is recorded yet, records `depth` and, inside a guarded graph, sets the
-graph's conditional handles: `cont` (the stretches still to run) to 0 and `fill` (this depth's
-K/V fill) to 1 through the CUDA device runtime's cudaGraphSetConditional (linked from
-libcudadevrt). Handles are 0 outside a graph, where the host reads `state` instead.
+graph's conditional handles through the CUDA device runtime's cudaGraphSetConditional (linked from
+libcudadevrt): the handles of the stretches still to come (``conts[first:]``; a handle belongs to
+one conditional node, so each stretch has its own) to 0 and `fill` (this depth's K/V fill) to 1.
+Outside a graph there are none to set, and the host reads `state` instead.
 
 Thread mapping: one block of NT threads; each thread folds a stride of the row, then a
 shared-memory tree (fixed pairs: t with t + s for s = NT/2 .. 1) combines the partials, so the
@@ -55,19 +56,15 @@ def _devrt_path():
 DEVRT = None if SIM else _devrt_path()
 
 if DEVRT is not None:
-    _set_conditional = cuda.declare_device("cudaGraphSetConditional", types.void(types.uint64, types.uint32),
-                                           link=[DEVRT], abi="c")
-
-    @cuda.jit(device=True)
-    def set_conditional(handle, value):
-        _set_conditional(handle, value)
+    set_conditional = cuda.declare_device("cudaGraphSetConditional", types.void(types.uint64, types.uint32),
+                                          link=[DEVRT], abi="c")
 else:
     @cuda.jit(device=True)
     def set_conditional(handle, value):     # no device runtime: guarded graphs are not built
         pass
 
 
-@cuda.jit(device=True)
+@cuda.jit(device=True, inline=True)   # inlined: compiled with the kernel (compile_ptx needs no GPU)
 def _tree_sum(s, t):
     step = NT // 2
     while step > 0:
@@ -77,7 +74,7 @@ def _tree_sum(s, t):
         step //= 2
 
 
-@cuda.jit(device=True)
+@cuda.jit(device=True, inline=True)   # inlined: compiled with the kernel (compile_ptx needs no GPU)
 def _tree_max(s, t):
     step = NT // 2
     while step > 0:
@@ -87,7 +84,7 @@ def _tree_max(s, t):
         step //= 2
 
 
-@cuda.jit(device=True)
+@cuda.jit(device=True, inline=True)   # inlined: compiled with the kernel (compile_ptx needs no GPU)
 def _tree_argmax(sv, si, t):
     step = NT // 2
     while step > 0:
@@ -109,7 +106,7 @@ def _make_kernel(mode: int):
     MODE = mode
 
     @cuda.jit
-    def kernel(row, prev, n, state, threshold, patience, depth, compare, cont, fill):
+    def kernel(row, prev, n, state, threshold, patience, depth, compare, conts, first, fill):
         grid_dep_wait()
         t = cuda.threadIdx.x
         sa = cuda.shared.array(NT, float64)
@@ -221,8 +218,9 @@ def _make_kernel(mode: int):
                 state[0] = run
                 if run >= patience and state[1] == 0:
                     state[1] = depth
-                    if cont != 0:
-                        set_conditional(cont, 0)
+                    for j in range(first, conts.shape[0]):
+                        set_conditional(conts[j], 0)
+                    if fill != 0:
                         set_conditional(fill, 1)
             cuda.syncthreads()
         for i in range(t, n, NT):
@@ -247,24 +245,29 @@ def reset(state, stream=0) -> None:
 
 
 def probe(row, prev, state, stat: str, threshold: float, patience: int, depth: int, compare: bool,
-          cont: int = 0, fill: int = 0, stream=0) -> None:
-    """One probe of `row` (see the module doc); `cont` / `fill`: the guarded graph's conditional
-    handles (0 outside one)."""
+          conts, first: int, fill: int = 0, stream=0) -> None:
+    """One probe of `row` (see the module doc). Inside a guarded graph: `conts` (uint64, device)
+    the handles of the graph's stretches, of which an exit clears ``conts[first:]``, and `fill`
+    the handle an exit sets (0: none). Outside one: `first` = len(conts) and `fill` 0."""
     op = "exit_probe"
     if stat not in MODES:
         raise BackendError(f"{op}: unknown statistic {stat!r}; known: {', '.join(MODES)}")
     check_array(op, "row", row, np.float32, 1)
     check_array(op, "prev", prev, np.float32, 1)
     check_array(op, "state", state, np.int32, 1, (2,))
+    check_array(op, "conts", conts, np.uint64, 1)
+    if not 0 <= first <= conts.shape[0]:
+        raise BackendError(f"{op}: first={first} is outside [0, {conts.shape[0]}]")
     n = row.shape[0]
     if prev.shape[0] < n:
         raise BackendError(f"{op}: prev holds {prev.shape[0]} values, fewer than the row's {n}")
     _make_kernel(MODES[stat])[1, NT, stream](row, prev, np.int32(n), state, np.float64(threshold),
                                              np.int32(patience), np.int32(depth), bool(compare),
-                                             np.uint64(cont), np.uint64(fill))
+                                             conts, np.int32(first), np.uint64(fill))
 
 
 def ptx_signatures():
-    sig = "void(float32[::1], float32[::1], int32, int32[::1], float64, int32, int32, boolean, uint64, uint64)"
+    sig = ("void(float32[::1], float32[::1], int32, int32[::1], float64, int32, int32, boolean, uint64[::1], int32, "
+           "uint64)")
     return ([(f"exit_probe_{name}", _make_kernel(m).py_func, sig) for name, m in MODES.items()]
             + [("exit_reset", _reset_kernel.py_func, "void(int32[::1])")])

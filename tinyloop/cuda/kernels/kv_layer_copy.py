@@ -9,7 +9,9 @@ Shapes (L layers, S slots, Hkv kv heads, C codes per row)::
            scale / zero point (L, S, Hkv), passed as (L, S, Hkv, 1)
     pos    int32 (1,)    the absolute position; slot = pos if not ring else pos % S
 
-The position is read on the device, so a captured step replays unchanged. One thread per
+The position is read on the device, so a captured step replays unchanged. ``copy_from_exit``
+reads the exit depth on the device too (a guarded step's probe state), so one launch in the
+step's tail serves every exit depth. One thread per
 (destination layer, head, code) element, grid-stride; pure copies, exact. The launcher always
 launches (an empty range copies nothing), so the kernel is compiled and loaded the first time a
 cache is set up, never while a graph is being captured.
@@ -64,7 +66,49 @@ def copy_layers_at(a, pos, ring: bool, src: int, dst: range, stream=0) -> None:
         np.int32(len(dst)))
 
 
+@cuda.jit
+def _copy_from_exit_kernel(a, pos, ring, state, first, n_loop, loops):
+    grid_dep_wait()
+    d = state[1]
+    if d == 0:
+        return
+    L, S, H, C = a.shape
+    p = pos[0]
+    slot = p % S if ring else p
+    per = H * C
+    count = loops - d
+    for idx in range(cuda.grid(1), n_loop * count * per, cuda.gridsize(1)):
+        j = idx // (count * per)
+        r = idx - j * count * per
+        k = r // per
+        r -= k * per
+        h = r // C
+        c = r - h * C
+        a[first + (d + k) * n_loop + j, slot, h, c] = a[first + (d - 1) * n_loop + j, slot, h, c]
+
+
+def copy_from_exit(a, pos, ring: bool, state, first: int, n_loop: int, loops: int, stream=0) -> None:
+    """Early exit's copy_last after a guarded step, with the depth d read on the device
+    (``state[1]``, 0: the step did not exit, nothing is copied): for each loop layer j < n_loop and
+    iteration i in d .. loops-1, local layer first + i * n_loop + j := first + (d - 1) * n_loop + j
+    at the position's slot."""
+    op = "kv_layer_copy"
+    if a is not None and a.ndim == 3:
+        a = a.reshape(tuple(a.shape) + (1,))
+    check_array(op, "a", a, DTYPES, 4)
+    check_array(op, "pos", pos, np.int32, 1, (1,))
+    check_array(op, "state", state, np.int32, 1, (2,))
+    if n_loop < 1 or loops < 1 or first < 0 or first + loops * n_loop > a.shape[0]:
+        raise BackendError(f"{op}: loop layers {first} + {loops} x {n_loop} exceed the group's {a.shape[0]} layers")
+    n = n_loop * (loops - 1) * a.shape[2] * a.shape[3]
+    _copy_from_exit_kernel[max(1, min(cdiv(n, NT), MAX_BLOCKS)), NT, stream](
+        a, pos, bool(ring), state, np.int32(first), np.int32(n_loop), np.int32(loops))
+
+
 def ptx_signatures():
     return [(f"kv_layer_copy_{dt}", _copy_kernel.py_func,
              f"void({dt}[:, :, :, ::1], int32[::1], boolean, int32, int32, int32, int32)")
-            for dt in ("float16", "float32", "int8", "uint8")]
+            for dt in ("float16", "float32", "int8", "uint8")] + \
+        [(f"kv_layer_copy_from_exit_{dt}", _copy_from_exit_kernel.py_func,
+          f"void({dt}[:, :, :, ::1], int32[::1], boolean, int32[::1], int32, int32, int32)")
+         for dt in ("float16", "float32", "int8", "uint8")]
