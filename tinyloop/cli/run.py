@@ -72,6 +72,9 @@ def _print_stats(st: GenerateStats, label: str = "") -> None:
     spec = (f", accepted {st.accepted_tokens}/{st.drafted_tokens} drafts, "
             f"{st.mean_accepted_length:.2f} tokens per verify" if st.verify_forwards else "")
     kept = f", {st.reused_tokens} prompt tokens reused" if st.reused_tokens else ""
+    if st.token_loops:
+        kept += (f", mean depth {st.loops_used:.2f} loop iterations per token (early exit, "
+                 f"{st.exit_probes} probes)")
     if st.warm_start_iters_saved:
         kept += f", warm start spared {st.warm_start_iters_saved} row-iterations of the loop"
     print(f"[tinyloop] {label}{st.tokens_emitted} tokens, stop {st.stop_reason.value}, prefill "
