@@ -463,7 +463,7 @@ def test_early_exit_matches_the_cpu(small_path, criterion, threshold, kv):
     m = tl.load_model(str(small_path), max_seq_len=10, backend="cuda")
     try:
         assert m.backend.supports("guarded_steps") and m.backend.supports("kv_layer_copy")
-        cfg = tl.GenerateConfig(max_tokens=4, loops=4, early_exit_patience=1, early_exit_min_L=1,
+        cfg = tl.GenerateConfig(max_tokens=3, loops=3, early_exit_patience=1, early_exit_min_L=1,
                                 early_exit_criterion=criterion, early_exit_threshold=threshold, early_exit_kv=kv)
         want, got = tl.GenerateStats(), tl.GenerateStats()
         assert tl.generate(m, [3, 7, 1], cfg, stats=got) == tl.generate(cpu, [3, 7, 1], cfg, stats=want)

@@ -1437,3 +1437,79 @@ def test_kv_codec_argument_errors():
         attention.attention(out, q, kv_codecs.Rows(i8.data), i8, 0, pos, work, cnt)
     with pytest.raises(BackendError, match="zero points given without scales"):
         cache_move.move_slots(i8.data, i8.data, D(np.zeros((2, 1), np.int32)), 1, k_zero=i8.scale)
+
+
+# =============================================================================== early exit
+from tinyloop.cuda.kernels import exit_probe, kv_layer_copy  # noqa: E402
+from tinyloop.runtime.early_exit import STATISTICS, is_stable  # noqa: E402
+
+
+@pytest.mark.parametrize("stat", sorted(exit_probe.MODES))
+def test_exit_probe_against_the_numpy_statistics(stat):
+    """exit_probe's statistic, stability count and exit depth against the numpy references of
+    tinyloop.runtime.early_exit (rows longer than the block, a tie for argmax), the row stashed
+    as the next probe's previous one."""
+    rng = np.random.default_rng(7)
+    n = 77
+    rows = [rng.standard_normal(n).astype(np.float32) * 3 for _ in range(4)]
+    rows[2] = rows[1] + np.float32(0.01) * rng.standard_normal(n).astype(np.float32)   # a nearly stable step
+    rows[3] = rows[2].copy()
+    rows[3][5] = rows[3].max() + 1                               # argmax moves
+    state = cuda.to_device(np.zeros(2, np.int32))
+    prev = cuda.to_device(np.zeros(n + 3, np.float32))
+    no = cuda.to_device(np.zeros(1, np.uint64))
+    threshold = {"rel_l2": 0.05, "top2_margin": 0.5, "kl": 0.01, "argmax_change": 0.5}[stat]
+    exit_probe.reset(state)
+    run, at = 0, 0
+    for depth, r in enumerate(rows, start=1):
+        exit_probe.probe(cuda.to_device(r), prev, state, stat, threshold, 2, depth, depth > 1, no, 1)
+        got = state.copy_to_host()
+        if depth > 1:
+            value = STATISTICS[stat][0](r.astype(np.float64), rows[depth - 2].astype(np.float64))
+            run = run + 1 if is_stable(stat, value, threshold) else 0
+            if run >= 2 and not at:
+                at = depth
+        assert list(got) == [run, at], f"depth {depth}: {list(got)} != {[run, at]}"
+        np.testing.assert_array_equal(prev.copy_to_host()[:n], r)
+    exit_probe.reset(state)
+    assert list(state.copy_to_host()) == [0, 0]
+    with pytest.raises(BackendError, match="unknown statistic"):
+        exit_probe.probe(cuda.to_device(rows[0]), prev, state, "cosine", 0.1, 1, 1, True, no, 1)
+    with pytest.raises(BackendError, match="fewer than the row"):
+        exit_probe.probe(cuda.to_device(np.zeros(n + 9, np.float32)), prev, state, stat, 0.1, 1, 1, True, no, 1)
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_kv_layer_copy(ring):
+    """copy_layers_at and copy_from_exit against numpy: the slot of the device position in the
+    destination layers gets the source layer's row, nothing else changes; no exit copies nothing."""
+    rng = np.random.default_rng(3)
+    L, S, H, C = 7, 5, 2, 4
+    codes = rng.integers(-100, 100, (L, S, H, C)).astype(np.int8)
+    scale = rng.standard_normal((L, S, H)).astype(np.float32)
+    pos_value = 12 if ring else 3
+    slot = pos_value % S if ring else pos_value
+    pos = cuda.to_device(np.array([pos_value], np.int32))
+    a, sc = cuda.to_device(codes), cuda.to_device(scale)
+    kv_layer_copy.copy_layers_at(a, pos, ring, 1, range(3, 7, 2))
+    kv_layer_copy.copy_layers_at(sc, pos, ring, 1, range(3, 7, 2))
+    want_a, want_s = codes.copy(), scale.copy()
+    for dst in (3, 5):
+        want_a[dst, slot] = codes[1, slot]
+        want_s[dst, slot] = scale[1, slot]
+    np.testing.assert_array_equal(a.copy_to_host(), want_a)
+    np.testing.assert_array_equal(sc.copy_to_host(), want_s)
+    # copy_from_exit: loop layers start at local layer 1, n_loop 2, loops 3; exit at depth 1
+    state = cuda.to_device(np.array([0, 0], np.int32))
+    before = a.copy_to_host()
+    kv_layer_copy.copy_from_exit(a, pos, ring, state, 1, 2, 3)
+    np.testing.assert_array_equal(a.copy_to_host(), before)           # no exit: nothing copied
+    state = cuda.to_device(np.array([1, 1], np.int32))
+    kv_layer_copy.copy_from_exit(a, pos, ring, state, 1, 2, 3)
+    want = before.copy()
+    for j in range(2):
+        for i in (1, 2):
+            want[1 + i * 2 + j, slot] = before[1 + j, slot]
+    np.testing.assert_array_equal(a.copy_to_host(), want)
+    with pytest.raises(BackendError, match="outside"):
+        kv_layer_copy.copy_layers_at(a, pos, ring, 0, range(5, 9))
