@@ -75,7 +75,8 @@ def test_builtin_registry():
     pm = get_plugin_manager()
     assert {"cpu", "cuda"} <= set(pm.backends())
     assert pm.backend_names()[0] == "auto"
-    assert set(CAPABILITIES) == {"tree", "device_chaining", "cache_reuse", "token_masks"}
+    assert set(CAPABILITIES) == {"tree", "device_chaining", "cache_reuse", "token_masks", "kv_layer_copy",
+                                 "guarded_steps"}
 
 
 def test_every_name_check_reads_the_registry(plugin, tiny_path):

@@ -14,7 +14,7 @@ import tinyloop as tl
 from tinyloop.analysis.loopgain import HELDOUT_TEXT
 from tinyloop.model.reference import reference_logits_exit
 from tinyloop.models import model_path
-from tinyloop.runtime.early_exit import STATISTICS, ExitCriterion
+from tinyloop.runtime.early_exit import STATISTICS, ExitCriterion, ExitStep
 from tinyloop.runtime.plugins import get_plugin_manager
 
 from conftest import logical_weights, write_tiny
@@ -271,3 +271,44 @@ def test_copy_last_needs_its_capability(demo, monkeypatch):
     with pytest.raises(tl.BackendError, match="kv_layer_copy"):
         tl.generate(demo, [5, 6], exit_cfg("kl", max_tokens=2))
     assert tl.generate(demo, [5, 6], exit_cfg("kl", "recompute", max_tokens=2))
+
+
+# ------------------------------------------------------------------ the greedy look-ahead
+class _ChainingCPU:
+    """A CPU backend with DeviceChaining's calls (the argmax taken at begin_read_argmax, the token
+    handed over as the next step's ids), so the look-ahead path of Session.greedy runs on the CPU."""
+
+    def __init__(self, be):
+        self.be, self.tok = be, np.zeros(1, np.int32)
+
+    def begin_read_argmax(self, ws):
+        self.tok[0] = self.be.read_argmax(ws)
+
+    def finish_read_argmax(self, ws):
+        return int(self.tok[0])
+
+    def device_token(self, ws):
+        return self.tok
+
+
+def test_look_ahead_reads_each_depth_after_the_fact(demo, monkeypatch):
+    """With the look-ahead (the next guarded step queued before the token is read back), every
+    token's depth, the probes and the iterations run equal the plain path's."""
+    p = demo.tokenizer.encode("The little dog")
+    cfg = exit_cfg("kl", max_tokens=20)
+    want = tl.GenerateStats()
+    out = tl.generate(demo, p, cfg, stats=want)
+    be = demo.backend
+    fake = _ChainingCPU(be)
+    for name in ("begin_read_argmax", "finish_read_argmax", "device_token"):
+        monkeypatch.setattr(be, name, getattr(fake, name), raising=False)
+    caps = be.capabilities
+    monkeypatch.setattr(type(be), "capabilities", property(lambda self: caps | {"device_chaining"}))
+    queued = []
+    real = ExitStep.queue
+    monkeypatch.setattr(ExitStep, "queue", lambda self, ids, pos: (queued.append(1), real(self, ids, pos)))
+    got = tl.GenerateStats()
+    assert tl.generate(demo, p, cfg, stats=got) == out
+    assert len(queued) == 19                    # every step but the prefill's was queued ahead
+    assert got.token_loops == want.token_loops
+    assert got.exit_probes == want.exit_probes and got.loop_iters_run == want.loop_iters_run

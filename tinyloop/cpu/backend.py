@@ -101,6 +101,7 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
         self._held = 0
         self._scores = None
         self._exit_run, self._exit_at, self._exit_prev = 0, 0, None     # guarded steps (early exit)
+        self._exit_queued = 0
         #: threads of the parallel kernels (TINYLOOP_CPU_THREADS; tinyloop/cpu/threads.py)
         self.threads = threads.configure()
         self._par = threads.Region(self.threads)
@@ -205,6 +206,12 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
 
     def exit_depth(self) -> int:
         return self._exit_at
+
+    def queue_exit_depth(self) -> None:
+        self._exit_queued = self._exit_at
+
+    def queued_exit_depth(self) -> int:
+        return self._exit_queued
 
     def alloc_rows(self, n: int, cols: int) -> np.ndarray:
         check_host_memory(4 * n * cols, f"a row buffer of {n} x {cols}")

@@ -738,10 +738,16 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
                                            stream=self.stream)
 
     def exit_depth(self) -> int:
+        self.queue_exit_depth()
+        self.stream.synchronize()
+        return self.queued_exit_depth()
+
+    def queue_exit_depth(self) -> None:
         ws = self._ws
         ws.exit_state[1:2].copy_to_host(ws.exit_host, stream=self.stream)
-        self.stream.synchronize()
-        return int(ws.exit_host[0])
+
+    def queued_exit_depth(self) -> int:
+        return int(self._ws.exit_host[0])
 
     def replay_guarded(self, key, head, stretches, fills, tail) -> None:
         """With graphs: the whole guarded step as one graph of conditional nodes (GuardedGraph),

@@ -513,6 +513,17 @@ class GuardedSteps(ABC):
     def exit_depth(self) -> int:
         """The depth the last guarded step recorded (0: it did not exit), once it has finished."""
 
+    @abstractmethod
+    def queue_exit_depth(self) -> None:
+        """Queue the copy of the depth the last guarded step records to the host, without waiting
+        (ordered after the ops queued before it, so a step queued after it may reset the depth).
+        On a DeviceChaining backend, a begin_read_argmax queued after it covers it:
+        :meth:`queued_exit_depth` is valid once finish_read_argmax returned."""
+
+    @abstractmethod
+    def queued_exit_depth(self) -> int:
+        """The depth the last queue_exit_depth copied (0: no exit), once its copy has landed."""
+
     def replay_guarded(self, key, head, stretches, fills, tail) -> None:
         """Run head(); each of `stretches` in order while the flag is clear; ``fills[d]()`` for
         the recorded depth d (if it exited and `fills` has d); then tail(). exit_reset is queued

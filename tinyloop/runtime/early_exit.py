@@ -201,6 +201,7 @@ class ExitStep:
         self.stops = tuple(sorted(set(probes) | ({ref} if ref is not None else set())))
         self.probes = frozenset(probes)
         self._pieces = None         # (ids, pos, cache, key, head, stretches, fills, tail) of the last step
+        self.pending = False        # a queued step's depth is not read yet (Session.greedy's look-ahead)
 
     # ------------------------------------------------------------------ pieces
     def _replay(self, key, fn) -> None:
@@ -247,19 +248,46 @@ class ExitStep:
         return stat is not None and be.supports("guarded_steps") and stat in be.exit_stats
 
     def _guarded_step(self, ids, pos) -> int:
-        """One step as the backend's guarded replay: the stretches between stops run while no
-        probe has asked to exit; the probes decide where the state lives. The pieces are made
-        once per (ids, pos, cache) handles (a backend whose handles are device buffers passes the
-        same ones every step)."""
+        """One step as the backend's guarded replay, its depth read back at once."""
+        self.queue(ids, pos)
+        self.pending = False
+        return self.account(self.s.model.backend.exit_depth())
+
+    def queue(self, ids, pos) -> None:
+        """Queue one guarded step without reading its depth (``pending`` until read_pending /
+        finish_pending): the stretches between stops run while no probe has asked to exit; the
+        probes decide where the state lives. The pieces are made once per (ids, pos, cache)
+        handles (a backend whose handles are device buffers passes the same ones every step)."""
         s = self.s
         c = self._pieces
         if c is None or c[0] is not ids or c[1] is not pos or c[2] is not s.cache:
             c = self._pieces = (ids, pos, s.cache) + self._make_pieces(ids, pos)
-        be = s.model.backend
-        be.replay_guarded(*c[3:])
-        depth = be.exit_depth() or self.plan.loops
-        s.stats.exit_probes += sum(1 for p in self.probes if p <= depth)
+        s.model.backend.replay_guarded(*c[3:])
+        self.pending = True
+
+    def account(self, recorded: int) -> int:
+        """The depth of a guarded step from what the backend recorded (0: no exit), with its probes
+        counted."""
+        depth = recorded or self.plan.loops
+        self.s.stats.exit_probes += sum(1 for p in self.probes if p <= depth)
         return depth
+
+    def begin_pending(self) -> bool:
+        """Queue the read of a pending step's depth (before the next step is queued); True when one
+        was pending (finish with ``account(backend.queued_exit_depth())`` once a later wait covers
+        the copy)."""
+        if not self.pending:
+            return False
+        self.s.model.backend.queue_exit_depth()
+        self.pending = False
+        return True
+
+    def read_pending(self) -> Optional[int]:
+        """The depth of a pending step, waiting for it (None: none pending)."""
+        if not self.pending:
+            return None
+        self.pending = False
+        return self.account(self.s.model.backend.exit_depth())
 
     def _make_pieces(self, ids, pos) -> tuple:
         """(key, head, stretches, fills, tail) of a guarded step for these handles. The head runs

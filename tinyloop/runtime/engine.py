@@ -545,6 +545,8 @@ class Session:
         if self._ahead is not None:
             self._ahead = None
             self._logits_lane = None
+            if self._exit is not None:
+                self._exit.pending = False      # the dropped step's depth is never read
 
     def start(self) -> None:
         """Prefill the prompt of the lane in use (lane 0 unless a lane was advanced before). A
@@ -566,7 +568,8 @@ class Session:
                 self._ahead = None
                 self.tokens.append(int(token))
                 self.position = len(self.tokens)
-                self.stats.loop_iters_run += self.loops
+                if self._exit is None:          # an early-exit step's depth is counted once read
+                    self.stats.loop_iters_run += self.loops
                 self._logits_lane = self._lane
                 return
             self._settle()
@@ -581,6 +584,7 @@ class Session:
             raise PluginError("logits() after greedy(ahead=True): the pending logits are the next "
                               "step's; a decoder that reads logits must not ask for look-ahead")
         self._check_pending(lane)
+        self._resolve_depth()
         np.copyto(self._buf, self.model.backend.logits_to_host(self.model.ws, 0))
         self.chain.apply(self._buf)
         return self._buf
@@ -604,14 +608,38 @@ class Session:
             # a mask comes before anything is queued)
             be.launch_masked_argmax(ws, self.chain.allowed_words())
         generated = len(self.tokens) - self._prompt_len + 1      # counting the token read now
+        exit_ = self._exit
         if not (ahead and self._lookahead and be.supports("device_chaining") and not self.uncached
-                and self._exit is None and lane == self._lane and generated < self.config.max_tokens):
+                and (exit_ is None or exit_.guarded()) and lane == self._lane
+                and generated < self.config.max_tokens):
+            self._resolve_depth()
             return be.read_argmax(ws)
+        # early exit: the depth of the step behind these logits is copied out before the next
+        # step is queued (which resets it), and lands with the token
+        pending = exit_ is not None and exit_.begin_pending()
         be.begin_read_argmax(ws)
-        self._one_token_step(be.device_token(ws), be.positions(len(self.tokens)))
+        if exit_ is None:
+            self._one_token_step(be.device_token(ws), be.positions(len(self.tokens)))
+        else:
+            exit_.queue(be.device_token(ws), be.positions(len(self.tokens)))
         self._ahead = be.finish_read_argmax(ws)
+        if pending:
+            self._record_depth(exit_.account(be.queued_exit_depth()))
         self._logits_lane = None
         return self._ahead
+
+    def _record_depth(self, depth: int) -> None:
+        """Early exit: the depth of the step of the last advanced token, read after the fact."""
+        self._depths[len(self.tokens) - 1] = depth
+        self.stats.loop_iters_run += depth
+        self.logits_depth = depth
+
+    def _resolve_depth(self) -> None:
+        """Early exit: wait for a queued step's depth before its logits are used."""
+        if self._exit is not None:
+            depth = self._exit.read_pending()
+            if depth is not None:
+                self._record_depth(depth)
 
     @property
     def cache_bytes(self) -> int:
