@@ -211,8 +211,8 @@ class CUDAWorkspace(Workspace):
     per-(row, head) arrival counters; amax_work (values, ids, counters) of the split argmax; mask
     (ceil(vocab / 32),) the token mask words of launch_masked_argmax, mask_host their pinned staging;
     exit_prev (max(d_model, vocab),) the previous early-exit probe's row, exit_state (2,) the probes'
-    [stable count, exit depth], exit_host its pinned copy of the depth. The counters are zeroed once
-    at allocation, and every launch leaves them zero.
+    [stable count, exit depth], exit_host (2,) pinned copies of the depth (a queued read, a waited
+    one). The counters are zeroed once at allocation, and every launch leaves them zero.
     """
 
     tok: Any = None
@@ -402,7 +402,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
         ws.ids_host = cuda.pinned_array(rows, np.int32)
         ws.logits_host = cuda.pinned_array(c.vocab_size, np.float32)
         ws.mask_host = cuda.pinned_array(ws.mask.shape[0], np.int32)
-        ws.exit_host = cuda.pinned_array(1, np.int32)
+        ws.exit_host = cuda.pinned_array(2, np.int32)
         # the arrival counters are zeroed here once (every launch leaves them zero, graph replays
         # included)
         for counter in self._counters(ws):
@@ -738,13 +738,16 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
                                            stream=self.stream)
 
     def exit_depth(self) -> int:
-        self.queue_exit_depth()
+        # its own staging word: the eager guarded path reads the flag between stretches while a
+        # queued read (queue_exit_depth) of the step before may still be waiting in word 0
+        ws = self._ws
+        ws.exit_state[1:2].copy_to_host(ws.exit_host[1:2], stream=self.stream)
         self.stream.synchronize()
-        return self.queued_exit_depth()
+        return int(ws.exit_host[1])
 
     def queue_exit_depth(self) -> None:
         ws = self._ws
-        ws.exit_state[1:2].copy_to_host(ws.exit_host, stream=self.stream)
+        ws.exit_state[1:2].copy_to_host(ws.exit_host[0:1], stream=self.stream)
 
     def queued_exit_depth(self) -> int:
         return int(self._ws.exit_host[0])
