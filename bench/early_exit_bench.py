@@ -22,8 +22,6 @@ import platform
 import sys
 import time
 
-import numpy as np
-
 from bench.decode_bench import _commit, _median, bench_model, gpu_name, log
 
 #: (criterion, config field of its threshold, thresholds) swept at the default depth.

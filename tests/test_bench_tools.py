@@ -182,3 +182,19 @@ def test_ops_attention_matches_sdpa():
     mask = (torch.arange(24) <= 9).view(1, 1, 1, 24)
     want = F.scaled_dot_product_attention(q, ck, cv, attn_mask=mask, scale=0.25)
     torch.testing.assert_close(q4.ops_attention(q, ck, cv, mask, 0.25), want, rtol=1e-5, atol=1e-5)
+
+
+def test_early_exit_bench_runs_and_writes_its_table_json_and_plot(tmp_path, monkeypatch):
+    """bench/early_exit_bench.py end to end on the CPU at toy sizes: one fixed depth and every
+    criterion; the JSON rows and the PNG are written, the table prints."""
+    from bench import early_exit_bench as eb
+    monkeypatch.setattr(eb, "SWEEPS", [(c, f, v[:1]) for c, f, v in eb.SWEEPS])
+    js, png = tmp_path / "ee.json", tmp_path / "ee.png"
+    assert eb.main(["--windows", "1", "--window", "16", "--new", "4", "--repeats", "1", "--kv", "copy_last",
+                    "--fixed", "3,4", "--json", str(js), "--plot", str(png)]) == 0
+    import json
+    res = json.loads(js.read_text())
+    kinds = [(r["kind"], r.get("criterion")) for r in res["rows"]]
+    assert kinds[:2] == [("fixed", None), ("fixed", None)] and len(kinds) == 2 + len(eb.SWEEPS)
+    assert all(1 <= r["mean_loops"] <= 4 and r["ppl"] > 1 for r in res["rows"])
+    assert png.stat().st_size > 1000
