@@ -312,3 +312,22 @@ def test_look_ahead_reads_each_depth_after_the_fact(demo, monkeypatch):
     assert len(queued) == 19                    # every step but the prefill's was queued ahead
     assert got.token_loops == want.token_loops
     assert got.exit_probes == want.exit_probes and got.loop_iters_run == want.loop_iters_run
+
+
+@pytest.mark.parametrize("args,kw,exc,match", [
+    (([],), {}, tl.InvalidInputError, "tokens_len=0"),
+    (([1.5, 2.0],), {}, tl.InvalidInputError, "integer token ids"),
+    (([5, 99999],), {}, tl.InvalidInputError, "outside the vocabulary"),
+    (([5, 6], "fp16"), {}, tl.ConfigError, "config must be a GenerateConfig"),
+    (([5, 6],), dict(stats=[]), tl.InvalidInputError, "stats must be a GenerateStats"),
+    (([5, 6], tl.GenerateConfig(temperature=0.9)), {}, tl.IncompatibleModesError, "temperature"),
+    (([5, 6], tl.GenerateConfig(stop_sequences=[[5]])), {}, tl.IncompatibleModesError, "stop_sequences"),
+    (([5, 6], tl.GenerateConfig(repetition_penalty=1.3)), {}, tl.IncompatibleModesError, "repetition"),
+    (([5] * 300,), {}, tl.InvalidInputError, "max_seq_len"),
+])
+def test_score_decoded_bad_input(demo, monkeypatch, args, kw, exc, match):
+    calls = []
+    monkeypatch.setattr(demo.backend, "alloc_cache", lambda *a: calls.append(a))
+    with pytest.raises(exc, match=match):
+        tl.score_decoded(demo, *args, **kw)
+    assert calls == []

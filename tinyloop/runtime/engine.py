@@ -923,6 +923,7 @@ def score_decoded(model: Model, tokens: Sequence[int], config: Optional[Generate
                                      f"{'processors ' + str(active) if active else 'stop_sequences'} would not "
                                      f"apply (score without them)")
     validate_request(model, ids[:1], cfg, what="tokens")
+    check_vocab(model, ids, "tokens")
     stats = stats if stats is not None else GenerateStats()
     out = np.empty((len(ids), model.cfg.vocab_size), np.float32)
     lock = _locked(model)
