@@ -196,13 +196,9 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
         self._exit_prev = cur.copy()
 
     def exit_copy_last(self, cache: CPUCache, pos, loops: int) -> None:
-        d, spec = self._exit_at, cache.spec
-        if not d:
-            return
-        for j in range(spec.n_loop):
-            first = spec.layer("loop", j, iteration=d)
-            self.copy_kv_layers_at(cache, pos, spec.layer("loop", j, iteration=d - 1),
-                                   range(first, first + (loops - d) * spec.n_loop, spec.n_loop))
+        if self._exit_at:
+            for src, dst in cache.spec.skipped_loop_layers(self._exit_at, loops):
+                self.copy_kv_layers_at(cache, pos, src, dst)
 
     def exit_depth(self) -> int:
         return self._exit_at

@@ -230,6 +230,15 @@ class CacheSpec:
             start += g.n_layers
         raise PluginError(f"cache layer {layer} is outside the cache's {self.n_layers} layers")
 
+    def skipped_loop_layers(self, depth: int, loops: int):
+        """Early exit's copy_last layers for a token that ran `depth` of `loops` iterations: for each
+        loop layer j, (the layer of iteration depth - 1, the range of its layers in iterations
+        depth .. loops-1)."""
+        for j in range(self.n_loop):
+            first = self.layer("loop", j, iteration=depth)
+            yield self.layer("loop", j, iteration=depth - 1), range(first, first + (loops - depth) * self.n_loop,
+                                                                    self.n_loop)
+
     def with_loops(self, loops: int) -> "CacheSpec":
         """The same spec with the loop group sized for `loops` iterations."""
         g = self.groups[-1]

@@ -194,7 +194,6 @@ class ExitStep:
         self.s, self.plan = session, plan
         cfg = session.model.cfg
         self.inject = cfg.loop_inject == "add"
-        self.n_loop = cfg.n_loop
         probes = plan.probe_depths
         ref = plan.reference_depth
         # the depths where the host looks at the state: the reference, then every probe
@@ -221,13 +220,11 @@ class ExitStep:
         """The ops that fill the skipped iterations' K/V of a token that exits at `depth`."""
         s = self.s
         be, ws, fwd, cache = s.model.backend, s.model.ws, s.model.fwd, s.cache
-        spec, L, n = cache.spec, self.plan.loops, self.n_loop
+        spec, L = cache.spec, self.plan.loops
         if self.plan.kv == "copy_last":
             def fill():
-                for j in range(n):
-                    first = spec.layer("loop", j, iteration=depth)
-                    be.copy_kv_layers_at(cache, pos, spec.layer("loop", j, iteration=depth - 1),
-                                         range(first, first + (L - depth) * n, n))
+                for src, dst in spec.skipped_loop_layers(depth, L):
+                    be.copy_kv_layers_at(cache, pos, src, dst)
             return fill
 
         def fill():
@@ -240,6 +237,15 @@ class ExitStep:
                 for j, blk in enumerate(fwd.w.loop):
                     be.kv_project(ws, blk, cache, spec.layer("loop", j, iteration=i), pos, 1, src)
         return fill
+
+    def _finish(self, pos) -> None:
+        """After the loop: the post blocks, the logits, their argmax started, the position advanced
+        (the end of every step, as the plain step ends)."""
+        s = self.s
+        s.model.fwd.suffix(pos, 1, s.cache)
+        s.model.fwd.logits(0, 1)
+        s.model.backend.launch_argmax(s.model.ws)
+        s.model.backend.advance_position(pos)
 
     # ------------------------------------------------------------------ on the device
     def guarded(self) -> bool:
@@ -254,8 +260,8 @@ class ExitStep:
         return self.account(self.s.model.backend.exit_depth())
 
     def queue(self, ids, pos) -> None:
-        """Queue one guarded step without reading its depth (``pending`` until read_pending /
-        finish_pending): the stretches between stops run while no probe has asked to exit; the
+        """Queue one guarded step without reading its depth (``pending`` until begin_pending or
+        read_pending): the stretches between stops run while no probe has asked to exit; the
         probes decide where the state lives. The pieces are made once per (ids, pos, cache)
         handles (a backend whose handles are device buffers passes the same ones every step)."""
         s = self.s
@@ -332,10 +338,7 @@ class ExitStep:
         def tail():
             if copy_last:
                 be.exit_copy_last(cache, pos, L)
-            fwd.suffix(pos, 1, cache)
-            fwd.logits(0, 1)
-            be.launch_argmax(ws)
-            be.advance_position(pos)
+            self._finish(pos)
         key = ("exit-guarded", crit.name, crit.threshold, plan.patience, plan.min_L, plan.peek_every, L, plan.kv,
                cache)
         return key, head, stretches, fills, tail
@@ -349,7 +352,7 @@ class ExitStep:
         s, plan = self.s, self.plan
         if forced is None and self.guarded():
             return self._guarded_step(ids, pos)
-        be, fwd, ws, cache = s.model.backend, s.model.fwd, s.model.ws, s.cache
+        fwd, cache = s.model.fwd, s.cache
         L, crit = plan.loops, plan.criterion
         stops = (forced,) if forced is not None and forced < L else (() if forced is not None else self.stops)
         done, prev, run, depth = 0, None, 0, L
@@ -383,9 +386,6 @@ class ExitStep:
             if first:
                 fwd.prefix(ids, pos, 1, cache)
             fwd.run_loop_iters_range(pos, 1, cache, a, depth)
-            fwd.suffix(pos, 1, cache)
-            fwd.logits(0, 1)
-            be.launch_argmax(ws)
-            be.advance_position(pos)
+            self._finish(pos)
         self._replay(("tail", done, depth), tail)
         return depth
