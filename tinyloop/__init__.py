@@ -17,6 +17,7 @@ from .runtime.reuse import (PrefixCache, PrefixPool, ResumeHandle, build_prefix_
                             generate_from_prefix_cache, generate_from_prefix_cache_iter, generate_with_pool,
                             generate_with_pool_iter, live_handle_bytes, live_handles, register_prefix, resume_generate,
                             resume_generate_iter, set_handle_bytes_cap)
+from .runtime.lockstep import LaneView, lane_seed
 from .analysis.inspect import inspect
 from .analysis.scoring import (Escalation, LensTopK, Uncertainty, score_logit_lens, score_with_consistency_escalation,
                                score_with_uncertainty)
@@ -38,7 +39,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "load_model", "free_model", "vram_usage_bytes", "inspect", "Model",
-    "generate", "generate_stream", "generate_iter", "generate_batch", "generate_text", "stream_text", "Tokenizer", "Grammar",
+    "generate", "generate_stream", "generate_iter", "generate_batch", "lane_seed", "LaneView", "generate_text", "stream_text", "Tokenizer", "Grammar",
     "generate_speculative", "generate_tree_speculative", "calibrate", "DecoderChoice", "score",
     "score_last_token", "score_decoded", "score_logit_lens", "score_with_uncertainty", "score_with_consistency_escalation",
     "LensTopK", "Uncertainty", "Escalation",

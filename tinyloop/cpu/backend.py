@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from ..model.arch import required_tensors
-from ..runtime.backend import (Backend, CacheReuse, GuardedSteps, KVLayerCopy, ModelWeights, TokenMasks, TreeOps,
-                               TreeRows, Workspace)
+from ..runtime.backend import (Backend, CacheReuse, GuardedSteps, KVLayerCopy, LaneOps, ModelWeights, TokenMasks,
+                               TreeOps, TreeRows, Workspace, lane_tables)
 from ..runtime.early_exit import STATISTICS, is_stable
 from ..runtime.cache import shared_layers
 from ..errors import BackendError, OutOfMemoryError
@@ -66,6 +66,7 @@ class CPUCache:
         pm = get_plugin_manager()
         self.spec = spec
         self.n_layers, self.n_slots = spec.n_layers, spec.n_slots
+        self.lane_path = self.lane_of = None        # a lanes cache's tables (lane_positions)
         self.groups = []
         for g in spec.groups:
             codec = pm.codec(g.codec)
@@ -83,7 +84,7 @@ class CPUCache:
         return sum(st.nbytes for st in self.storages())
 
 
-class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedSteps):
+class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedSteps, LaneOps):
     """Numba/numpy implementation of the backend ops."""
 
     name = "cpu"
@@ -100,6 +101,7 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
         self.sin = np.sin(ang).astype(np.float32)
         self._held = 0
         self._scores = None
+        self._rows = 0
         self._exit_run, self._exit_at, self._exit_prev = 0, 0, None     # guarded steps (early exit)
         self._exit_queued = 0
         #: threads of the parallel kernels (TINYLOOP_CPU_THREADS; tinyloop/cpu/threads.py)
@@ -141,6 +143,7 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
         arrays = {n: np.zeros(shape, dt)
                   for n, (shape, dt) in self.workspace_layout(self.cfg, rows, self.max_seq_len).items()}
         self._scores = arrays.pop("scores")
+        self._rows = rows
         ws = Workspace(rows=rows, **arrays)
         self._held += sum(a.nbytes for a in arrays.values()) + self._scores.nbytes
         return ws
@@ -150,6 +153,21 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
         need = spec.nbytes(self.cfg.n_kv_heads, self.cfg.head_dim, get_plugin_manager().kv_codecs())
         check_host_memory(need, f"a KV cache of {spec.n_layers} layers x {spec.n_slots} slots")
         return CPUCache(spec, self.cfg.n_kv_heads, self.cfg.head_dim)
+
+    def lane_positions(self, cache: CPUCache, lanes, positions) -> TreeRows:
+        # lanes run as a tree rooted at position 0 whose paths are the lanes' slots (_layout)
+        sm = cache.spec.slots
+        if not sm.lanes:
+            raise BackendError("lane_positions needs a cache whose slot map has lanes > 0")
+        depth, lane_of = lane_tables(lanes, positions, sm.lane_slots, sm.lanes, self._rows)
+        T = depth.shape[0]
+        if cache.lane_path is None:
+            cache.lane_path = np.zeros((self._rows, sm.lane_slots), np.int32)
+            cache.lane_of = np.full(self._rows, -1, np.int32)
+        for t in np.flatnonzero(cache.lane_of[:T] != lane_of):
+            cache.lane_path[t] = np.arange(sm.lane_slots, dtype=np.int32) + lane_of[t] * sm.lane_slots
+            cache.lane_of[t] = lane_of[t]
+        return TreeRows(0, depth, cache.lane_path)
 
     def copy_cache(self, dst: CPUCache, src: CPUCache, n_slots: int) -> None:
         if dst.spec != src.spec:

@@ -61,8 +61,8 @@ from numba.cuda.cudadrv.driver import device_memset
 
 from dataclasses import dataclass
 
-from ..runtime.backend import (Backend, CacheReuse, DeviceChaining, GuardedSteps, KVLayerCopy, ModelWeights,
-                               TokenMasks, TreeOps, TreeRows, Workspace)
+from ..runtime.backend import (Backend, CacheReuse, DeviceChaining, GuardedSteps, KVLayerCopy, LaneOps,
+                               ModelWeights, TokenMasks, TreeOps, TreeRows, Workspace, lane_tables)
 from ..runtime.cache import CacheSpec, SlotMap, shared_layers
 from ..runtime.config import env_switch
 from ..errors import BackendError, OutOfMemoryError, PluginError
@@ -172,6 +172,8 @@ class CUDACache:
         self.n_slots = spec.n_slots
         self.n_layers = spec.n_layers
         self.window = spec.slots.window
+        #: a lanes cache's tables (CUDABackend.lane_positions): LaneTables, else None
+        self.lanes = None
 
     @property
     def key(self) -> tuple:
@@ -189,11 +191,32 @@ class CUDACache:
 
     @property
     def nbytes(self) -> int:
-        return sum(g.nbytes for g in self.groups)
+        return sum(g.nbytes for g in self.groups) + (self.lanes.nbytes if self.lanes is not None else 0)
+
+
+class LaneTables:
+    """A lanes cache's launch tables, held with the cache (its graphs point into them): lanes run
+    as a draft-tree layout rooted at position 0 (the kernels' tree tables), row t at position
+    ``depth[t]`` with ``path[t]`` the slots of its lane's positions 0 .. lane_slots-1. `zero` is
+    the layout's base position; `lane_of` (host) the lane whose slots each path row holds (-1:
+    none yet); `depth_host` the pinned staging of the depth upload."""
+
+    def __init__(self, be: "CUDABackend", rows: int, lane_slots: int):
+        self.zero = be._to_device(np.zeros(1, np.int32))
+        self.depth = be._to_device(np.zeros(rows, np.int32))
+        self.path = be._to_device(np.zeros((rows, lane_slots), np.int32))
+        self.depth_host = cuda.pinned_array(rows, np.int32)
+        self.path_host = np.zeros((rows, lane_slots), np.int32)
+        self.lane_of = np.full(rows, -1, np.int32)
+        self.handle = TreeRows(self.zero, self.depth, self.path)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.zero.nbytes + self.depth.nbytes + self.path.nbytes)
 
 
 def _spec_key(spec: CacheSpec) -> tuple:
-    return (tuple(spec.groups), spec.slots.window, spec.n_loop)
+    return (tuple(spec.groups), spec.slots.window, spec.slots.lanes, spec.n_loop)
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -234,7 +257,7 @@ class CUDAWorkspace(Workspace):
     exit_host: Any = None
 
 
-class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLayerCopy, GuardedSteps):
+class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLayerCopy, GuardedSteps, LaneOps):
     """numba-cuda implementation of the backend ops, with graph-captured decode steps."""
 
     name = "cuda"
@@ -430,8 +453,8 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
     def _fresh_cache(self, spec: CacheSpec, impls) -> CUDACache:
         """A new zeroed cache for `spec` with its slots rounded up (`round_slots`); under memory
         pressure the spares are dropped and the allocation retried."""
-        window = spec.slots.window
-        spec = CacheSpec(spec.groups, SlotMap(self.cache_slots(spec.n_slots, window), window), spec.n_loop)
+        window, lanes = spec.slots.window, spec.slots.lanes
+        spec = CacheSpec(spec.groups, SlotMap(self.cache_slots(spec.n_slots, window), window, lanes), spec.n_loop)
         try:
             cache = self._new_cache(spec, impls)
         except OutOfMemoryError:
@@ -452,7 +475,10 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
             groups.append(CUDACacheGroup(g.name, codec, impl, k, v))
             for a in k.arrays if g.n_layers else ():    # load the layer-copy kernel now, not while capturing
                 k_kv_layer_copy.copy_layers_at(a, self.pos, False, 0, range(0), stream=self.stream)
-        return CUDACache(spec, groups)
+        cache = CUDACache(spec, groups)
+        if spec.slots.lanes:
+            cache.lanes = LaneTables(self, self._ws.rows, spec.slots.lane_slots)
+        return cache
 
     def _zero(self, cache: CUDACache) -> None:
         """Every request starts from a zeroed cache, as on the CPU: a slot the decode never wrote (a
@@ -557,6 +583,30 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
             k_cache_move.move_slots(g.k.data, g.v.data, ws.moves, n, stream=self.stream,
                                     k_scale=g.k.scale, v_scale=g.v.scale, k_zero=g.k.zero,
                                     v_zero=g.v.zero)
+
+    def lane_positions(self, cache: CUDACache, lanes, positions) -> TreeRows:
+        tab = cache.lanes
+        if tab is None:
+            raise BackendError("lane_positions needs a cache whose slot map has lanes > 0")
+        sm = cache.spec.slots
+        depth, lane_of = lane_tables(lanes, positions, sm.lane_slots, sm.lanes, self._ws.rows)
+        T = depth.shape[0]
+        if int(depth.max()) >= self.rope_table.shape[0] - k_rope.POSITION_MARGIN:
+            raise BackendError(f"lane_positions: position {int(depth.max())} is outside the RoPE table's "
+                               f"{self.rope_table.shape[0] - k_rope.POSITION_MARGIN} positions")
+        self.stream.synchronize()       # the previous uploads must have left the staging buffers
+        changed = np.flatnonzero(tab.lane_of[:T] != lane_of)
+        if changed.size:
+            a, b = int(changed[0]), int(changed[-1]) + 1
+            base = np.arange(sm.lane_slots, dtype=np.int32)
+            for t in changed:
+                tab.path_host[t] = base + lane_of[t] * sm.lane_slots
+                tab.lane_of[t] = lane_of[t]
+            tab.path[a:b].copy_to_device(tab.path_host[a:b], stream=self.stream)
+            self.stream.synchronize()   # path_host is pageable: let the copy finish before reuse
+        tab.depth_host[:T] = depth
+        tab.depth[:T].copy_to_device(tab.depth_host[:T], stream=self.stream)
+        return tab.handle
 
     def tree_layout(self, depth, path):
         depth = np.ascontiguousarray(depth, np.int32)

@@ -19,7 +19,7 @@ launches or passes over memory. The forward only calls composites and the few pr
 
 Optional capabilities (:data:`CAPABILITIES`) are mixin classes a backend inherits:
 :class:`TreeOps`, :class:`DeviceChaining`, :class:`CacheReuse`, :class:`TokenMasks`,
-:class:`KVLayerCopy` and :class:`GuardedSteps`. Callers ask :meth:`Backend.supports` and fall back;
+:class:`KVLayerCopy`, :class:`GuardedSteps` and :class:`LaneOps`. Callers ask :meth:`Backend.supports` and fall back;
 a decoder that cannot declares ``Decoder.requires``. Backends are registered as
 :class:`BackendEntry` classes through the ``tinyloop_backends`` hook (one registry for every name
 check).
@@ -541,10 +541,51 @@ class GuardedSteps(ABC):
         tail()
 
 
+class LaneOps(ABC):
+    """Capability ``lanes``: launches whose rows belong to different sequences (batch lanes of a
+    lockstep batch, tinyloop.runtime.lockstep), each with its own position and its own region of
+    one cache. The cache's slot map has ``lanes`` > 0 (tinyloop.runtime.cache.SlotMap): lane l's
+    position p lives in slot ``l * lane_slots + p``, and a row of lane l at position p attends to
+    its lane's positions 0 .. p only, reduced in position order, so it computes exactly what the
+    same row of a one-sequence launch computes (batch invariance). rope_kv_append, attention and
+    the composites accept the handle :meth:`lane_positions` makes as `pos`. Without it
+    generate_batch decodes its prompts one after another (the same tokens)."""
+
+    @abstractmethod
+    def lane_positions(self, cache, lanes, positions) -> Any:
+        """A position handle for a launch over a lanes cache whose row t is lane ``lanes[t]`` at
+        position ``positions[t]`` (sequences of host ints, at most the workspace's rows; every
+        position below the cache's ``spec.slots.lane_slots``; BackendError otherwise). The handle
+        reads its tables where they live, so a captured step replays with the positions of the
+        latest call; a backend may hold one handle per cache (a call invalidates the previous
+        handle of the same cache)."""
+
+
+def lane_tables(lanes, positions, lane_slots: int, n_lanes: int, rows: int):
+    """Host tables of a lanes launch as a :class:`TreeRows` layout rooted at position 0 (the way
+    both built-in backends execute lanes): row t's depth is its position and its path lists the
+    slots of its lane's positions 0 .. lane_slots-1. Returns (depth (T,), lane of each row (T,))
+    as int32 arrays, checked: BackendError for a lane or position outside the cache or more rows
+    than `rows`."""
+    lanes = np.asarray(lanes, np.int64).reshape(-1)
+    positions = np.asarray(positions, np.int64).reshape(-1)
+    if lanes.shape != positions.shape or not 0 < lanes.shape[0] <= rows:
+        raise BackendError(f"lane_positions: {lanes.shape[0]} lanes and {positions.shape[0]} positions for a "
+                           f"launch of 1 .. {rows} rows")
+    if lanes.min() < 0 or lanes.max() >= n_lanes:
+        raise BackendError(f"lane_positions: lane {int(lanes.max() if lanes.max() >= n_lanes else lanes.min())} "
+                           f"is outside the cache's lanes [0, {n_lanes})")
+    if positions.min() < 0 or positions.max() >= lane_slots:
+        bad = int(positions.max() if positions.max() >= lane_slots else positions.min())
+        raise BackendError(f"lane_positions: position {bad} is outside a lane's slots [0, {lane_slots})")
+    return positions.astype(np.int32), lanes.astype(np.int32)
+
+
 #: The optional capabilities by name (Backend.supports).
 CAPABILITIES: Dict[str, type] = {"tree": TreeOps, "device_chaining": DeviceChaining,
                                  "cache_reuse": CacheReuse, "token_masks": TokenMasks,
-                                 "kv_layer_copy": KVLayerCopy, "guarded_steps": GuardedSteps}
+                                 "kv_layer_copy": KVLayerCopy, "guarded_steps": GuardedSteps,
+                                 "lanes": LaneOps}
 
 
 # =============================================================================== registry

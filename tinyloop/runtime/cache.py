@@ -125,23 +125,40 @@ class SlotMap:
 
     n_slots: int
     window: int = 0
+    #: batch lanes (lockstep decoding, tinyloop.runtime.lockstep): > 0 splits the slots into
+    #: `lanes` linear regions of ``lane_slots`` slots each, lane l's position p at slot
+    #: ``l * lane_slots + p``; launches address them through Backend.lane_positions (capability
+    #: ``lanes``). 0: one sequence.
+    lanes: int = 0
 
     def __post_init__(self) -> None:
         if self.n_slots < 1:
             raise ConfigError(f"a cache needs at least one slot, got n_slots={self.n_slots}")
         if self.window < 0:
             raise ConfigError(f"window={self.window} must be >= 0 (0: linear)")
+        if self.lanes < 0 or (self.lanes and (self.window or self.n_slots < self.lanes)):
+            raise ConfigError(f"lanes={self.lanes} must be >= 0, at most n_slots={self.n_slots}, and lanes "
+                              f"need a linear map (window={self.window})")
 
     @property
     def ring(self) -> bool:
         return self.window > 0
 
-    def slot(self, position: int) -> int:
-        """The slot absolute position `position` lives in."""
-        if not 0 <= position < (1 << 40) or (not self.ring and position >= self.n_slots):
-            raise PluginError(f"position {position} has no slot in a cache of {self.n_slots} slots "
-                              f"(window={self.window})")
-        return position % self.n_slots if self.ring else position
+    @property
+    def lane_slots(self) -> int:
+        """Slots of one lane's region (all of them without lanes)."""
+        return self.n_slots // self.lanes if self.lanes else self.n_slots
+
+    def slot(self, position: int, lane: int = 0) -> int:
+        """The slot absolute position `position` (of lane `lane`, with lanes) lives in."""
+        bound = self.lane_slots
+        if (not 0 <= position < (1 << 40) or (not self.ring and position >= bound)
+                or not 0 <= lane < max(1, self.lanes)):
+            raise PluginError(f"position {position} of lane {lane} has no slot in a cache of {self.n_slots} "
+                              f"slots (window={self.window}, lanes={self.lanes})")
+        if self.ring:
+            return position % self.n_slots
+        return lane * bound + position
 
 
 class SlotMapMode:

@@ -459,6 +459,9 @@ class GenerateStats:
     warm_start_iters_saved: int = 0
     """Warm start: loop iterations x prompt rows the handle's kept residual spared this request
     (a fresh request at this depth would have run them)."""
+    batch_lanes: int = 0
+    """generate_batch: the lanes of the lockstep batch this prompt decoded in (its own included);
+    0 when it decoded alone (any other entry point, or a batch decoded one prompt after another)."""
 
     def finalize(self) -> None:
         """Derive the ratio fields from the counters once a call has ended."""

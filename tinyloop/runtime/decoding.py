@@ -129,6 +129,10 @@ class Decoder:
     """The decoder advances one token at a time through the engine Session's steps (start /
     advance), so the engine's per-token early exit applies: it honours EXIT_FIELDS while early
     exit is on (early_exit_patience > 0; without it the other exit knobs would do nothing)."""
+    lockstep: ClassVar[bool] = False
+    """The decoder picks each token from its sequence's pending logits alone (:meth:`pick`), so
+    generate_batch can decode its prompts in lockstep (tinyloop.runtime.lockstep); a decoder
+    without it runs the prompts of a batch one after another through :meth:`decode`."""
     requires: ClassVar[FrozenSet[str]] = frozenset()
     """Optional backend capabilities (tinyloop.runtime.backend.CAPABILITIES) the decoder cannot run
     without; a request on a backend that lacks one is a BackendError before any allocation. A
@@ -173,6 +177,14 @@ class Decoder:
     def decode(self, session) -> Iterator[int]:
         """Yield tokens one at a time, calling session.advance(token) before producing the next."""
         raise NotImplementedError
+
+    def pick(self, lane) -> int:
+        """(``lockstep`` decoders) The next token of one lane of a lockstep batch from its pending
+        step: `lane` is a tinyloop.runtime.lockstep.LaneView (``logits()``, ``greedy()``,
+        ``config``, ``index``). Called once per step per running lane, on this lane's own decoder
+        instance, in the order of decode(): it must pick what decode() would yield for the same
+        logits. A StopRequest ends the lane with its reason."""
+        raise NotImplementedError(f"decoder {self.name!r} does not decode in lockstep")
 
 
 # --------------------------------------------------------------------------- per-request checks

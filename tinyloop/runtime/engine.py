@@ -45,6 +45,7 @@ from ..models import model_path
 from .forward import Forward
 from .decoding import check_honoured, parse_options
 from .early_exit import ExitStep, resolve_exit
+from .lockstep import LockstepBatch, lane_seed
 from .plugins import get_plugin_manager
 from .processors import ProcessorChain
 from .stopping import CallbackStopper, Stopper, StopperChain, StopRequest
@@ -816,52 +817,109 @@ def generate(model: Model, prompt: Sequence[int], config: Optional[GenerateConfi
     return generate_stream(model, prompt, config, stats=stats)
 
 
-def generate_batch(model: Model, prompts: Sequence[Sequence[int]], config: Optional[GenerateConfig] = None,
+#: GenerateConfig fields that may differ between the lanes of one generate_batch call (the spec's
+#: "Batching and Integration" contract: per-lane stop sequences and grammars; the seed, so that
+#: equal prompts can sample differently); every other field is shared by the batch.
+PER_LANE_FIELDS = frozenset({"stop_sequences", "grammar", "sample_seed"})
+
+
+def _lane_configs(prompts, config, grammars) -> List[GenerateConfig]:
+    """One GenerateConfig per prompt: `config` itself (one per lane, sharing every field outside
+    PER_LANE_FIELDS), or the one config with lane i's sample_seed derived (lockstep.lane_seed)
+    when it samples; `grammars` then replaces each lane's grammar."""
+    n = len(prompts)
+    if isinstance(config, (list, tuple)):
+        if len(config) != n:
+            raise InvalidInputError(f"config holds {len(config)} GenerateConfigs for {n} prompts: give one "
+                                    f"GenerateConfig for every lane, or a single one")
+        for i, c in enumerate(config):
+            if not isinstance(c, GenerateConfig):
+                raise ConfigError(f"config[{i}] must be a GenerateConfig, got {type(c).__name__} {c!r:.80}")
+        first = config[0]
+        for i, c in enumerate(config[1:], 1):
+            for f in dataclasses.fields(GenerateConfig):
+                if f.name not in PER_LANE_FIELDS and getattr(c, f.name) != getattr(first, f.name):
+                    raise IncompatibleModesError(
+                        f"config[{i}].{f.name}={getattr(c, f.name)!r} differs from config[0].{f.name}="
+                        f"{getattr(first, f.name)!r}: the lanes of a batch share every field but "
+                        f"{', '.join(sorted(PER_LANE_FIELDS))} (the spec's batching contract: per-lane "
+                        f"divergent settings are not batched); call generate per prompt instead")
+        configs = list(config)
+    else:
+        if config is not None and not isinstance(config, GenerateConfig):
+            raise ConfigError(f"config must be a GenerateConfig, a list of one GenerateConfig per prompt, or "
+                              f"None, got {type(config).__name__} {config!r:.80}")
+        config = config or GenerateConfig()
+        if config.sampling:
+            configs = [dataclasses.replace(config, sample_seed=lane_seed(config.sample_seed, i)) for i in range(n)]
+        else:
+            configs = [config] * n
+    if grammars is not None:
+        if isinstance(grammars, (str, bytes)) or not isinstance(grammars, Sequence) or len(grammars) != n:
+            raise InvalidInputError(f"grammars must be a list with one grammar (or None) per prompt: {n} "
+                                    f"prompts, got {grammars!r:.80}")
+        out = []
+        for i, (c, g) in enumerate(zip(configs, grammars)):
+            try:
+                out.append(dataclasses.replace(c, grammar=g))
+            except ConfigError as exc:
+                raise ConfigError(f"grammars[{i}]: {exc}") from None
+        configs = out
+    return configs
+
+
+def generate_batch(model: Model, prompts: Sequence[Sequence[int]], config=None,
                    stats: Optional[List[GenerateStats]] = None,
                    grammars: Optional[Sequence[Any]] = None) -> List[List[int]]:
-    """Decode several prompts with one shared config; returns one prompt + continuation list each.
+    """Decode several prompts; returns one prompt + continuation list per prompt (the C++ API's
+    flat concatenation, split per lane).
 
-    Every prompt is validated before any work. Lanes are decoded one after another on the same
-    model (the spec's sequential batch); `stats`, if given, receives one GenerateStats per prompt.
-    `grammars`, if given, holds one grammar per prompt (a tinyloop.Grammar, a grammar mapping, or
-    None for an unconstrained lane); it replaces config.grammar lane by lane."""
-    check_call(model, config)
+    `config`: one GenerateConfig for every lane (a sampling one gives lane i the seed
+    ``tinyloop.lane_seed(sample_seed, i)``), or a list of one GenerateConfig per prompt that share
+    every field but stop_sequences, grammar and sample_seed (used as given). `grammars`, if given,
+    holds one grammar per prompt (a tinyloop.Grammar, a grammar mapping, or None for an
+    unconstrained lane); it replaces each lane's grammar. `stats`, if given, receives one
+    GenerateStats per prompt. Everything is validated before any work.
+
+    On a backend with the ``lanes`` capability and a decoder that picks in lockstep (greedy,
+    sampling) the prompts decode together, one launch per op per step (tinyloop.runtime.lockstep;
+    up to the workspace's rows of lanes per batch, more prompts run as further batches); otherwise
+    one after another. Each lane's tokens are those of ``generate`` of its prompt with its config."""
+    check_call(model)
     if stats is not None and not isinstance(stats, list):
         raise InvalidInputError(f"stats must be a list (it receives one GenerateStats per prompt) or None, got "
                                 f"{type(stats).__name__}")
-    config = config or GenerateConfig()
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise InvalidInputError("prompts must be a non-empty list of token-id lists")
-    if grammars is not None:
-        if isinstance(grammars, (str, bytes)) or not isinstance(grammars, Sequence) or len(grammars) != len(prompts):
-            raise InvalidInputError(f"grammars must be a list with one grammar (or None) per prompt: {len(prompts)} "
-                                    f"prompts, got {grammars!r:.80}")
-        configs = []
-        for i, g in enumerate(grammars):
-            try:
-                configs.append(dataclasses.replace(config, grammar=g))
-            except ConfigError as exc:
-                raise ConfigError(f"grammars[{i}]: {exc}") from None
-    else:
-        configs = [config] * len(prompts)
-    plans = {}
-    for c in configs:
-        if id(c) not in plans:
-            plans[id(c)] = Plan(model, c, "batched")
+        raise InvalidInputError("prompts must be a non-empty list of prompts (token-id lists or text)")
+    configs = _lane_configs(prompts, config, grammars)
+    plans = [Plan(model, c, "batched") for c in configs]
     all_ids = [validate_request(model, p, c, what=f"prompts[{i}]")
                for i, (p, c) in enumerate(zip(prompts, configs))]
-    for plan in plans.values():
+    for plan in plans:
         plan.delegate()
+    lanes_ok = (model.backend.supports("lanes") and not kv_cache_disabled()
+                and all(p.decoder_cls.lockstep and p.decoder_cls is plans[0].decoder_cls and p.exit is None
+                        and p.slot_mode is None and p.seed is None for p in plans))
+    out_stats = [GenerateStats() for _ in prompts]
     results = []
     lock = _locked(model)
     try:
-        for ids, c in zip(all_ids, configs):
-            st = GenerateStats()
-            results.append(ids + list(_decode(model, ids, plans[id(c)], st)))
-            if stats is not None:
-                stats.append(st)
+        if lanes_ok:
+            group = max(1, model.ws.rows)
+            for a in range(0, len(all_ids), group):
+                batch = LockstepBatch(model, all_ids[a:a + group], plans[a:a + group], out_stats[a:a + group])
+                try:
+                    gen = batch.run()
+                finally:
+                    batch.close()
+                results.extend(ids + g for ids, g in zip(all_ids[a:a + group], gen))
+        else:
+            for ids, plan, st in zip(all_ids, plans, out_stats):
+                results.append(ids + list(_decode(model, ids, plan, st)))
     finally:
         lock.release()
+    if stats is not None:
+        stats.extend(out_stats)
     return results
 
 

@@ -246,10 +246,11 @@ def check_slots(op, T, S, window, cs, depth):
     window = int(window)
     if not 0 <= window <= S:
         raise BackendError(f"{op}: window={window} is outside [0, {S}] (a ring of {S} slots)")
-    if window == 0:
+    tree = depth is not None and depth.shape[0] > 0
+    if window == 0 and not tree:
         _check_positions(op, cs, S + POSITION_MARGIN, f"a cache of {S} slots (its slots plus "
                          f"POSITION_MARGIN={POSITION_MARGIN} for a draft tree's depth)")
-    elif depth is not None and depth.shape[0] > 0:
+    elif tree and window:
         raise BackendError(f"{op}: a draft tree's rows cannot be stored in a ring (window={window}); "
                            f"trees need a linear cache")
     if T > S:

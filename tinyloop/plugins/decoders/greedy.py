@@ -14,6 +14,7 @@ class GreedyDecoder(Decoder):
     compat = ALL_CONTEXTS_OK
     adaptive_depth = True               # its steps are Session.advance: early exit applies
     honours = frozenset()               # the engine's fields and the processors' only
+    lockstep = True
 
     @classmethod
     def matches(cls, config) -> bool:
@@ -27,6 +28,9 @@ class GreedyDecoder(Decoder):
             token = session.greedy(ahead=True)
             yield token
             session.advance(token)
+
+    def pick(self, lane):
+        return lane.greedy()
 
 
 @hookimpl

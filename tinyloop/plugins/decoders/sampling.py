@@ -18,6 +18,7 @@ class SamplingDecoder(Decoder):
     compat = ALL_CONTEXTS_OK
     adaptive_depth = True               # its steps are Session.advance: early exit applies
     honours = SAMPLING_FIELDS
+    lockstep = True
 
     @classmethod
     def matches(cls, config) -> bool:
@@ -30,14 +31,23 @@ class SamplingDecoder(Decoder):
                                          f"(<= {GREEDY_TEMPERATURE}), but decoder 'sampling' was chosen; "
                                          f"sampling needs temperature > {GREEDY_TEMPERATURE}")
 
+    def __init__(self, config, options=None):
+        super().__init__(config, options)
+        self._rng = np.random.Generator(np.random.PCG64(config.sample_seed))
+
     def decode(self, session):
-        c = self.config
-        rng = np.random.Generator(np.random.PCG64(c.sample_seed))
         session.start()
         while True:
-            token = sample_token(session.logits(), c.temperature, c.top_k, c.top_p, uniform(rng))
+            token = self._draw(session.logits())
             yield token
             session.advance(token)
+
+    def pick(self, lane):
+        return self._draw(lane.logits())
+
+    def _draw(self, logits) -> int:
+        c = self.config
+        return sample_token(logits, c.temperature, c.top_k, c.top_p, uniform(self._rng))
 
 
 @hookimpl
