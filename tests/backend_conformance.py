@@ -1262,6 +1262,64 @@ def test_forward_batch_invariant(fwd_rig, codec, conformance_quick):
             r.be.release_cache(cache)
 
 
+@pytest.mark.parametrize("codec", ["fp16", "int8"])
+def test_lanes_equal_one_sequence_launches(fwd_rig, codec, conformance_quick):
+    """Capability ``lanes``: a lanes cache holds several sequences in its lane regions; a launch
+    whose rows belong to different lanes at different positions (prefill rows of two lanes packed
+    together, then one-row-per-lane steps, then a step over a subset of the lanes in another
+    order) gives each row the logits of the same row of a one-sequence decode, bit for bit."""
+    r = fwd_rig
+    if not r.be.supports("lanes"):
+        pytest.skip("the backend has no lanes capability")
+    loops = 1 if conformance_quick else 2
+    seqs = [_ids(r, 5, 160), _ids(r, 2, 161), _ids(r, 4, 162)]
+    refs = []
+    for seq in seqs:
+        cache = r.be.alloc_cache(build_spec(r.cfg, loops, mode_of(codec), SlotMap(16)))
+        try:
+            refs.append(np.concatenate([_forward(r, cache, [t], p, loops) for p, t in enumerate(seq)]))
+        finally:
+            r.be.release_cache(cache)
+    fwd = Forward(r.cfg, r.be, r.w, r.ws)
+    lanes = r.be.alloc_cache(build_spec(r.cfg, loops, mode_of(codec), SlotMap(3 * 8, lanes=3)))
+    assert lanes.spec.slots.lanes == 3 and lanes.spec.slots.lane_slots >= 8
+
+    def launch(rows):
+        """rows: (lane, position) pairs; returns the logits of each row."""
+        ids = r.be.set_ids(r.ws, [seqs[l][p] for l, p in rows])
+        pos = r.be.lane_positions(lanes, [l for l, _ in rows], [p for _, p in rows])
+        fwd.forward(ids, pos, len(rows), lanes, loops)
+        fwd.logits(0, len(rows))
+        return np.array(r.be.logits_block_to_host(r.ws, len(rows)), np.float32)
+
+    try:
+        # prefill: lane 0 positions 0..2 and lane 2 positions 0..1 in one launch, lane 1 alone
+        got = launch([(0, 0), (0, 1), (0, 2), (2, 0), (2, 1)])
+        for t, (l, p) in enumerate([(0, 0), (0, 1), (0, 2), (2, 0), (2, 1)]):
+            assert_bits(got[t], refs[l][p], f"lanes prefill row {t} (lane {l}, position {p})")
+        assert_bits(launch([(1, 0)])[0], refs[1][0], "lanes launch of one row")
+        got = launch([(0, 3), (1, 1), (2, 2)])
+        for t, (l, p) in enumerate([(0, 3), (1, 1), (2, 2)]):
+            assert_bits(got[t], refs[l][p], f"lanes step row {t} (lane {l}, position {p})")
+        got = launch([(2, 3), (0, 4)])                        # a compacted step, lanes reordered
+        assert_bits(got[0], refs[2][3], "compacted lanes step, lane 2")
+        assert_bits(got[1], refs[0][4], "compacted lanes step, lane 0")
+        with pytest.raises(BackendError, match="lane"):
+            r.be.lane_positions(lanes, [3], [0])
+        with pytest.raises(BackendError, match="position"):
+            r.be.lane_positions(lanes, [0], [lanes.spec.slots.lane_slots])
+        with pytest.raises(BackendError):
+            r.be.lane_positions(lanes, [0] * (r.ws.rows + 1), [0] * (r.ws.rows + 1))
+    finally:
+        r.be.release_cache(lanes)
+    plain = r.be.alloc_cache(build_spec(r.cfg, loops, mode_of(codec), SlotMap(16)))
+    try:
+        with pytest.raises(BackendError, match="lanes"):
+            r.be.lane_positions(plain, [0], [0])
+    finally:
+        r.be.release_cache(plain)
+
+
 def test_replay_runs_the_step(fwd_rig):
     """replay(key, fn) runs fn's ops (captured or not): the same logits as running them directly,
     on every call, with the position advanced in place where positions live on the device."""
