@@ -78,3 +78,14 @@ def spec_model(request, tmp_path_factory):
     m = tl.load_model(str(path), max_seq_len=160, backend="cpu")
     yield m
     tl.free_model(m)
+
+
+@pytest.fixture(scope="module")
+def demo_pair():
+    """The demo model on the CPU and on the CUDA backend (GPU test modules; max_seq_len 256)."""
+    import tinyloop as tl
+    cpu = tl.load_model(None, backend="cpu", max_seq_len=256)
+    gpu = tl.load_model(None, backend="cuda", max_seq_len=256)
+    yield cpu, gpu
+    tl.free_model(cpu)
+    tl.free_model(gpu)

@@ -26,12 +26,8 @@ CONFIGS = [("hidden_l2", dict(early_exit_threshold=0.35)), ("kl", dict(early_exi
 
 
 @pytest.fixture(scope="module")
-def pair():
-    cpu = tl.load_model(None, backend="cpu", max_seq_len=256)
-    gpu = tl.load_model(None, backend="cuda", max_seq_len=256)
-    yield cpu, gpu
-    tl.free_model(cpu)
-    tl.free_model(gpu)
+def pair(demo_pair):
+    return demo_pair
 
 
 def cfg_of(criterion, kv, **kw):

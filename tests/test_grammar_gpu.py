@@ -17,12 +17,8 @@ pytest.importorskip("llguidance")
 
 
 @pytest.fixture(scope="module")
-def pair():
-    cpu = tl.load_model(None, backend="cpu", max_seq_len=256)
-    gpu = tl.load_model(None, backend="cuda", max_seq_len=256)
-    yield cpu, gpu
-    tl.free_model(cpu)
-    tl.free_model(gpu)
+def pair(demo_pair):
+    return demo_pair
 
 
 GRAMMARS = [
