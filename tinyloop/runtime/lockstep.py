@@ -187,12 +187,12 @@ class LockstepBatch:
                 break
             running = live if self.compact else self.lanes
             self._step(running)
-            if first:                   # the first step gives every lane's first-token logits
-                for lane in self.lanes:
-                    lane.stats.prefill_ms = (time.perf_counter() - t0) * 1e3
             for lane in live:
                 lane.stats.loop_iters_run += self.loops
                 self._pick(lane, t0)
+            if first:                   # the first step's picks read every lane's first token
+                for lane in self.lanes:
+                    lane.stats.prefill_ms = (time.perf_counter() - t0) * 1e3
             first = False
         end = time.perf_counter()
         for lane in self.lanes:
