@@ -103,6 +103,29 @@ def test_device_chained_tree_cycle_matches_cpu(small_path):
         tl.free_model(gpu)
 
 
+@pytest.mark.slow
+def test_lockstep_batch_with_device_chaining_matches_cpu(small_path):
+    """generate_batch on the CUDA backend (lanes as tree rows, the greedy look-ahead chaining each
+    step's argmax rows into the next step's ids and advancing the lanes' positions on the device)
+    gives every lane the tokens of generate on the CPU; a lane that stops early (max_tokens is
+    shared, so by a stop sequence) drops out of the launch. Slow under the simulator; run it with
+    ``NUMBA_ENABLE_CUDASIM=1 pytest -m cudasim tests/cuda/test_backend_sim.py -k lockstep``."""
+    cpu = tl.load_model(str(small_path), max_seq_len=12, backend="cpu")
+    gpu = tl.load_model(str(small_path), max_seq_len=12, backend="cuda")
+    try:
+        prompts = [[3, 4], [5], [6, 7, 8]]
+        cfg = tl.GenerateConfig(max_tokens=4, loops=1, cache_mode="fp32")
+        want = [tl.generate(cpu, p, cfg) for p in prompts]
+        stats = []
+        assert tl.generate_batch(gpu, prompts, cfg, stats=stats) == want
+        assert [s.batch_lanes for s in stats] == [3, 3, 3]
+        stop = tl.GenerateConfig(max_tokens=4, loops=1, cache_mode="fp32", stop_sequences=((want[1][2],),))
+        assert tl.generate_batch(gpu, prompts, stop) == [tl.generate(cpu, p, stop) for p in prompts]
+    finally:
+        tl.free_model(cpu)
+        tl.free_model(gpu)
+
+
 def test_rope_table_covers_every_cache_and_is_counted():
     """The backend's cos/sin table covers the largest cache a session can ask for (prompt +
     max_tokens <= max_seq_len, plus <= 65 chain-draft or <= max_seq_len tree slots, rounded to a

@@ -446,6 +446,12 @@ def test_advance_position():
     position.advance_position(pos)
     position.advance_position(pos, 3)
     assert host(pos).tolist() == [45]
+    rows = D(np.array([5, 0, 9, 7], np.int32))
+    position.advance_rows(rows, 3)
+    position.advance_rows(rows, 0)
+    assert host(rows).tolist() == [6, 1, 10, 7]
+    with pytest.raises(BackendError):
+        position.advance_rows(rows, 5)
 
 
 def test_add_and_swiglu():

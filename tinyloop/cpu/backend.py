@@ -169,6 +169,9 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
             cache.lane_of[t] = lane_of[t]
         return TreeRows(0, depth, cache.lane_path)
 
+    def advance_lanes(self, pos: TreeRows, n: int) -> None:
+        pos.depth[:n] += 1
+
     def copy_cache(self, dst: CPUCache, src: CPUCache, n_slots: int) -> None:
         if dst.spec != src.spec:
             raise BackendError(f"copy_cache: a cache of spec {src.spec} does not fit one of spec {dst.spec}")

@@ -608,6 +608,9 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
         tab.depth[:T].copy_to_device(tab.depth_host[:T], stream=self.stream)
         return tab.handle
 
+    def advance_lanes(self, pos: TreeRows, n: int) -> None:
+        k_position.advance_rows(pos.depth, n, stream=self.stream)
+
     def tree_layout(self, depth, path):
         depth = np.ascontiguousarray(depth, np.int32)
         path = np.ascontiguousarray(path, np.int32)
@@ -739,6 +742,17 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
 
     def device_token(self, ws: Workspace):
         return ws.tok
+
+    def device_tokens(self, ws: Workspace, n: int):
+        return ws.toks[:n]
+
+    def begin_read_argmax_rows(self, ws: Workspace, n: int) -> None:
+        ws.toks[:n].copy_to_host(ws.toks_host[:n], stream=self.stream)
+        self._tok_event.record(self.stream)
+
+    def finish_read_argmax_rows(self, ws: Workspace, n: int) -> list:
+        self._tok_event.synchronize()
+        return [int(t) for t in ws.toks_host[:n]]
 
     def launch_topk_rows(self, ws: Workspace, n: int, k: int, out_row=None) -> None:
         if not 1 <= k <= MAX_TOPK:

@@ -407,6 +407,20 @@ class DeviceChaining(ABC):
         """The one-token id buffer as it is on the device (the last launch_argmax's token), as a
         forward's `ids`: what set_ids returns for one token, without an upload."""
 
+    @abstractmethod
+    def device_tokens(self, ws: Workspace, n: int) -> Any:
+        """The ids the last launch_argmax_rows(ws, n) leaves where they live, as a forward's `ids`
+        for n rows (a lockstep step fed with the previous step's greedy tokens, no upload)."""
+
+    @abstractmethod
+    def begin_read_argmax_rows(self, ws: Workspace, n: int) -> None:
+        """Queue the copy of the last launch_argmax_rows(ws, n) ids to the host without waiting
+        (finish_read_argmax_rows returns them); ops queued after it may overwrite the ids."""
+
+    @abstractmethod
+    def finish_read_argmax_rows(self, ws: Workspace, n: int) -> list:
+        """The n ids begin_read_argmax_rows queued, once their copy has landed."""
+
 
 class CacheReuse(ABC):
     """Capability ``cache_reuse``: state that outlives one request (prefix caches, prefix pools and
@@ -559,6 +573,12 @@ class LaneOps(ABC):
         reads its tables where they live, so a captured step replays with the positions of the
         latest call; a backend may hold one handle per cache (a call invalidates the previous
         handle of the same cache)."""
+
+    @abstractmethod
+    def advance_lanes(self, pos, n: int) -> None:
+        """Queue: the positions of rows 0 .. n-1 of a lane_positions handle += 1 where they live
+        (the end of a lockstep step, so a replay fed with device_tokens finds its next positions
+        in place; part of a replayable step)."""
 
 
 def lane_tables(lanes, positions, lane_slots: int, n_lanes: int, rows: int):

@@ -133,6 +133,10 @@ class Decoder:
     """The decoder picks each token from its sequence's pending logits alone (:meth:`pick`), so
     generate_batch can decode its prompts in lockstep (tinyloop.runtime.lockstep); a decoder
     without it runs the prompts of a batch one after another through :meth:`decode`."""
+    picks_argmax: ClassVar[bool] = False
+    """(``lockstep`` decoders) ``pick(lane)`` is ``lane.greedy()``: a lockstep batch whose lanes'
+    chains leave the argmax alone may then queue the next step on the device's argmax before the
+    picks are read (the lockstep twin of ``greedy(ahead=True)``)."""
     requires: ClassVar[FrozenSet[str]] = frozenset()
     """Optional backend capabilities (tinyloop.runtime.backend.CAPABILITIES) the decoder cannot run
     without; a request on a backend that lacks one is a BackendError before any allocation. A

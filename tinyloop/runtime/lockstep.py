@@ -38,7 +38,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from .cache import SlotMap, build_spec
-from .config import GenerateStats, StopReason
+from .config import GenerateStats, StopReason, env_switch
 from ..errors import PluginError
 from .stopping import StopRequest
 
@@ -69,6 +69,10 @@ class LaneView:
 
     def logits(self) -> np.ndarray:
         lane = self._lane
+        if self._batch._ahead:
+            raise PluginError(f"decoder {lane.plan.decoder_cls.name!r} declares picks_argmax but its pick read "
+                              f"the logits: the next step already runs (a picks_argmax decoder picks "
+                              f"lane.greedy())")
         if lane.processed is None:
             np.copyto(lane.buf, self._batch.host_logits()[lane.row])
             lane.chain.apply(lane.buf)
@@ -122,6 +126,9 @@ class LockstepBatch:
         model._live_cache_bytes += int(getattr(self.cache, "nbytes", 0))
         self._logits = None
         self._argmax = None
+        self._rows = 0
+        self._pos = None                # the last step's position handle (a look-ahead advances it)
+        self._ahead = False             # the pending argmax is read and the next step queued
 
     def close(self) -> None:
         if self.cache is not None:
@@ -155,38 +162,75 @@ class LockstepBatch:
             lane.stats.loop_iters_run += self.loops * (len(lane.ids) - 1)
 
     def _step(self, running: List[_Lane]) -> None:
-        """One lockstep step: the last token of each lane of `running` (row t = running[t])."""
-        be, fwd, ws = self.model.backend, self.model.fwd, self.model.ws
-        T = len(running)
-        ids = be.set_ids(ws, [lane.ids[-1] if not lane.out else lane.out[-1] for lane in running])
+        """One lockstep step: the last token of each lane of `running` (row t = running[t]),
+        uploaded with the rows' positions."""
+        be = self.model.backend
+        ids = be.set_ids(self.model.ws, [lane.ids[-1] if not lane.out else lane.out[-1] for lane in running])
         pos = be.lane_positions(self.cache, [lane.index for lane in running],
                                 [len(lane.ids) + len(lane.out) - 1 for lane in running])
+        self._launch(running, ids, pos, "lanes")
+
+    def _launch(self, running: List[_Lane], ids, pos, kind: str) -> None:
+        """The step's fixed op sequence, captured once per (kind, rows, loops, cache): forward,
+        every row's logits and argmax, the rows' positions advanced where they live."""
+        be, fwd, ws = self.model.backend, self.model.fwd, self.model.ws
+        T = len(running)
+        self._pos = pos
 
         def lanes_step(ids=ids, pos=pos):
             fwd.forward(ids, pos, T, self.cache, self.loops)
             fwd.logits(0, T)
             be.launch_argmax_rows(ws, T)
-        be.replay(("lanes", T, self.loops, self.cache), lanes_step)
+            be.advance_lanes(pos, T)
+        be.replay((kind, T, self.loops, self.cache), lanes_step)
         self._rows, self._logits, self._argmax = T, None, None
         for t, lane in enumerate(running):
             lane.row, lane.processed = t, None
 
+    def _queue_ahead(self, running: List[_Lane]) -> None:
+        """Greedy look-ahead: the step after the pending one, fed with the pending step's argmax
+        where it lives, is queued before those ids are read back (the device never waits for the
+        picks). Its rows are `running`'s; a lane that stops on this step's pick makes it a wasted
+        step (the next step is then uploaded again, recomputing the same rows)."""
+        be, ws = self.model.backend, self.model.ws
+        T = len(running)
+        be.begin_read_argmax_rows(ws, T)
+        self._launch(running, be.device_tokens(ws, T), self._pos, "lanes_chained")
+        self._argmax = be.finish_read_argmax_rows(ws, T)
+        self._ahead = True
+
     def run(self) -> List[List[int]]:
         t0 = time.perf_counter()
+        be = self.model.backend
         for lane in self.lanes:
             lane.stats.loops_used = self.loops
             lane.stats.decoder = lane.plan.decoder_cls.name
             lane.stats.batch_lanes = len(self.lanes)
             lane.done = self.max_tokens == 0
+        # every pick is the device argmax: steps can be queued ahead of the picks
+        ahead_ok = (be.supports("device_chaining") and env_switch("TINYLOOP_LOOKAHEAD")
+                    and all(lane.plan.decoder_cls.picks_argmax and lane.chain.argmax_invariant
+                            for lane in self.lanes))
         if self.max_tokens:
             self._prefill()
         first = True
+        queued = None                   # the rows of a step already running ahead
         while True:
             live = [lane for lane in self.lanes if not lane.done]
             if not live:
                 break
             running = live if self.compact else self.lanes
-            self._step(running)
+            if queued != running:
+                self._step(running)
+            else:                       # the step queued ahead is the pending one
+                self._logits, self._argmax = None, None
+            self._ahead = False
+            # queue the next step unless every lane ends with this pick (max_tokens)
+            if ahead_ok and max(len(lane.out) for lane in live) + 1 < self.max_tokens:
+                self._queue_ahead(running)
+                queued = running
+            else:
+                queued = None
             for lane in live:
                 lane.stats.loop_iters_run += self.loops
                 self._pick(lane, t0)

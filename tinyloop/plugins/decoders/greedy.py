@@ -15,6 +15,7 @@ class GreedyDecoder(Decoder):
     adaptive_depth = True               # its steps are Session.advance: early exit applies
     honours = frozenset()               # the engine's fields and the processors' only
     lockstep = True
+    picks_argmax = True                 # pick() is lane.greedy(): the batch may queue ahead
 
     @classmethod
     def matches(cls, config) -> bool:
