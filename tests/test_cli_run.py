@@ -26,6 +26,7 @@ def test_batch_mode_prints_stats_and_says_it_does_not_stream(tmp_path, capsys):
     assert main(["run", _cfg(tmp_path, DEMO_BATCH)]) == 0
     cap = capsys.readouterr()
     assert cap.err.count("[tinyloop] 4 tokens, stop MAX_TOKENS") == 2
+    assert cap.err.count("decoded in a lockstep batch of 2 lanes") == 2
     assert "does not stream" in cap.err
     assert "def f(x):" in cap.out and "import os" in cap.out
     assert main(["run", _cfg(tmp_path, DEMO_BATCH + "stream: false\n", "quiet.yaml")]) == 0

@@ -75,6 +75,8 @@ def _print_stats(st: GenerateStats, label: str = "") -> None:
     if st.token_loops:
         kept += (f", mean depth {st.loops_used:.2f} loop iterations per token (early exit, "
                  f"{st.exit_probes} probes)")
+    if st.batch_lanes:
+        kept += f", decoded in a lockstep batch of {st.batch_lanes} lanes"
     if st.warm_start_iters_saved:
         kept += f", warm start spared {st.warm_start_iters_saved} row-iterations of the loop"
     print(f"[tinyloop] {label}{st.tokens_emitted} tokens, stop {st.stop_reason.value}, prefill "
