@@ -190,3 +190,37 @@ def test_lanes_slot_map_checks():
     for bad in (dict(n_slots=30, lanes=-1), dict(n_slots=30, window=4, lanes=2), dict(n_slots=2, lanes=3)):
         with pytest.raises(tl.ConfigError):
             SlotMap(**bad)
+
+
+def test_free_model_during_a_batch_ends_it_and_releases_the_model():
+    """free_model called while a batch runs (here from a lane's pick) ends the batch after that step
+    with ModelFreedError, releases its cache, and then the model."""
+    from tinyloop.runtime.decoding import Decoder
+    from tinyloop.runtime.hookspecs import hookimpl
+    from tinyloop.runtime.plugins import get_plugin_manager
+
+    m = tl.load_model("demo", max_seq_len=64, backend="cpu")
+
+    class Freeing(Decoder):
+        name = "freeing_greedy"
+        lockstep = True
+
+        def decode(self, session):
+            raise AssertionError("a lockstep batch calls pick")
+
+        def pick(self, lane):
+            tl.free_model(m)
+            return lane.greedy()
+
+    class Plugin:
+        @hookimpl
+        def tinyloop_decoders(self):
+            return [Freeing]
+
+    with get_plugin_manager().registered(Plugin(), name="freeing-test"):
+        with pytest.raises(tl.ModelFreedError, match="while this batch ran"):
+            tl.generate_batch(m, [[5, 6], [7]], tl.GenerateConfig(max_tokens=8, decoder="freeing_greedy"))
+    assert m._freed and m._live_cache_bytes == 0
+    with pytest.raises(tl.ModelFreedError):
+        tl.generate(m, [5])
+

@@ -39,7 +39,7 @@ import numpy as np
 
 from .cache import SlotMap, build_spec
 from .config import GenerateStats, StopReason, env_switch
-from ..errors import PluginError
+from ..errors import ModelFreedError, PluginError
 from .stopping import StopRequest
 
 
@@ -234,6 +234,13 @@ class LockstepBatch:
             for lane in live:
                 lane.stats.loop_iters_run += self.loops
                 self._pick(lane, t0)
+            if self.model._free_pending:
+                for lane in self.lanes:
+                    if not lane.done:
+                        lane.stats.stop_reason = StopReason.CALLBACK_ABORT
+                raise ModelFreedError(f"free_model({self.model.path!r}) was called while this batch ran: it "
+                                      f"ended after {max(len(lane.out) for lane in self.lanes)} steps and the "
+                                      f"model is released")
             if first:                   # the first step's picks read every lane's first token
                 for lane in self.lanes:
                     lane.stats.prefill_ms = (time.perf_counter() - t0) * 1e3
