@@ -15,7 +15,7 @@ import numpy as np
 
 from ..model.arch import required_tensors
 from ..runtime.backend import (Backend, CacheReuse, GuardedSteps, KVLayerCopy, LaneOps, ModelWeights, TokenMasks,
-                               TreeOps, TreeRows, Workspace, lane_tables)
+                               TreeOps, TreeRows, Workspace, fill_lane_paths, lane_tables)
 from ..runtime.early_exit import STATISTICS, is_stable
 from ..runtime.cache import shared_layers
 from ..errors import BackendError, OutOfMemoryError
@@ -160,13 +160,10 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
         if not sm.lanes:
             raise BackendError("lane_positions needs a cache whose slot map has lanes > 0")
         depth, lane_of = lane_tables(lanes, positions, sm.lane_slots, sm.lanes, self._rows)
-        T = depth.shape[0]
         if cache.lane_path is None:
             cache.lane_path = np.zeros((self._rows, sm.lane_slots), np.int32)
             cache.lane_of = np.full(self._rows, -1, np.int32)
-        for t in np.flatnonzero(cache.lane_of[:T] != lane_of):
-            cache.lane_path[t] = np.arange(sm.lane_slots, dtype=np.int32) + lane_of[t] * sm.lane_slots
-            cache.lane_of[t] = lane_of[t]
+        fill_lane_paths(cache.lane_path, cache.lane_of, lane_of, sm.lane_slots)
         return TreeRows(0, depth, cache.lane_path)
 
     def advance_lanes(self, pos: TreeRows, n: int) -> None:

@@ -62,7 +62,7 @@ from numba.cuda.cudadrv.driver import device_memset
 from dataclasses import dataclass
 
 from ..runtime.backend import (Backend, CacheReuse, DeviceChaining, GuardedSteps, KVLayerCopy, LaneOps,
-                               ModelWeights, TokenMasks, TreeOps, TreeRows, Workspace, lane_tables)
+                               ModelWeights, TokenMasks, TreeOps, TreeRows, Workspace, fill_lane_paths, lane_tables)
 from ..runtime.cache import CacheSpec, SlotMap, shared_layers
 from ..runtime.config import env_switch
 from ..errors import BackendError, OutOfMemoryError, PluginError
@@ -595,13 +595,9 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
             raise BackendError(f"lane_positions: position {int(depth.max())} is outside the RoPE table's "
                                f"{self.rope_table.shape[0] - k_rope.POSITION_MARGIN} positions")
         self.stream.synchronize()       # the previous uploads must have left the staging buffers
-        changed = np.flatnonzero(tab.lane_of[:T] != lane_of)
-        if changed.size:
-            a, b = int(changed[0]), int(changed[-1]) + 1
-            base = np.arange(sm.lane_slots, dtype=np.int32)
-            for t in changed:
-                tab.path_host[t] = base + lane_of[t] * sm.lane_slots
-                tab.lane_of[t] = lane_of[t]
+        rows = fill_lane_paths(tab.path_host, tab.lane_of, lane_of, sm.lane_slots)
+        if rows is not None:
+            a, b = rows
             tab.path[a:b].copy_to_device(tab.path_host[a:b], stream=self.stream)
             self.stream.synchronize()   # path_host is pageable: let the copy finish before reuse
         tab.depth_host[:T] = depth

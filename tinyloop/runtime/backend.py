@@ -584,9 +584,9 @@ class LaneOps(ABC):
 def lane_tables(lanes, positions, lane_slots: int, n_lanes: int, rows: int):
     """Host tables of a lanes launch as a :class:`TreeRows` layout rooted at position 0 (the way
     both built-in backends execute lanes): row t's depth is its position and its path lists the
-    slots of its lane's positions 0 .. lane_slots-1. Returns (depth (T,), lane of each row (T,))
-    as int32 arrays, checked: BackendError for a lane or position outside the cache or more rows
-    than `rows`."""
+    slots of its lane's positions 0 .. lane_slots-1 (:func:`fill_lane_paths`). Returns (depth
+    (T,), lane of each row (T,)) as int32 arrays, checked: BackendError for a lane or position
+    outside the cache or more rows than `rows`."""
     lanes = np.asarray(lanes, np.int64).reshape(-1)
     positions = np.asarray(positions, np.int64).reshape(-1)
     if lanes.shape != positions.shape or not 0 < lanes.shape[0] <= rows:
@@ -599,6 +599,21 @@ def lane_tables(lanes, positions, lane_slots: int, n_lanes: int, rows: int):
         bad = int(positions.max() if positions.max() >= lane_slots else positions.min())
         raise BackendError(f"lane_positions: position {bad} is outside a lane's slots [0, {lane_slots})")
     return positions.astype(np.int32), lanes.astype(np.int32)
+
+
+def fill_lane_paths(path, held, lane_of, lane_slots: int):
+    """Make rows 0 .. T-1 of a lanes path table (host, (rows, lane_slots) int32) hold the slots of
+    the lanes `lane_of` (T,) assigns them, rewriting only the rows whose lane changed; `held`
+    (rows,) records each row's lane (-1: none yet) and is updated. Returns the half-open range of
+    rewritten rows, or None when none changed (a backend uploads only that range)."""
+    changed = np.flatnonzero(held[:lane_of.shape[0]] != lane_of)
+    if not changed.size:
+        return None
+    base = np.arange(lane_slots, dtype=np.int32)
+    for t in changed:
+        path[t] = base + lane_of[t] * lane_slots
+        held[t] = lane_of[t]
+    return int(changed[0]), int(changed[-1]) + 1
 
 
 #: The optional capabilities by name (Backend.supports).

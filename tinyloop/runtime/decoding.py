@@ -34,6 +34,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, FrozenSet, Iterator, List, Mapping, Optional, Protocol
 
+import numpy as np
+
 from .config import GenerateConfig
 from ..errors import ConfigError, IncompatibleModesError
 
@@ -189,6 +191,13 @@ class Decoder:
         instance, in the order of decode(): it must pick what decode() would yield for the same
         logits. A StopRequest ends the lane with its reason."""
         raise NotImplementedError(f"decoder {self.name!r} does not decode in lockstep")
+
+
+def is_token(tok, vocab_size: int) -> bool:
+    """`tok` is a token id a decoder may produce: an int (numpy ints too, bools not) in
+    [0, vocab_size)."""
+    return (not isinstance(tok, (bool, np.bool_)) and isinstance(tok, (int, np.integer))
+            and 0 <= int(tok) < vocab_size)
 
 
 # --------------------------------------------------------------------------- per-request checks

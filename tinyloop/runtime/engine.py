@@ -43,7 +43,7 @@ from ..model.format import open_model
 from ..model.tokenizer import Tokenizer, resolve_tokenizer
 from ..models import model_path
 from .forward import Forward
-from .decoding import check_honoured, parse_options
+from .decoding import check_honoured, is_token, parse_options
 from .early_exit import ExitStep, resolve_exit
 from .lockstep import LockstepBatch, lane_seed
 from .plugins import get_plugin_manager
@@ -672,7 +672,7 @@ def _decode(model: Model, prompt: List[int], plan: Plan, stats: GenerateStats,
     try:
         gen = plan.new_decoder().decode(session)
         for tok in _until_stop_request(gen, stats):
-            if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, (int, np.integer)) or not 0 <= int(tok) < V:
+            if not is_token(tok, V):
                 raise PluginError(f"decoder {plan.decoder_cls.name!r} produced {tok!r}, not a token id in "
                                   f"[0, {V})")
             tok = int(tok)
@@ -905,7 +905,7 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], config=None,
     lock = _locked(model)
     try:
         if lanes_ok:
-            group = max(1, model.ws.rows)
+            group = model.ws.rows
             for a in range(0, len(all_ids), group):
                 batch = LockstepBatch(model, all_ids[a:a + group], plans[a:a + group], out_stats[a:a + group])
                 try:

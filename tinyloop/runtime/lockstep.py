@@ -33,13 +33,14 @@ passes one GenerateConfig per lane (generate_batch), which are used as they are.
 from __future__ import annotations
 
 import time
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 import numpy as np
 
 from .cache import SlotMap, build_spec
 from .config import GenerateStats, StopReason, env_switch
 from ..errors import ModelFreedError, PluginError
+from .decoding import is_token
 from .stopping import StopRequest
 
 
@@ -88,14 +89,14 @@ class LaneView:
 class _Lane:
     """One prompt's state in the batch."""
 
-    def __init__(self, index: int, ids: List[int], plan, stats: GenerateStats):
+    def __init__(self, index: int, ids: List[int], plan, stats: GenerateStats, vocab_size: int):
         self.index, self.ids, self.plan, self.stats = index, list(ids), plan, stats
         self.out: List[int] = []
         self.chain = plan.new_processors()
         self.chain.reset(self.ids)
         self.stoppers = plan.new_stoppers(self.ids, self.chain)
         self.decoder = plan.new_decoder()
-        self.buf = None
+        self.buf = np.zeros(vocab_size, np.float32)     # the processed logits row (LaneView.logits)
         self.processed = None
         self.row = -1               # its row in the current step's launch
         self.done = False
@@ -116,9 +117,7 @@ class LockstepBatch:
         plan = plans[0]
         self.loops = plan.loops
         self.max_tokens = plan.config.max_tokens
-        self.lanes = [_Lane(i, p, pl, st) for i, (p, pl, st) in enumerate(zip(prompts, plans, stats))]
-        for lane in self.lanes:
-            lane.buf = np.zeros(self.vocab_size, np.float32)
+        self.lanes = [_Lane(i, p, pl, st, self.vocab_size) for i, (p, pl, st) in enumerate(zip(prompts, plans, stats))]
         n = len(self.lanes)
         lane_slots = max(len(p) for p in prompts) + self.max_tokens
         self.spec = build_spec(model.cfg, self.loops, plan.cache_mode, SlotMap(n * lane_slots, lanes=n))
@@ -264,7 +263,7 @@ class LockstepBatch:
             lane.stats.stop_reason = stop.reason
             lane.done = True
             return
-        if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, (int, np.integer)) or not 0 <= int(tok) < V:
+        if not is_token(tok, V):
             raise PluginError(f"decoder {lane.plan.decoder_cls.name!r} picked {tok!r} for lane {lane.index}, "
                               f"not a token id in [0, {V})")
         tok = int(tok)
