@@ -91,6 +91,11 @@ def test_lane_seed_derivation():
     seeds = {tl.lane_seed(5, i) for i in range(64)} | {tl.lane_seed(6, i) for i in range(64)}
     assert len(seeds) == 128
     assert all(0 <= s < 2 ** 64 for s in seeds)
+    assert tl.lane_seed(2 ** 64 - 1, 3) == tl.lane_seed(np.uint64(2 ** 64 - 1), np.int64(3))
+    for seed, lane, match in ((-1, 1, "seed=-1"), (2 ** 64, 1, "seed="), ("5", 1, "seed='5'"), (1.0, 1, "seed=1.0"),
+                              (True, 1, "seed=True"), (5, -1, "lane=-1"), (5, 1.5, "lane=1.5"), (5, None, "lane=None")):
+        with pytest.raises(tl.InvalidInputError, match=match):
+            tl.lane_seed(seed, lane)
 
 
 def test_keep_in_place_equals_compacting(demo, prompts, monkeypatch):

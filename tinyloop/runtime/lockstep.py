@@ -38,8 +38,8 @@ from typing import List, Sequence
 import numpy as np
 
 from .cache import SlotMap, build_spec
-from .config import GenerateStats, StopReason, env_switch
-from ..errors import ModelFreedError, PluginError
+from .config import MAX_SEED, GenerateStats, StopReason, env_switch
+from ..errors import InvalidInputError, ModelFreedError, PluginError
 from .decoding import is_token
 from .stopping import StopRequest
 
@@ -48,7 +48,12 @@ def lane_seed(seed: int, lane: int) -> int:
     """The sample_seed lane `lane` of a batch samples with when the batch's config has
     sample_seed `seed`: `seed` itself for lane 0, else the first 64-bit word of
     ``numpy.random.SeedSequence(seed, spawn_key=(lane,)).generate_state(1, numpy.uint64)``
-    (independent streams for equal prompts; a one-lane batch samples exactly as generate)."""
+    (independent streams for equal prompts; a one-lane batch samples exactly as generate).
+    InvalidInputError for a seed outside [0, 2^64) or a lane below 0 (or not an int)."""
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or not 0 <= seed <= MAX_SEED:
+        raise InvalidInputError(f"seed={seed!r} must be an integer in [0, {MAX_SEED}] (a sample_seed)")
+    if isinstance(lane, (bool, np.bool_)) or not isinstance(lane, (int, np.integer)) or lane < 0:
+        raise InvalidInputError(f"lane={lane!r} must be an integer >= 0 (a lane's place in its batch)")
     if lane == 0:
         return int(seed)
     return int(np.random.SeedSequence(int(seed), spawn_key=(int(lane),)).generate_state(1, np.uint64)[0])
