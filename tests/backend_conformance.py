@@ -1166,11 +1166,13 @@ def test_copy_kv_layers_at(rig, codec, window):
 
 # =============================================================================== composites
 @pytest.mark.parametrize("codec", ["fp32", "int8"])
-def test_composites_match_the_default_implementations(fwd_rig, codec):
+@pytest.mark.parametrize("which", ["fwd_rig", "family_rig"])
+def test_composites_match_the_default_implementations(request, which, codec):
     """attn_half / mlp_half / final_logits (a backend may fuse them) compute what the default
     implementations over the primitives (tinyloop.runtime.backend.Backend) do, within float32
-    tolerance: the residual, the logits and the K/V they leave in the cache."""
-    r = fwd_rig
+    tolerance: the residual, the logits and the K/V they leave in the cache; also for a model
+    with q/k/v biases and a scaled embedding (family_rig)."""
+    r = request.getfixturevalue(which)
     be, ws, cfg = r.be, r.ws, r.cfg
     blk = r.w.pre[0] if r.w.pre else r.w.loop[0]
     spec = spec_of([("pre", 1, codec), ("loop", 1, codec)], 16)
@@ -1241,6 +1243,41 @@ def test_forward_matches_reference(fwd_rig, codec, conformance_quick):
             assert_close(got[t], ref[t], TOL[f"forward_{codec}"], f"forward logits ({codec} cache), row {t}")
     finally:
         r.be.release_cache(cache)
+
+
+@pytest.fixture(scope="module")
+def family_rig(backend_factory, conformance_dims, tmp_path_factory):
+    """A q4 model with the family's optional features on: q/k/v biases, a scaled embedding and
+    the model's own sliding window (4 positions)."""
+    path = tmp_path_factory.mktemp("conformance") / "family.tinyloop"
+    write_model_file(path, {**conformance_dims, "qkv_bias": True, "embed_scale": 1.75,
+                            "sliding_window": 4}, "q4", 16, seed=15)
+    r = Rig(backend_factory, path, max_seq_len=64)
+    yield r
+    r.close()
+
+
+@pytest.mark.parametrize("ring", [False, True], ids=["linear", "ring"])
+def test_family_extensions_forward_matches_reference(family_rig, ring, conformance_quick):
+    """qkv_bias, embed_scale and sliding_window through the forward against reference_logits:
+    within the window on a linear slot map, and past it on a ring of the model's window (which
+    applies the span exactly), prefill then one-row steps."""
+    r = family_rig
+    W = r.cfg.sliding_window
+    loops = 1 if conformance_quick else 2
+    n = 9 if ring else W
+    ids = _ids(r, n, 180)
+    cache = r.be.alloc_cache(build_spec(r.cfg, loops, mode_of("fp32"), SlotMap(16, window=W if ring else 0)))
+    try:
+        got = [_forward(r, cache, ids[:3], 0, loops)] + [_forward(r, cache, [ids[t]], t, loops)
+                                                           for t in range(3, n)]
+        got = np.concatenate(got)
+        ref = reference_logits(r.cfg, r.W, ids, loops)
+        for t in range(n):
+            assert_close(got[t], ref[t], TOL["forward_fp32"], f"family forward logits, row {t}")
+    finally:
+        r.be.release_cache(cache)
+    assert_bits(r.embed(ids[:2]), r.W["embed"][ids[:2]] * np.float32(r.cfg.embed_scale), "scaled embed")
 
 
 @pytest.mark.parametrize("codec", ["fp32", "int4"])

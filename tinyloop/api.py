@@ -45,7 +45,7 @@ def stream_text(model: Model, prompt: Union[str, Sequence[int]], config: Optiona
     like generate_iter; closing the generator early stops decoding. The model's EOS token ends the
     text and is not part of it (the token ids from generate keep it)."""
     tokens = generate_iter(model, prompt, config, stats=stats)
-    return _pieces(model.tokenizer.stream_decoder(), tokens, model.cfg.eos_id)
+    return _pieces(model.tokenizer.stream_decoder(continuation=True), tokens, model.cfg.eos_id)
 
 
 def _pieces(decoder, tokens, eos_id=None) -> Iterator[str]:

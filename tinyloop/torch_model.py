@@ -179,6 +179,11 @@ class LoopedLM(nn.Module):
             raise ConfigError(f"config must be a ModelConfig, got {type(config).__name__}")
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
             raise ConfigError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
+        unsupported = [f for f, on in (("qkv_bias", config.qkv_bias), ("embed_scale", config.embed_scale != 1.0),
+                                       ("sliding_window", config.sliding_window > 0)) if on]
+        if unsupported:
+            raise ConfigError(f"the PyTorch twin does not implement {unsupported} (the model family's "
+                              f"optional features); the float64 oracle and both backends do")
         self.config = cfg = config
         self.max_seq_len = max_seq_len
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))

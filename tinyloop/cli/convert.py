@@ -172,7 +172,7 @@ class CheckpointWeights(Mapping):
             a = (u.astype(np.uint32) << 16).view(np.float32).reshape(info.shape)
         else:
             try:
-                a = np.asarray(self._handle(info.file).get_tensor(name))
+                a = np.asarray(self._handle(info.file).get_tensor(info.name))
             except TinyLoopError:
                 raise
             except Exception as e:  # safetensors' own errors (truncated file, bad header)
@@ -235,24 +235,96 @@ def convert(checkpoint: str, config: str, output: str, *, quant: str = "q4",
             head_quant: Optional[str] = None, tokenizer_dir: Optional[str] = None,
             metadata: Optional[Dict[str, str]] = None) -> dict:
     """Convert and verify; returns the summary dict (also what ``convert`` prints)."""
-    from ..model.format import open_model, write_model
-
     cfg = load_config(config)
     index = index_checkpoint(checkpoint)
     check_fits_family(cfg, index)
-    tq = make_quant(cfg, quant, group_size, embed_quant, head_quant)
-    check_quant_shapes(cfg, tq)
     tok = None
     if tokenizer_dir:
-        from ..model.tokenizer import BPETokenizer
-        t = BPETokenizer.from_dir(tokenizer_dir)
-        if t.vocab_size > cfg.vocab_size:
-            raise ConfigError(f"tokenizer {tokenizer_dir!r} has ids up to {t.vocab_size - 1}, but "
-                              f"the model's vocab_size is {cfg.vocab_size}")
-        tok = t.to_embedded()
+        from ..model.tokenizer import load_tokenizer_dir
+        tok = _embedded_tokenizer(load_tokenizer_dir(tokenizer_dir), cfg, f"tokenizer {tokenizer_dir!r}")
+    return _write(cfg, index, checkpoint, output, quant, group_size, embed_quant, head_quant, tok,
+                  metadata, {})
+
+
+def convert_hf(model_dir: str, output: str, *, loop_layers=None, loops: int = 1,
+               max_loops: Optional[int] = None, quant: str = "q4", group_size: int = 128,
+               embed_quant: Optional[str] = None, head_quant: Optional[str] = None,
+               tokenizer_dir: Optional[str] = None, metadata: Optional[Dict[str, str]] = None) -> dict:
+    """Convert a Hugging Face model directory (tinyloop.model.hf_import: config.json, safetensors
+    shards, tokenizer.json) and verify; returns the summary dict. `tokenizer_dir` overrides the
+    directory's own tokenizer files."""
+    from ..model.hf_import import find_tokenizer, plan_hf
+
+    if not isinstance(model_dir, (str, os.PathLike)):
+        raise ConfigError(f"model_dir must be a path, got {type(model_dir).__name__}")
+    model_dir = os.fspath(model_dir)
+    index = index_checkpoint(model_dir)
+    _check_shard_index(model_dir, index)
+    plan = plan_hf(model_dir, index, loop_layers=loop_layers, loops=loops, max_loops=max_loops)
+    cfg = plan.config
+    tok = None
+    tok_dir = tokenizer_dir or (model_dir if find_tokenizer(model_dir) else None)
+    if tok_dir:
+        from ..model.tokenizer import load_tokenizer_dir
+        tok = _embedded_tokenizer(load_tokenizer_dir(tok_dir), cfg, f"tokenizer in {tok_dir!r}")
+    else:
+        plan.notes.append("no tokenizer.json (or vocab.json + merges.txt) found: none embedded")
+    for copy, first in plan.tied_copies:
+        _check_same_bytes(index[copy], index[first])
+    logical = {name: index[hf] for name, hf in plan.names.items()}
+    meta = {"source_architecture": plan.architecture}
+    meta.update(metadata or {})
+    return _write(cfg, logical, model_dir, output, quant, group_size, embed_quant, head_quant, tok,
+                  meta, {"architecture": plan.architecture, "notes": plan.notes})
+
+
+def _embedded_tokenizer(t, cfg: ModelConfig, what: str) -> dict:
+    if t.vocab_size > cfg.vocab_size:
+        raise ConfigError(f"{what} has ids up to {t.vocab_size - 1}, but the model's vocab_size is "
+                          f"{cfg.vocab_size}")
+    return t.to_embedded()
+
+
+def _check_shard_index(model_dir: str, index: Mapping[str, TensorInfo]) -> None:
+    """A ``*.safetensors.index.json`` in the directory must agree with the shards found."""
+    for path in glob.glob(os.path.join(model_dir, "*.safetensors.index.json")):
+        try:
+            with open(path, "r", encoding="utf-8") as f:
+                weight_map = json.load(f).get("weight_map")
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise ModelFormatError(f"{path}: not a valid shard index: {e}") from None
+        if not isinstance(weight_map, dict):
+            raise ModelFormatError(f"{path}: has no weight_map object")
+        absent = sorted(n for n in weight_map if n not in index)
+        if absent:
+            shards = sorted({str(weight_map[n]) for n in absent})
+            raise ModelFormatError(f"{path} lists tensor(s) no shard holds: {_list(absent)} (missing "
+                                   f"shard file(s)? {_list(shards)})")
+
+
+def _check_same_bytes(a: TensorInfo, b: TensorInfo) -> None:
+    """Weight-tied loop copies are stored bit-identical (ModelFormatError otherwise)."""
+    n = a.end - a.start
+    with open(a.file, "rb") as fa, open(b.file, "rb") as fb:
+        fa.seek(a.start)
+        fb.seek(b.start)
+        for off in range(0, n, _VERIFY_CHUNK):
+            k = min(_VERIFY_CHUNK, n - off)
+            if fa.read(k) != fb.read(k):
+                raise ModelFormatError(f"{a.name} differs from {b.name}: the loop layers are not "
+                                       f"weight-tied copies (check --loop-layers / --loops)")
+
+
+def _write(cfg: ModelConfig, index: Mapping[str, TensorInfo], checkpoint: str, output: str,
+           quant: str, group_size: int, embed_quant, head_quant, tok, metadata, extra: dict) -> dict:
+    """Write `cfg` with the tensors of `index` (logical name -> TensorInfo) to `output` through a
+    temporary file, re-read and verify it; returns the summary."""
+    from ..model.format import open_model, write_model
+
+    tq = make_quant(cfg, quant, group_size, embed_quant, head_quant)
+    check_quant_shapes(cfg, tq)
     meta = {"source_checkpoint": os.path.basename(os.path.normpath(checkpoint))}
     meta.update(metadata or {})
-
     out_abs = os.path.abspath(output)
     if os.path.abspath(checkpoint) == out_abs:
         raise ConfigError("the output path is the checkpoint itself")
@@ -272,7 +344,7 @@ def convert(checkpoint: str, config: str, output: str, *, quant: str = "q4",
         if os.path.exists(tmp):
             os.unlink(tmp)
     summary.update(output=output, file_size=os.path.getsize(out_abs),
-                   checkpoint=checkpoint, tensors=len(index))
+                   checkpoint=checkpoint, tensors=len(index), **extra)
     return summary
 
 
@@ -318,11 +390,22 @@ def _verify(open_model, path: str, cfg: ModelConfig, weights: CheckpointWeights,
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "convert", help="convert a safetensors checkpoint to a .tinyloop file",
-        description="Convert a safetensors checkpoint (tensor names = the logical names of the "
-                    "model family, see docs/CONVERT.md) to a .tinyloop file.")
-    p.add_argument("--checkpoint", required=True,
-                   help="a .safetensors file or a directory of *.safetensors shards")
-    p.add_argument("--config", required=True, help="model config JSON (keys = ModelConfig fields)")
+        description="Convert a safetensors checkpoint to a .tinyloop file: a Hugging Face model "
+                    "directory (--hf: Llama, Mistral, Qwen2), or tensors under the model family's "
+                    "logical names with a ModelConfig JSON (--checkpoint + --config); see "
+                    "docs/CONVERT.md.")
+    p.add_argument("--hf", default=None, metavar="DIR",
+                   help="a Hugging Face model directory (config.json, *.safetensors, tokenizer.json)")
+    p.add_argument("--checkpoint", default=None,
+                   help="a .safetensors file or a directory of *.safetensors shards (logical names)")
+    p.add_argument("--config", default=None, help="model config JSON (keys = ModelConfig fields)")
+    p.add_argument("--loop-layers", default=None, metavar="A:B",
+                   help="with --hf: layers A..B-1 are the shared loop block (default: the last layer, run once)")
+    p.add_argument("--loops", type=int, default=1,
+                   help="with --hf: the checkpoint stores the loop block this many times in a row "
+                        "(weight-tied copies, checked); the default depth (default 1)")
+    p.add_argument("--max-loops", type=int, default=None,
+                   help="with --hf: the deepest loop count a request may ask for (default: --loops)")
     p.add_argument("-o", "--output", required=True, help="output .tinyloop file")
     p.add_argument("--quant", choices=QUANT_TYPES, default="q4",
                    help="storage of the block matrices (default q4)")
@@ -333,7 +416,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--head-quant", choices=QUANT_TYPES, default=None,
                    help="storage of head (default: --quant; ignored with tied embeddings)")
     p.add_argument("--tokenizer", default=None,
-                   help="tokenizer directory (vocab.json + merges.txt) to embed in the file")
+                   help="tokenizer directory (tokenizer.json, or vocab.json + merges.txt) to embed "
+                        "in the file (with --hf: instead of the model directory's own)")
     p.add_argument("--metadata", nargs="*", default=[], metavar="KEY=VALUE",
                    help="metadata entries to store in the file")
     p.set_defaults(func=run)
@@ -343,14 +427,31 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args) -> int:
     try:
         meta = parse_metadata(args.metadata)
-        s = convert(args.checkpoint, args.config, args.output, quant=args.quant,
-                    group_size=args.group_size, embed_quant=args.embed_quant,
-                    head_quant=args.head_quant, tokenizer_dir=args.tokenizer, metadata=meta)
+        common = dict(quant=args.quant, group_size=args.group_size, embed_quant=args.embed_quant,
+                      head_quant=args.head_quant, tokenizer_dir=args.tokenizer, metadata=meta)
+        if args.hf is not None:
+            if args.checkpoint is not None or args.config is not None:
+                raise ConfigError("--hf reads the checkpoint and config from its directory: give "
+                                  "either --hf DIR or --checkpoint + --config")
+            s = convert_hf(args.hf, args.output, loop_layers=args.loop_layers, loops=args.loops,
+                           max_loops=args.max_loops, **common)
+        else:
+            if args.checkpoint is None or args.config is None:
+                raise ConfigError("give --hf DIR, or both --checkpoint and --config")
+            hf_only = [f for f, v in (("--loop-layers", args.loop_layers), ("--max-loops", args.max_loops))
+                       if v is not None] + (["--loops"] if args.loops != 1 else [])
+            if hf_only:
+                raise ConfigError(f"{', '.join(hf_only)} apply to --hf only (the config JSON sets "
+                                  f"the loop structure)")
+            s = convert(args.checkpoint, args.config, args.output, **common)
     except (TinyLoopError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from ..analysis.memory import format_bytes
-    print(f"converted {s['checkpoint']} -> {s['output']}")
+    print(f"converted {s['checkpoint']} -> {s['output']}"
+          + (f" ({s['architecture']})" if s.get("architecture") else ""))
+    for note in s.get("notes", ()):
+        print(f"  note: {note}")
     print(f"  parameters: {s['parameters']:,}")
     print(f"  file size:  {format_bytes(s['file_size'])} (float32 would be "
           f"{format_bytes(s['f32_bytes'])})")

@@ -192,7 +192,7 @@ def run(args) -> int:
             results = generate_batch(model, encoded, cfg.generate, stats=stats_list)
             for prompt, ids, res, st in zip(prompts, encoded, results, stats_list):
                 gen = [t for t in res[len(ids):] if t != eos]
-                text = tok.decode(gen)
+                text = tok.decode(gen, continuation=True)
                 out.write(prompt + text + "\n")
                 out.flush()
                 _print_stats(st)
@@ -204,7 +204,7 @@ def run(args) -> int:
                 for prompt, ids in zip(prompts, encoded):
                     for label, call in serve(ids):
                         st = GenerateStats()
-                        dec = tok.stream_decoder()
+                        dec = tok.stream_decoder(continuation=True)
                         gen: List[int] = []
                         tokens = call(st)               # validated here, before any echo
                         if cfg.stream:
@@ -220,7 +220,7 @@ def run(args) -> int:
                             if cfg.stream:          # end the echoed line, so an error starts on its own line
                                 out.write(dec.flush() + "\n")
                                 out.flush()
-                        text = tok.decode([t for t in gen if t != eos])
+                        text = tok.decode([t for t in gen if t != eos], continuation=True)
                         if not cfg.stream:
                             out.write(label + prompt + text + "\n")
                             out.flush()

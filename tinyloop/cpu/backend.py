@@ -266,6 +266,11 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
     # ------------------------------------------------------------------ ops
     def embed(self, table, ids, out, T: int) -> None:
         ops.embed(table, ids, out, T)
+        if self.cfg.embed_scale != 1.0:
+            out[:T] *= np.float32(self.cfg.embed_scale)
+
+    def add_bias(self, x, b, T: int) -> None:
+        x[:T] += b
 
     def rmsnorm(self, x, w, out, T: int) -> None:
         ops.rmsnorm(x, w, out, T, self.cfg.norm_eps)

@@ -63,6 +63,7 @@ from dataclasses import dataclass
 
 from ..runtime.backend import (Backend, CacheReuse, DeviceChaining, GuardedSteps, KVLayerCopy, LaneOps,
                                ModelWeights, TokenMasks, TreeOps, TreeRows, Workspace, fill_lane_paths, lane_tables)
+from ..model.arch import is_matrix
 from ..runtime.cache import CacheSpec, SlotMap, shared_layers
 from ..runtime.config import env_switch
 from ..errors import BackendError, OutOfMemoryError, PluginError
@@ -73,6 +74,7 @@ from .kernels import _pdl as k_pdl
 from .kernels import add as k_add
 from .kernels import argmax as k_argmax
 from .kernels import attention as k_attention
+from .kernels import bias as k_bias
 from .kernels import cache_move as k_cache_move
 from .kernels import embed as k_embed
 from .kernels import exit_probe as k_exit_probe
@@ -340,7 +342,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
         for name, tq in quant.items():
             if name in handles:
                 continue
-            if name.endswith("norm"):      # norm weights are read as float32 by the kernels
+            if name.endswith("norm") or not is_matrix(name):   # norms, biases: float32 vectors
                 handles[name] = CUDAWeight(self._to_device(np.asarray(t[name], np.float32)))
             else:
                 handles[name] = CUDAWeight(*(self._to_device(a) for a in self._host_parts(t, name, tq)))
@@ -899,7 +901,8 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
 
     # ------------------------------------------------------------------ ops
     def embed(self, table, ids, out, T: int) -> None:
-        k_embed.embed(out[:T], ids[:T], table.w, table.scales, table.zeros, stream=self.stream)
+        k_embed.embed(out[:T], ids[:T], table.w, table.scales, table.zeros, stream=self.stream,
+                      scale=self.cfg.embed_scale)
 
     def rmsnorm(self, x, w, out, T: int) -> None:
         k_rmsnorm.rmsnorm(out[:T], x[:T], w.w, self.cfg.norm_eps, stream=self.stream)
@@ -945,6 +948,9 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
     def add(self, x, y, T: int) -> None:
         k_add.add(x[:T], y[:T], stream=self.stream)
 
+    def add_bias(self, x, b, T: int) -> None:
+        k_bias.add_bias(x[:T], b.w, stream=self.stream)
+
     def copy(self, dst, src, T: int) -> None:
         dst[:T].copy_to_device(src[:T], stream=self.stream)
 
@@ -957,12 +963,13 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
     def attn_half(self, ws: Workspace, b, cache: CUDACache, layer: int, pos, T: int) -> None:
         """norm+q|k|v matmul with the RoPE + KV-append epilogue (rotated q -> ws.q), attention,
         wo (+= x): 3 launches; for a quantized codec the epilogue stages k and v in ws.k / ws.v
-        and kv_store encodes them (4 launches). A block without a concatenated wqkv takes three
-        norm-fused matmuls and rope_kv_append instead."""
+        and kv_store encodes them (4 launches). A block without a concatenated wqkv, or with q/k/v
+        biases (added before RoPE, so not in the RoPE epilogue), takes three norm-fused matmuls,
+        the bias adds and rope_kv_append instead."""
         if not self.fuse:
             return super().attn_half(ws, b, cache, layer, pos, T)
         wqkv = getattr(b, "wqkv", None)
-        if wqkv is not None:
+        if wqkv is not None and b.bq is None:
             p, depth, path = self._tables(pos, cache)
             g, local = cache.group(layer)
             if g.impl.quantized:
@@ -975,8 +982,10 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
                                          depth=depth, path=path, window=cache.window)
                 self._norm_matmul(ws.x, b.attn_norm, wqkv, ws.q, T, ep)
         else:
-            for W, out in ((b.wq, ws.q), (b.wk, ws.k), (b.wv, ws.v)):
+            for W, bias, out in ((b.wq, b.bq, ws.q), (b.wk, b.bk, ws.k), (b.wv, b.bv, ws.v)):
                 self._norm_matmul(ws.x, b.attn_norm, W, out, T)
+                if bias is not None:
+                    self.add_bias(out, bias, T)
             self.rope_kv_append(ws.q, ws.k, ws.v, cache, layer, pos, T)
         self.attention(ws.q, cache, layer, pos, T, ws.att)
         self.matmul(ws.att, b.wo, ws.x, T, accumulate=True)

@@ -3,7 +3,7 @@ dimensions needs (:func:`required_tensors`) and how each tensor may be stored (:
 
 Family (see docs/ARCHITECTURE.md)::
 
-    x = embed(ids)                                  # (T, d_model)
+    x = embed(ids) * embed_scale                    # (T, d_model)
     for b in pre blocks:   x = b(x)                 # n_pre distinct blocks
     e = x if loop_inject == "add" else None         # residual entering the loop
     for i in range(L):                              # L = loops, 1..max_loops
@@ -12,8 +12,10 @@ Family (see docs/ARCHITECTURE.md)::
     for b in post blocks:  x = b(x)                 # n_post distinct blocks
     logits = head(rmsnorm(x, final_norm))           # head = embed when tied_embeddings
 
-    block(x): x = x + Wo @ attn(rope(Wq @ n1(x)), rope(Wk @ n1(x)), Wv @ n1(x))   # GQA, causal
+    block(x): x = x + Wo @ attn(rope(Wq @ n1(x) + bq), rope(Wk @ n1(x) + bk), Wv @ n1(x) + bv)
               x = x + Wd @ (silu(Wg @ n2(x)) * (Wu @ n2(x)))                      # SwiGLU
+    attn: GQA, causal; with sliding_window = W > 0 a position sees only the last W positions.
+    bq, bk, bv: projection biases, present only when qkv_bias (zero otherwise).
 
 Tensor names (weights are stored out_features x in_features, as y = W @ x):
 
@@ -21,6 +23,8 @@ Tensor names (weights are stored out_features x in_features, as y = W @ x):
     {part}.{i}.attn_norm       (d_model,)
     {part}.{i}.wq              (n_heads * head_dim, d_model)
     {part}.{i}.wk / wv         (n_kv_heads * head_dim, d_model)
+    {part}.{i}.bq              (n_heads * head_dim,)      only when qkv_bias
+    {part}.{i}.bk / bv         (n_kv_heads * head_dim,)   only when qkv_bias
     {part}.{i}.wo              (d_model, n_heads * head_dim)
     {part}.{i}.mlp_norm        (d_model,)
     {part}.{i}.w_gate / w_up   (d_ff, d_model)
@@ -51,6 +55,7 @@ MAX_LOOPS = 4096
 
 BLOCK_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 BLOCK_NORMS = ("attn_norm", "mlp_norm")
+BLOCK_BIASES = ("bq", "bk", "bv")
 PARTS = ("pre", "loop", "post")
 LOOP_INJECT = ("none", "add")
 
@@ -100,6 +105,16 @@ class ModelConfig:
     """Beginning-of-sequence id, if the model has one."""
     eos_id: Optional[int] = None
     """End-of-sequence id; generation stops when it is emitted."""
+    qkv_bias: bool = False
+    """When true every block has biases bq, bk, bv added to its q, k, v projections (before
+    RoPE), as Qwen2's attention has; a per-head q/k bias (Huginn's) is the same tensors."""
+    embed_scale: float = 1.0
+    """The embedded rows are multiplied by this (1.0: unscaled; Gemma-style models use
+    sqrt(d_model)). Only the input embedding is scaled, not a tied head."""
+    sliding_window: int = 0
+    """Attention span of the model itself (Mistral's sliding window): a position attends to the
+    last `sliding_window` positions only; 0 means full causal attention. A request longer than the
+    window runs with a window cache of at most this size (GenerateConfig.cache_window)."""
 
     def __post_init__(self) -> None:
         _check_int("vocab_size", self.vocab_size, 1, MAX_DIM * 4)
@@ -135,6 +150,14 @@ class ModelConfig:
             raise ConfigError(f"tied_embeddings must be true or false, got {self.tied_embeddings!r}")
         if self.loop_inject not in LOOP_INJECT:
             raise ConfigError(f"loop_inject={self.loop_inject!r} is not one of {LOOP_INJECT}")
+        if not isinstance(self.qkv_bias, bool):
+            raise ConfigError(f"qkv_bias must be true or false, got {self.qkv_bias!r}")
+        v = self.embed_scale
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < 1e6):
+            raise ConfigError(f"embed_scale={v!r} must be a finite positive number below 1e6")
+        object.__setattr__(self, "embed_scale", float(v))
+        _check_int("sliding_window", self.sliding_window, 0, MAX_DIM)
+        object.__setattr__(self, "sliding_window", int(self.sliding_window))
         for name in ("bos_id", "eos_id"):
             v = getattr(self, name)
             if v is not None:
@@ -180,20 +203,21 @@ class ModelConfig:
         return cls(**d)
 
 
-def block_names(part: str, index: int) -> Tuple[str, ...]:
-    p = f"{part}.{index}."
-    return tuple(p + n for n in BLOCK_NORMS + BLOCK_MATRICES)
+def block_tensors(cfg: ModelConfig) -> Tuple[str, ...]:
+    """The tensor names of one block of `cfg` (without the part.index. prefix), in file order."""
+    return BLOCK_NORMS + BLOCK_MATRICES + (BLOCK_BIASES if cfg.qkv_bias else ())
 
 
 def required_tensors(cfg: ModelConfig) -> Dict[str, Tuple[int, ...]]:
     """Logical tensors (name -> shape) a model with these dimensions needs, in canonical file order."""
     d, q, kv, ff = cfg.d_model, cfg.q_dim, cfg.kv_dim, cfg.d_ff
     shapes = {"attn_norm": (d,), "mlp_norm": (d,), "wq": (q, d), "wk": (kv, d), "wv": (kv, d),
-              "wo": (d, q), "w_gate": (ff, d), "w_up": (ff, d), "w_down": (d, ff)}
+              "wo": (d, q), "w_gate": (ff, d), "w_up": (ff, d), "w_down": (d, ff),
+              "bq": (q,), "bk": (kv,), "bv": (kv,)}
     out: Dict[str, Tuple[int, ...]] = {"embed": (cfg.vocab_size, d)}
     for part, n in (("pre", cfg.n_pre), ("loop", cfg.n_loop), ("post", cfg.n_post)):
         for i in range(n):
-            for name in BLOCK_NORMS + BLOCK_MATRICES:
+            for name in block_tensors(cfg):
                 out[f"{part}.{i}.{name}"] = shapes[name]
     out["final_norm"] = (d,)
     if not cfg.tied_embeddings:
@@ -202,7 +226,8 @@ def required_tensors(cfg: ModelConfig) -> Dict[str, Tuple[int, ...]]:
 
 
 def is_matrix(name: str) -> bool:
-    """True for tensors that may be quantized (2-D weights); norms are vectors kept in float."""
+    """True for tensors that may be quantized (2-D weights); norms and biases are vectors kept in
+    float."""
     return name in ("embed", "head") or name.rsplit(".", 1)[-1] in BLOCK_MATRICES
 
 

@@ -124,10 +124,18 @@ def _check_tokenizer(tok, vocab_size: int) -> Optional[dict]:
         return None
     if not isinstance(tok, dict):
         raise ConfigError(f"tokenizer must be null or an object, got {type(tok).__name__}")
+    if tok.get("type") == "hf":
+        # a Hugging Face tokenizer.json kept verbatim; the tokenizers library parses it when the
+        # model is loaded (tinyloop.model.tokenizer.HFTokenizer), so only its form is checked here
+        if sorted(tok) != ["json", "type"]:
+            raise ConfigError(f"tokenizer keys are {sorted(tok)}; an 'hf' tokenizer has exactly ['json', 'type']")
+        if not isinstance(tok["json"], str) or not tok["json"].lstrip().startswith("{"):
+            raise ConfigError("tokenizer 'json' must be the text of a tokenizer.json object")
+        return tok
     if sorted(tok) != sorted(TOKENIZER_KEYS):
         raise ConfigError(f"tokenizer keys are {sorted(tok)}; expected exactly {sorted(TOKENIZER_KEYS)}")
     if tok["type"] != "bpe":
-        raise ConfigError(f"tokenizer type {tok['type']!r} is not supported; only 'bpe' is")
+        raise ConfigError(f"tokenizer type {tok['type']!r} is not supported; 'bpe' and 'hf' are")
     vocab, merges = tok["vocab"], tok["merges"]
     if not isinstance(vocab, dict) or not vocab:
         raise ConfigError("tokenizer vocab must be a non-empty object mapping token -> id")

@@ -42,9 +42,11 @@ def _qkv(cfg: ModelConfig, W: Mapping[str, np.ndarray], p: str, x: np.ndarray, k
     """q, k, v rows of block `p` for residual rows x (RoPE'd; k, v as the cache stores them)."""
     T, D = x.shape[0], cfg.head_dim
     h = _rmsnorm(x, W[p + "attn_norm"], cfg.norm_eps)
-    q = _rope(h @ W[p + "wq"].T, cfg.n_heads, D, cfg.rope_theta)
-    k = _rope(h @ W[p + "wk"].T, cfg.n_kv_heads, D, cfg.rope_theta)
-    v = h @ W[p + "wv"].T
+    q, k, v = h @ W[p + "wq"].T, h @ W[p + "wk"].T, h @ W[p + "wv"].T
+    if cfg.qkv_bias:
+        q, k, v = q + W[p + "bq"], k + W[p + "bk"], v + W[p + "bv"]
+    q = _rope(q, cfg.n_heads, D, cfg.rope_theta)
+    k = _rope(k, cfg.n_kv_heads, D, cfg.rope_theta)
     if kv is not None:   # model what the KV cache stores, per (position, kv head) row
         k = kv(k.reshape(T, cfg.n_kv_heads, D)).reshape(T, cfg.n_kv_heads * D)
         v = kv(v.reshape(T, cfg.n_kv_heads, D)).reshape(T, cfg.n_kv_heads * D)
@@ -54,6 +56,17 @@ def _qkv(cfg: ModelConfig, W: Mapping[str, np.ndarray], p: str, x: np.ndarray, k
 def _block(cfg: ModelConfig, W: Mapping[str, np.ndarray], p: str, x: np.ndarray,
            kv, window: int = 0) -> np.ndarray:
     return _block_with(cfg, W, p, x, *_qkv(cfg, W, p, x, kv), window)
+
+
+def _window(cfg: ModelConfig, window: int) -> int:
+    """The attention span: the request's cache window, within the model's own sliding window."""
+    spans = [w for w in (window, cfg.sliding_window) if w > 0]
+    return min(spans) if spans else 0
+
+
+def _embed(cfg: ModelConfig, W: Mapping[str, np.ndarray], ids) -> np.ndarray:
+    x = W["embed"][np.asarray(ids, dtype=np.int64)]
+    return x * cfg.embed_scale if cfg.embed_scale != 1.0 else x
 
 
 def _block_with(cfg: ModelConfig, W: Mapping[str, np.ndarray], p: str, x: np.ndarray, q, k, v,
@@ -84,7 +97,8 @@ def reference_hidden(cfg: ModelConfig, weights: Mapping[str, np.ndarray], ids: S
     """Final residual (T, d_model) in float64 before the final norm."""
     W = {k: np.asarray(v, dtype=np.float64) for k, v in weights.items()}
     kv_round = _kv_model(kv_round, kv_codec)
-    x = W["embed"][np.asarray(ids, dtype=np.int64)]
+    window = _window(cfg, window)
+    x = _embed(cfg, W, ids)
     for i in range(cfg.n_pre):
         x = _block(cfg, W, f"pre.{i}.", x, kv_round, window)
     e = x
@@ -118,16 +132,17 @@ def reference_loop_residuals(cfg: ModelConfig, weights: Mapping[str, np.ndarray]
     [k] is the residual after loop iteration k (before the next iteration's input injection)."""
     W = {k: np.asarray(v, dtype=np.float64) for k, v in weights.items()}
     kv_round = _kv_model(kv_round, None)
-    x = W["embed"][np.asarray(ids, dtype=np.int64)]
+    window = _window(cfg, 0)
+    x = _embed(cfg, W, ids)
     for i in range(cfg.n_pre):
-        x = _block(cfg, W, f"pre.{i}.", x, kv_round)
+        x = _block(cfg, W, f"pre.{i}.", x, kv_round, window)
     e = x
     out = [x]
     for it in range(loops):
         if it > 0 and cfg.loop_inject == "add":
             x = x + e
         for j in range(cfg.n_loop):
-            x = _block(cfg, W, f"loop.{j}.", x, kv_round)
+            x = _block(cfg, W, f"loop.{j}.", x, kv_round, window)
         out.append(x)
     return np.stack(out)
 
@@ -146,7 +161,8 @@ def reference_logits_exit(cfg: ModelConfig, weights: Mapping[str, np.ndarray], i
         raise ValueError(f"depths must give every position a depth in [1, {loops}]")
     W = {k: np.asarray(v, dtype=np.float64) for k, v in weights.items()}
     kv = _kv_model(kv_round, kv_codec)
-    x = W["embed"][ids]
+    window = _window(cfg, window)
+    x = _embed(cfg, W, ids)
     for i in range(cfg.n_pre):
         x = _block(cfg, W, f"pre.{i}.", x, kv, window)
     e = x

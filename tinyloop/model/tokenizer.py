@@ -1,5 +1,6 @@
-"""Tokenizers: GPT-2-style byte-level BPE (through the optional ``tokenizers`` library) and a raw-byte
-fallback, plus :func:`resolve_tokenizer`, which picks the tokenizer a model uses.
+"""Tokenizers: GPT-2-style byte-level BPE and Hugging Face ``tokenizer.json`` tokenizers (both
+through the optional ``tokenizers`` library), a raw-byte fallback, and :func:`resolve_tokenizer`,
+which picks the tokenizer a model uses.
 
 Every tokenizer maps text to token ids and back, and offers an incremental decoder
 (:meth:`Tokenizer.stream_decoder`) for streaming generation: ``push(token_id)`` returns only text
@@ -7,16 +8,55 @@ that is complete, holding back the bytes of a UTF-8 character split over several
 character is whole; ``flush()`` returns what is left, with U+FFFD for bytes that never became a
 valid character. Concatenating every ``push`` result and ``flush()`` equals ``decode(ids)``.
 
-Ids that have no token (ids past a BPE vocabulary, or >= 256 for :class:`ByteTokenizer`) decode
-to nothing (""), matching the ``tokenizers`` library, which skips unknown ids. Negative ids are an
-error.
+Text is ``token_bytes`` joined and decoded as UTF-8 with replacement, then, for a tokenizer whose
+``strip_leading_spaces`` is n > 0 (SentencePiece-style tokenizers, see below), with up to n " "
+removed from the very start of the text; the stream decoder removes the same spaces at the start
+of its stream (whatever tokens come first: special tokens and partial characters emit "" and do
+not end the leading run). Note that this makes ``decode(completion_ids)`` drop the space between a
+prompt and its completion, as the ``tokenizers`` library does; a caller streaming a continuation
+can use ``StreamDecoder(tokenizer, strip_leading_spaces=0)``.
 
-Embedded form (stored in a model file's header and produced by :meth:`BPETokenizer.to_embedded`)::
+Ids that have no token (ids past a vocabulary, gaps in it, or >= 256 for :class:`ByteTokenizer`)
+decode to nothing (""), matching the ``tokenizers`` library, which skips unknown ids. Negative ids
+are an error.
 
-    {"type": "bpe", "vocab": {token: id, ...}, "merges": ["a b", ...]}
+Embedded forms (stored in a model file's header, produced by ``to_embedded()`` and read back by
+:func:`tokenizer_from_embedded`, which dispatches on ``type``)::
 
-with tokens written in GPT-2's byte-to-unicode alphabet (a space is "Ġ"), exactly as in a GPT-2
-``vocab.json`` / ``merges.txt`` pair.
+    {"type": "bpe", "vocab": {token: id, ...}, "merges": ["a b", ...]}     # BPETokenizer
+    {"type": "hf", "json": "<the tokenizer.json text>"}                    # HFTokenizer
+
+For "bpe", tokens are written in GPT-2's byte-to-unicode alphabet (a space is "Ġ"), exactly as in a
+GPT-2 ``vocab.json`` / ``merges.txt`` pair.
+
+:class:`HFTokenizer` (a ``tokenizer.json``: Llama-2/3, Mistral, Qwen2, GPT-2, ...) encodes with the
+library (``encode(text, add_special_tokens=False)``: the runtime adds BOS itself; padding and
+truncation configured in the file are switched off; added tokens written in the text are matched,
+as the library does). Its ``token_bytes`` are derived from the file's decoder, so that streaming
+and grammar masks (llguidance reads ``token_bytes`` of every id) see exact bytes:
+
+* ByteLevel (the decoder is ByteLevel; with no decoder, a ByteLevel pre-tokenizer): a token whose
+  every character is in GPT-2's byte alphabet is those bytes (:func:`unicode_to_byte`); any other
+  token is its own UTF-8, whole (the library's ByteLevel decoder keeps such a token verbatim).
+* SentencePiece style (a decoder made of Replace (string patterns), ByteFallback, Fuse, Strip and
+  Metaspace, as Llama-2/Mistral/Gemma write it; with no decoder, a Metaspace pre-tokenizer): the
+  decoder's Replace patterns are applied in order (Metaspace: its replacement char -> " "); then a
+  token ``<0xNN>`` is the single byte NN when the decoder has ByteFallback or the model has
+  ``byte_fallback``; any other token is its UTF-8. ``strip_leading_spaces`` is the ``start`` of a
+  final ``Strip(" ", start, 0)`` after Fuse, or 1 for a Metaspace decoder whose prepend_scheme is
+  not "never".
+* Anything else (WordPiece, BPE with a word suffix/prefix, CTC, a Regex Replace, an order of
+  decoder steps whose effect is not per token, ...) is refused with TokenizerError, not guessed.
+* Added tokens: ``special: true`` -> b"" (as ``decode(..., skip_special_tokens=True)``); the others
+  go through the same rule as model tokens (the library runs their content through the decoder).
+
+Where this differs from the library's ``decode(ids, skip_special_tokens=True)`` (tests document
+each): a run of ``<0xNN>`` tokens that is not valid UTF-8 gives one U+FFFD per token there (and the
+run's valid bytes are lost), here Python's UTF-8 replacement (one U+FFFD per maximal invalid
+subsequence); a Metaspace decoder drops every replacement char of the first token, here one leading
+space; a model with byte_fallback but a decoder without ByteFallback prints ``<0xNN>`` there, the
+byte here; with no decoder the library joins tokens with " ". ``transformers``' decode may also
+apply ``clean_up_tokenization_spaces`` (" ." -> "."), which is not a property of the tokens.
 """
 
 from __future__ import annotations
@@ -24,24 +64,29 @@ from __future__ import annotations
 import codecs
 import json
 import os
+import re
 from functools import lru_cache
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..errors import TokenizerError
 
-#: Environment variable naming a tokenizer directory (vocab.json + merges.txt).
+#: Environment variable naming a tokenizer directory (tokenizer.json, or vocab.json + merges.txt).
 TOKENIZER_ENV = "TINYLOOP_TOKENIZER_DIR"
 
-_INSTALL_HINT = "the BPE tokenizer needs the 'tokenizers' package: pip install tinyloop[tokenizer]"
+#: The ``type`` values of the embedded forms :func:`tokenizer_from_embedded` accepts.
+EMBEDDED_TYPES = ("bpe", "hf")
+
+_INSTALL_HINT = ("the BPE and tokenizer.json tokenizers need the 'tokenizers' package: "
+                 "pip install tinyloop[tokenizer]")
 
 
 def _require_tokenizers():
     """Import the optional ``tokenizers`` library, or raise TokenizerError with the install hint."""
     try:
-        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as LibTokenizer, decoders, models, pre_tokenizers
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise TokenizerError(f"{_INSTALL_HINT} ({e})") from None
-    return HFTokenizer, models, pre_tokenizers, decoders
+    return LibTokenizer, models, pre_tokenizers, decoders
 
 
 @lru_cache(maxsize=1)
@@ -77,22 +122,48 @@ def _check_ids(ids: Iterable[int]) -> List[int]:
     return out
 
 
+def _strip_spaces(text: str, n: int) -> str:
+    """`text` without up to `n` leading " "."""
+    k = 0
+    while k < n and k < len(text) and text[k] == " ":
+        k += 1
+    return text[k:]
+
+
 class StreamDecoder:
     """Incremental detokenizer. ``push(id)`` returns the text completed by that token ("" while a
     multi-byte character is still incomplete); ``flush()`` returns the remainder (incomplete bytes
-    become U+FFFD) and resets the decoder."""
+    become U+FFFD) and resets the decoder. Up to `strip_leading_spaces` " " are dropped from the
+    start of the stream (default: the tokenizer's ``strip_leading_spaces``, as its ``decode``
+    does; pass 0 to stream a continuation of earlier text)."""
 
-    def __init__(self, tokenizer: "Tokenizer") -> None:
+    def __init__(self, tokenizer: "Tokenizer", strip_leading_spaces: Optional[int] = None) -> None:
         self._tok = tokenizer
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        n = getattr(tokenizer, "strip_leading_spaces", 0) if strip_leading_spaces is None \
+            else strip_leading_spaces
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise TokenizerError(f"strip_leading_spaces must be a non-negative integer, got {n!r}")
+        self._strip = n
+        self._left = n          # leading spaces still to drop; 0 once a non-space char was emitted
+
+    def _emit(self, text: str) -> str:
+        if self._left and text:
+            stripped = _strip_spaces(text, self._left)
+            removed = len(text) - len(stripped)
+            # a non-space char (or the n-th space) ends the leading run for good
+            self._left = 0 if stripped else self._left - removed
+            return stripped
+        return text
 
     def push(self, token_id: int) -> str:
         (tid,) = _check_ids([token_id])
-        return self._dec.decode(self._tok.token_bytes(tid), final=False)
+        return self._emit(self._dec.decode(self._tok.token_bytes(tid), final=False))
 
     def flush(self) -> str:
-        out = self._dec.decode(b"", final=True)
+        out = self._emit(self._dec.decode(b"", final=True))
         self._dec.reset()
+        self._left = self._strip
         return out
 
 
@@ -101,6 +172,8 @@ class Tokenizer:
     defaults to joining token bytes and decoding them as UTF-8 with replacement."""
 
     name: str = "tokenizer"
+    #: How many leading " " ``decode`` (and the stream decoder) drop from the start of the text.
+    strip_leading_spaces: int = 0
 
     @property
     def vocab_size(self) -> int:
@@ -114,12 +187,20 @@ class Tokenizer:
         """Raw bytes of one token (b"" for ids without a token)."""
         raise NotImplementedError
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], continuation: bool = False) -> str:
+        """The text of `ids`. ``continuation=True``: the text they add after a prompt (a
+        completion), so the tokenizer's leading-space strip, which only a text's start gets,
+        does not apply."""
         ids = _check_ids(ids)
-        return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
+        text = b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
+        if self.strip_leading_spaces and not continuation:
+            return _strip_spaces(text, self.strip_leading_spaces)
+        return text
 
-    def stream_decoder(self) -> StreamDecoder:
-        return StreamDecoder(self)
+    def stream_decoder(self, continuation: bool = False) -> StreamDecoder:
+        """An incremental decoder; ``continuation=True`` for a completion streamed after its
+        prompt (as :meth:`decode`)."""
+        return StreamDecoder(self, 0 if continuation else None)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} vocab_size={self.vocab_size}>"
@@ -164,9 +245,9 @@ class BPETokenizer(Tokenizer):
     def __init__(self, vocab: Dict[str, int], merges: Sequence[Tuple[str, str]],
                  name: str = "bpe") -> None:
         vocab, merges = _validate_bpe(vocab, merges, name)
-        HFTokenizer, models, pre_tokenizers, decoders = _require_tokenizers()
+        LibTokenizer, models, pre_tokenizers, decoders = _require_tokenizers()
         try:
-            tok = HFTokenizer(models.BPE(vocab=dict(vocab), merges=list(merges)))
+            tok = LibTokenizer(models.BPE(vocab=dict(vocab), merges=list(merges)))
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
             tok.decoder = decoders.ByteLevel()
         except Exception as e:
@@ -281,7 +362,7 @@ class BPETokenizer(Tokenizer):
         except Exception as e:
             raise TokenizerError(f"{self.name}: encode failed: {e}") from None
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], continuation: bool = False) -> str:
         ids = _check_ids(ids)
         try:
             return self._tok.decode(ids, skip_special_tokens=False)
@@ -319,6 +400,286 @@ def _validate_bpe(vocab, merges, name: str) -> Tuple[Dict[str, int], List[Tuple[
     return dict(vocab), out
 
 
+# ------------------------------------------------------------------------- tokenizer.json
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_SEQUENCE_KEYS = ("decoders", "pretokenizers")
+_SP_DECODERS = ("Replace", "ByteFallback", "Fuse", "Strip", "Metaspace")
+
+
+def _steps(component: Any, what: str, name: str) -> List[dict]:
+    """A decoder / pre-tokenizer JSON object as the flat list of its steps (Sequences unrolled)."""
+    if component is None:
+        return []
+    if not isinstance(component, dict):
+        raise TokenizerError(f"{name}: the {what} must be an object or null, got {component!r:.80}")
+    if component.get("type") == "Sequence":
+        for key in _SEQUENCE_KEYS:
+            if isinstance(component.get(key), list):
+                return [s for c in component[key] for s in _steps(c, what, name)]
+        raise TokenizerError(f"{name}: the {what} Sequence has no list of steps")
+    return [component]
+
+
+class _ByteRule:
+    """How the tokens of one tokenizer.json become bytes (see the module docstring)."""
+
+    def __init__(self, kind: str, replacements: Sequence[Tuple[str, str]] = (),
+                 byte_tokens: bool = False, strip: int = 0) -> None:
+        self.kind = kind                    # "byte_level" or "sentencepiece"
+        self.replacements = list(replacements)
+        self.byte_tokens = byte_tokens
+        self.strip = strip
+
+    def __call__(self, token: str) -> bytes:
+        if self.kind == "byte_level":
+            u2b = unicode_to_byte()
+            if all(c in u2b for c in token):
+                return bytes(u2b[c] for c in token)
+            return token.encode("utf-8")
+        for pattern, content in self.replacements:
+            token = token.replace(pattern, content)
+        if self.byte_tokens:
+            m = _BYTE_TOKEN.fullmatch(token)
+            if m:
+                return bytes((int(m.group(1), 16),))
+        return token.encode("utf-8")
+
+
+def _byte_rule(spec: dict, name: str) -> _ByteRule:
+    """The byte rule of a (canonical, as re-serialized by the library) tokenizer.json, or
+    TokenizerError for a layout whose token bytes cannot be derived exactly."""
+    model = spec.get("model") if isinstance(spec.get("model"), dict) else {}
+    mtype = model.get("type")
+    if mtype == "WordPiece":
+        raise TokenizerError(f"{name}: unsupported tokenizer model WordPiece (its decoder joins "
+                             f"word pieces; token bytes are not defined per token)")
+    for key in ("continuing_subword_prefix", "end_of_word_suffix"):
+        if model.get(key):
+            raise TokenizerError(f"{name}: unsupported tokenizer model {mtype} with {key}="
+                                 f"{model[key]!r} (token bytes are not defined per token)")
+    dec = _steps(spec.get("decoder"), "decoder", name)
+    types = [d.get("type") for d in dec]
+    if not dec:
+        pre = [p.get("type") for p in _steps(spec.get("pre_tokenizer"), "pre_tokenizer", name)]
+        if "ByteLevel" in pre:
+            return _ByteRule("byte_level")
+        if "Metaspace" in pre:
+            ms = _steps(spec.get("pre_tokenizer"), "pre_tokenizer", name)[pre.index("Metaspace")]
+            return _ByteRule("sentencepiece", [(ms.get("replacement", "\u2581"), " ")],
+                             byte_tokens=bool(model.get("byte_fallback")),
+                             strip=0 if ms.get("prepend_scheme") == "never" else 1)
+        raise TokenizerError(f"{name}: unsupported tokenizer: no decoder, and the pre-tokenizer "
+                             f"{pre or None} is neither ByteLevel nor Metaspace")
+    unsupported = f"{name}: unsupported tokenizer decoder {types}"
+    if "ByteLevel" in types:
+        if types != ["ByteLevel"]:
+            raise TokenizerError(f"{unsupported}: ByteLevel combined with other steps")
+        return _ByteRule("byte_level")
+    bad = [t for t in types if t not in _SP_DECODERS]
+    if bad:
+        raise TokenizerError(f"{unsupported}: {bad[0]} is not supported (supported: ByteLevel, or "
+                             f"SentencePiece style {', '.join(_SP_DECODERS)})")
+    if not {"Replace", "ByteFallback", "Metaspace"} & set(types):
+        raise TokenizerError(f"{unsupported}: neither ByteLevel nor SentencePiece style "
+                             f"(no Replace, ByteFallback or Metaspace)")
+    for t in ("ByteFallback", "Fuse", "Strip", "Metaspace"):
+        if types.count(t) > 1:
+            raise TokenizerError(f"{unsupported}: {t} appears more than once")
+    if "Metaspace" in types and "Strip" in types:
+        raise TokenizerError(f"{unsupported}: Metaspace combined with Strip")
+    per_token = [i for i, t in enumerate(types) if t in ("Replace", "Metaspace")]
+    if "ByteFallback" in types and per_token and max(per_token) > types.index("ByteFallback"):
+        raise TokenizerError(f"{unsupported}: a replacement after ByteFallback would also rewrite "
+                             f"the bytes it produces")
+    if "Fuse" in types and max(i for i, t in enumerate(types) if t != "Strip") > types.index("Fuse"):
+        raise TokenizerError(f"{unsupported}: steps after Fuse apply to the whole text, not per token")
+    replacements: List[Tuple[str, str]] = []
+    strip = 0
+    for d in dec:
+        t = d["type"]
+        if t == "Replace":
+            pattern, content = d.get("pattern"), d.get("content")
+            if not (isinstance(pattern, dict) and isinstance(pattern.get("String"), str)
+                    and pattern["String"] and isinstance(content, str)):
+                raise TokenizerError(f"{unsupported}: Replace with pattern {pattern!r} (only a "
+                                     f"non-empty String pattern is supported, not a Regex)")
+            replacements.append((pattern["String"], content))
+        elif t == "Metaspace":
+            replacements.append((d.get("replacement", "\u2581"), " "))
+            strip = 0 if d.get("prepend_scheme") == "never" else 1
+        elif t == "Strip":
+            start, stop = d.get("start", 0), d.get("stop", 0)
+            if types[-1] != "Strip" or "Fuse" not in types:
+                raise TokenizerError(f"{unsupported}: Strip before Fuse strips every token")
+            if d.get("content") != " " or stop or not isinstance(start, int) or start < 0:
+                raise TokenizerError(f"{unsupported}: Strip(content={d.get('content')!r}, "
+                                     f"start={start!r}, stop={stop!r}) (only Strip(' ', n, 0) is)")
+            strip = start
+    return _ByteRule("sentencepiece", replacements,
+                     byte_tokens="ByteFallback" in types or bool(model.get("byte_fallback")),
+                     strip=strip)
+
+
+def _library_call(name: str, what: str, fn):
+    """``fn()``, a call into ``tokenizers``, with its errors (and Rust panics, which are
+    BaseException) turned into TokenizerError."""
+    try:
+        return fn()
+    except (KeyboardInterrupt, SystemExit):  # pragma: no cover
+        raise
+    except BaseException as e:  # noqa: B036 - pyo3's PanicException derives from BaseException
+        msg = " ".join(str(e).split()) or type(e).__name__
+        raise TokenizerError(f"{name}: {what}: {msg}") from None
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizer.json`` (any layout whose decoder is ByteLevel or SentencePiece
+    style; see the module docstring). The ``tokenizers`` library encodes; decoding is the byte
+    rule derived from the file. Build with :meth:`from_file`, :meth:`from_json`,
+    :meth:`from_embedded` or the constructor (the tokenizer.json text).
+
+    Besides the protocol: ``kind`` ("byte_level" or "sentencepiece": the byte rule in use),
+    ``special_ids`` (the ids of added tokens with ``special: true``, whose bytes are b"") and
+    ``strip_leading_spaces``."""
+
+    def __init__(self, tokenizer_json: str, name: str = "hf") -> None:
+        if not isinstance(tokenizer_json, str):
+            raise TokenizerError(f"{name}: a tokenizer.json must be given as text (str), got "
+                                 f"{type(tokenizer_json).__name__}")
+        try:
+            spec = json.loads(tokenizer_json)
+        except json.JSONDecodeError as e:
+            raise TokenizerError(f"{name}: not valid JSON: {e}") from None
+        except RecursionError:
+            raise TokenizerError(f"{name}: not valid JSON: nested too deeply") from None
+        if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
+            raise TokenizerError(f"{name}: not a tokenizer.json (expected a JSON object with a "
+                                 f"'model' object)")
+        LibTokenizer = _require_tokenizers()[0]
+        tok = _library_call(name, "the tokenizers library refuses it",
+                            lambda: LibTokenizer.from_str(tokenizer_json))
+        tok.no_truncation()
+        tok.no_padding()
+        # the library's own serialization: legacy fields (add_prefix_space, ...) in canonical form
+        canonical = json.loads(_library_call(name, "cannot re-serialize it", lambda: tok.to_str()))
+        rule = _byte_rule(canonical, name)
+        vocab = _library_call(name, "cannot read the vocabulary",
+                              lambda: tok.get_vocab(with_added_tokens=False))
+        added = _library_call(name, "cannot read the added tokens",
+                              lambda: tok.get_added_tokens_decoder())
+        ids = list(vocab.values()) + list(added)
+        if not ids:
+            raise TokenizerError(f"{name}: the vocabulary is empty")
+        size = max(ids) + 1
+        table: List[bytes] = [b""] * size
+        for token, i in vocab.items():
+            table[i] = rule(token)
+        special = set()
+        for i, at in added.items():         # added tokens take precedence, as in the library
+            if at.special:
+                table[i] = b""
+                special.add(i)
+            else:
+                table[i] = rule(at.content)
+        self._tok = tok
+        self._json = tokenizer_json
+        self._rule = rule
+        self._token_bytes = table
+        self._vocab_size = size
+        self.name = name
+        self.kind = rule.kind
+        self.special_ids = frozenset(special)
+        self.strip_leading_spaces = rule.strip
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_json(cls, text: str, name: str = "hf") -> "HFTokenizer":
+        """Build from the text of a tokenizer.json; `name` is used in messages and ``repr``."""
+        return cls(text, name=name)
+
+    @classmethod
+    def from_file(cls, path: str) -> "HFTokenizer":
+        """Load a ``tokenizer.json`` file."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            raise TokenizerError(f"{path!r} is a directory, not a tokenizer.json file "
+                                 f"(load_tokenizer_dir loads a directory)")
+        if not os.path.isfile(path):
+            raise TokenizerError(f"tokenizer file {path!r} does not exist")
+        try:
+            with open(path, "r", encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as e:
+            raise TokenizerError(f"{path}: not UTF-8 text: {e}") from None
+        except OSError as e:
+            raise TokenizerError(f"{path}: cannot read: {e}") from None
+        return cls(text, name=f"hf:{path}")
+
+    @classmethod
+    def from_embedded(cls, d: dict) -> "HFTokenizer":
+        """Build from the embedded dict form {"type": "hf", "json": "<tokenizer.json text>"}."""
+        if not isinstance(d, dict):
+            raise TokenizerError(f"embedded tokenizer must be a mapping, got {type(d).__name__}")
+        if d.get("type") != "hf":
+            raise TokenizerError(f"embedded tokenizer type {d.get('type')!r} is not 'hf'")
+        unknown = sorted(set(d) - {"type", "json"}, key=str)
+        if unknown:
+            raise TokenizerError(f"embedded tokenizer has unknown key(s) {unknown} (expected "
+                                 f"'type' and 'json')")
+        if not isinstance(d.get("json"), str):
+            raise TokenizerError("embedded 'hf' tokenizer needs 'json': the tokenizer.json text")
+        return cls(d["json"], name="hf:embedded")
+
+    def to_embedded(self) -> dict:
+        return {"type": "hf", "json": self._json}
+
+    # ------------------------------------------------------------------ protocol
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def encode(self, text: str) -> List[int]:
+        if not isinstance(text, str):
+            raise TokenizerError(f"encode() needs a str, got {type(text).__name__}")
+        enc = _library_call(self.name, "encode failed",
+                            lambda: self._tok.encode(text, add_special_tokens=False))
+        return list(enc.ids)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if token_id < 0:
+            raise TokenizerError(f"token id {token_id} is negative")
+        return self._token_bytes[token_id] if token_id < self._vocab_size else b""
+
+
+def tokenizer_from_embedded(d: dict) -> Tokenizer:
+    """The tokenizer of an embedded form (a model header's ``tokenizer``), by its ``type``:
+    "bpe" -> :class:`BPETokenizer`, "hf" -> :class:`HFTokenizer`."""
+    if not isinstance(d, dict):
+        raise TokenizerError(f"embedded tokenizer must be a mapping, got {type(d).__name__}")
+    kind = d.get("type")
+    if kind == "bpe":
+        return BPETokenizer.from_embedded(d)
+    if kind == "hf":
+        return HFTokenizer.from_embedded(d)
+    raise TokenizerError(f"embedded tokenizer type {kind!r} is not supported (allowed: "
+                         f"{', '.join(repr(t) for t in EMBEDDED_TYPES)})")
+
+
+def load_tokenizer_dir(path: str) -> Tokenizer:
+    """Load a tokenizer directory: ``tokenizer.json`` (:class:`HFTokenizer`) when it has one, else
+    GPT-2's ``vocab.json`` + ``merges.txt`` (:class:`BPETokenizer`)."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise TokenizerError(f"tokenizer directory {path!r} does not exist or is not a directory")
+    tj = os.path.join(path, "tokenizer.json")
+    if os.path.isfile(tj):
+        return HFTokenizer.from_file(tj)
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("vocab.json", "merges.txt")):
+        raise TokenizerError(f"tokenizer directory {path!r} has no tokenizer.json (Hugging Face) "
+                             f"and no vocab.json + merges.txt (GPT-2)")
+    return BPETokenizer.from_dir(path)
+
+
 def resolve_tokenizer(model_header_tokenizer: Optional[dict], tokenizer_dir: Optional[str],
                       vocab_size: int) -> Tokenizer:
     """The tokenizer for a model with `vocab_size` ids. Precedence: explicit `tokenizer_dir` >
@@ -326,18 +687,18 @@ def resolve_tokenizer(model_header_tokenizer: Optional[dict], tokenizer_dir: Opt
     (only when nothing is configured). A configured tokenizer that fails to load raises
     TokenizerError, never falls back. A tokenizer whose ids reach past `vocab_size` is an error."""
     if tokenizer_dir:
-        tok: Tokenizer = BPETokenizer.from_dir(tokenizer_dir)
+        tok: Tokenizer = load_tokenizer_dir(tokenizer_dir)
         source = f"tokenizer directory {tokenizer_dir!r}"
     elif os.environ.get(TOKENIZER_ENV):
         env_dir = os.environ[TOKENIZER_ENV]
         try:
-            tok = BPETokenizer.from_dir(env_dir)
+            tok = load_tokenizer_dir(env_dir)
         except TokenizerError as e:
             raise TokenizerError(f"{TOKENIZER_ENV}={env_dir!r}: {e}") from None
         source = f"{TOKENIZER_ENV}={env_dir!r}"
     elif model_header_tokenizer is not None:
         try:
-            tok = BPETokenizer.from_embedded(model_header_tokenizer)
+            tok = tokenizer_from_embedded(model_header_tokenizer)
         except TokenizerError as e:
             raise TokenizerError(f"the tokenizer embedded in the model file is invalid: {e}") from None
         source = "the tokenizer embedded in the model file"

@@ -104,6 +104,10 @@ class BlockWeights:
     w_gate: Any
     w_up: Any
     w_down: Any
+    bq: Any = None
+    bk: Any = None
+    bv: Any = None
+    """Projection biases (float vectors), None unless the model has qkv_bias."""
 
 
 @dataclass
@@ -121,7 +125,7 @@ class ModelWeights:
     @classmethod
     def from_handles(cls, cfg: ModelConfig, h: Mapping[str, Any], nbytes: int = 0) -> "ModelWeights":
         def blocks(part: str, n: int) -> list:
-            return [BlockWeights(**{f: h[f"{part}.{i}.{f}"] for f in BlockWeights.__dataclass_fields__})
+            return [BlockWeights(**{f: h.get(f"{part}.{i}.{f}") for f in BlockWeights.__dataclass_fields__})
                     for i in range(n)]
         return cls(embed=h["embed"], pre=blocks("pre", cfg.n_pre), loop=blocks("loop", cfg.n_loop),
                    post=blocks("post", cfg.n_post), final_norm=h["final_norm"],
@@ -253,7 +257,7 @@ class Backend(ABC):
     # ------------------------------------------------------------------ primitive ops
     @abstractmethod
     def embed(self, table, ids, out, T: int) -> None:
-        """out[t] = dequantized row ids[t] of `table`."""
+        """out[t] = dequantized row ids[t] of `table`, times the model's embed_scale (when not 1)."""
 
     @abstractmethod
     def rmsnorm(self, x, w, out, T: int) -> None:
@@ -281,6 +285,12 @@ class Backend(ABC):
     def add(self, x, y, T: int) -> None:
         """x += y."""
 
+    def add_bias(self, x, b, T: int) -> None:
+        """x[t] += b for t < T (b a float vector of x's width): the q/k/v biases of a model with
+        qkv_bias. A backend without it cannot load such a model (checked at load)."""
+        raise BackendError(f"the {self.name} backend has no add_bias op, which models with "
+                           f"qkv_bias need")
+
     @abstractmethod
     def copy(self, dst, src, T: int) -> None:
         """dst[:T] = src[:T]."""
@@ -288,10 +298,7 @@ class Backend(ABC):
     # ------------------------------------------------------------------ composites (fusable)
     def attn_half(self, ws: Workspace, b: BlockWeights, cache, layer: int, pos, T: int) -> None:
         """x += Wo @ attention(rope(Wq n(x)), rope(Wk n(x)), Wv n(x)), KV appended to `layer`."""
-        self.rmsnorm(ws.x, b.attn_norm, ws.h, T)
-        self.matmul(ws.h, b.wq, ws.q, T)
-        self.matmul(ws.h, b.wk, ws.k, T)
-        self.matmul(ws.h, b.wv, ws.v, T)
+        self.qkv_project(ws, b, ws.x, T)
         self.rope_kv_append(ws.q, ws.k, ws.v, cache, layer, pos, T)
         self.attention(ws.q, cache, layer, pos, T, ws.att)
         self.matmul(ws.att, b.wo, ws.x, T, accumulate=True)
@@ -309,11 +316,19 @@ class Backend(ABC):
         norm and projections, RoPE'd and stored to `layer` at positions pos+t; nothing attends
         and the residual is untouched (ws.h, ws.q, ws.k, ws.v are clobbered). Early exit's
         ``recompute`` policy fills skipped iterations with it."""
+        self.qkv_project(ws, b, src, T)
+        self.rope_kv_append(ws.q, ws.k, ws.v, cache, layer, pos, T)
+
+    def qkv_project(self, ws: Workspace, b: BlockWeights, src, T: int) -> None:
+        """ws.q, ws.k, ws.v = Wq, Wk, Wv @ norm(src) (+ the block's biases), before RoPE."""
         self.rmsnorm(src, b.attn_norm, ws.h, T)
         self.matmul(ws.h, b.wq, ws.q, T)
         self.matmul(ws.h, b.wk, ws.k, T)
         self.matmul(ws.h, b.wv, ws.v, T)
-        self.rope_kv_append(ws.q, ws.k, ws.v, cache, layer, pos, T)
+        if b.bq is not None:
+            self.add_bias(ws.q, b.bq, T)
+            self.add_bias(ws.k, b.bk, T)
+            self.add_bias(ws.v, b.bv, T)
 
     def final_logits(self, ws: Workspace, w: ModelWeights, row0: int, T: int) -> None:
         """logits[0:T] = head(norm(x[row0:row0+T]))."""

@@ -214,6 +214,19 @@ def check_vocab(model: Model, ids: Sequence[int], what: str) -> None:
             raise InvalidInputError(f"{what}[{i}]={t} is outside the vocabulary [0, {V})")
 
 
+def check_model_window(model: Model, n: int, cache_window: int, what: str) -> None:
+    """A sequence of `n` positions fits a model with its own sliding window (ModelConfig
+    .sliding_window = W) only within W, or under a window cache of at most W positions (which
+    applies the model's span exactly); otherwise full causal attention would be wrong."""
+    W = model.cfg.sliding_window
+    if W and n > W and not 0 < cache_window <= W:
+        hint = (f"set cache_window={W} (or less) to decode it" if cache_window >= 0 else
+                "this path keeps no window cache")
+        raise IncompatibleModesError(
+            f"{what} spans {n} positions, past the model's sliding_window={W} (it attends to the "
+            f"last {W} positions only); {hint}")
+
+
 def validate_request(model: Model, prompt: Any, config: GenerateConfig, what: str = "prompt") -> List[int]:
     """Model-dependent checks of one request; returns the prompt as a list of ints."""
     ids = _as_ids(prompt, what, model)
@@ -225,6 +238,7 @@ def validate_request(model: Model, prompt: Any, config: GenerateConfig, what: st
         raise InvalidInputError(
             f"{what}_len ({len(ids)}) + max_tokens ({config.max_tokens}) = {len(ids) + config.max_tokens} "
             f"exceeds max_seq_len={model.max_seq_len}")
+    check_model_window(model, len(ids) + config.max_tokens, config.cache_window, f"{what} + max_tokens")
     resolve_loops(model, config.loops)
     for i, seq in enumerate(config.stop_sequences):
         for t in seq:

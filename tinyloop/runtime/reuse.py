@@ -47,8 +47,8 @@ import numpy as np
 from ..errors import ConfigError, HandleBudgetError, HandleFreedError, InvalidInputError
 from .cache import build_spec, linear_slots
 from .config import GenerateConfig, GenerateStats
-from .engine import (Model, Plan, _as_ids, _decode, _locked, check_call, check_vocab, resolve_loops,
-                     validate_request)
+from .engine import (Model, Plan, _as_ids, _decode, _locked, check_call, check_model_window, check_vocab,
+                     resolve_loops, validate_request)
 from .plugins import get_plugin_manager
 from .stopping import CallbackStopper
 
@@ -272,6 +272,7 @@ def _check_ids(model: Model, ids: Any, what: str) -> List[int]:
     check_vocab(model, out, what)
     if len(out) > model.max_seq_len:
         raise InvalidInputError(f"{what} has {len(out)} tokens, more than max_seq_len={model.max_seq_len}")
+    check_model_window(model, len(out), -1, what)
     return out
 
 

@@ -145,7 +145,7 @@ class ModelWorker:
             job.tokens.close()
             self._finish(job, CANCELLED if job.cancelled.is_set() else DEADLINE)
             return
-        decoder = self.model.tokenizer.stream_decoder()
+        decoder = self.model.tokenizer.stream_decoder(continuation=True)
         eos = self.model.cfg.eos_id
         text = StopStrings(job.stops)
         reason = None

@@ -1,4 +1,5 @@
-"""Embedding lookup: ``out[t, :] = dequantized row ids[t] of the embedding table``.
+"""Embedding lookup: ``out[t, :] = dequantized row ids[t] of the embedding table`` (times the
+model's embed_scale: one float32 multiply, exact for 1.0).
 
 Shapes (T rows, V = vocab_size, D = d_model, G = D / group_size)::
 
@@ -28,7 +29,7 @@ NT = 256
 
 
 @cuda.jit
-def _embed_f_kernel(out, ids, table):
+def _embed_f_kernel(out, ids, table, scale):
     grid_dep_wait()
     D = out.shape[1]
     V = table.shape[0]
@@ -38,12 +39,12 @@ def _embed_f_kernel(out, ids, table):
         i = ids[t]
         v = float32(0.0)
         if 0 <= i < V:
-            v = float32(table[i, k])
+            v = float32(table[i, k]) * scale
         out[t, k] = v
 
 
 @cuda.jit
-def _embed_q_kernel(out, ids, q, scales, zeros, bits, group):
+def _embed_q_kernel(out, ids, q, scales, zeros, bits, group, scale):
     grid_dep_wait()
     D = out.shape[1]
     V = q.shape[0]
@@ -57,16 +58,20 @@ def _embed_q_kernel(out, ids, q, scales, zeros, bits, group):
             b = int32(q[i, k // per])
             qv = (b >> ((k % per) * bits)) & ((1 << bits) - 1)
             g = k // group
-            v = float32(qv - int32(zeros[i, g])) * float32(scales[i, g])
+            v = float32(qv - int32(zeros[i, g])) * float32(scales[i, g]) * scale
         out[t, k] = v
 
 
-def embed(out, ids, table, scales=None, zeros=None, stream=0):
-    """Gather rows `ids` (int32 (T,), on the device) of `table` into out (float32 (T, D)).
+def embed(out, ids, table, scales=None, zeros=None, stream=0, scale=1.0):
+    """Gather rows `ids` (int32 (T,), on the device) of `table` into out (float32 (T, D)), each
+    element times `scale` (a float32 multiply).
 
     `table` is float32/float16 (V, D), or uint8 (V, D*B/8) with `scales` float16 (V, G) and
     `zeros` uint8 (V, G) (storage inferred from dtype and shape, as in `matmul`)."""
     op = "embed"
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not np.isfinite(scale):
+        raise BackendError(f"{op}: scale must be a finite number, got {scale!r}")
+    scale = np.float32(scale)
     check_array(op, "out", out, np.float32, 2)
     T, D = out.shape
     check_array(op, "ids", ids, np.int32, 1, (T,))
@@ -78,7 +83,7 @@ def embed(out, ids, table, scales=None, zeros=None, stream=0):
         if scales is not None or zeros is not None:
             raise BackendError(f"{op}: scales/zeros given for an unquantized table")
         if T and D:
-            _embed_f_kernel[(cdiv(D, NT), T), NT, stream](out, ids, table)
+            _embed_f_kernel[(cdiv(D, NT), T), NT, stream](out, ids, table, scale)
         return
     check_array(op, "table", table, np.uint8, 2)
     V = table.shape[0]
@@ -93,15 +98,15 @@ def embed(out, ids, table, scales=None, zeros=None, stream=0):
         raise BackendError(f"{op}: d_model={D} is not a whole number of the {G} groups")
     if T:
         _embed_q_kernel[(cdiv(D, NT), T), NT, stream](out, ids, table, scales, zeros, bits,
-                                                       D // G)
+                                                       D // G, scale)
 
 
 def ptx_signatures():
     sigs = []
     for wt in ("float32", "float16"):
         sigs.append((f"embed_{wt}", _embed_f_kernel.py_func,
-                     f"void(float32[:, ::1], int32[::1], {wt}[:, ::1])"))
+                     f"void(float32[:, ::1], int32[::1], {wt}[:, ::1], float32)"))
     sigs.append(("embed_q", _embed_q_kernel.py_func,
                  "void(float32[:, ::1], int32[::1], uint8[:, ::1], float16[:, ::1], "
-                 "uint8[:, ::1], int64, int64)"))
+                 "uint8[:, ::1], int64, int64, float32)"))
     return sigs

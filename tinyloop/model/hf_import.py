@@ -1,0 +1,310 @@
+"""Hugging Face checkpoint import: a model directory (``config.json``, safetensors shards,
+``tokenizer.json``) of a Llama-family architecture mapped onto the model family.
+
+Supported ``architectures`` (config.json): LlamaForCausalLM, MistralForCausalLM (its sliding
+window becomes ModelConfig.sliding_window) and Qwen2ForCausalLM (q/k/v biases: qkv_bias). These
+checkpoints keep RoPE in the half-split ("rotate_half") layout the kernels use, so no rows are
+permuted. Every layer is a pre-norm SwiGLU block with an RMSNorm; both config styles are read
+(``rope_theta`` / ``rope_scaling`` at the top, or transformers 5's ``rope_parameters``).
+
+Layers become the family's parts:
+
+* by default layers 0 .. N-2 are pre blocks and layer N-1 is a one-layer loop run once
+  (``default_loops = max_loops = 1``): the same computation as the original stack;
+* ``loop_layers=(A, B)`` makes layers A .. B-1 the shared loop block, ``loops=R`` says the
+  checkpoint stores it R times in a row (layers A .. A + R (B - A) - 1, weight-tied: each copy is
+  checked to be bit-identical to the first), and the layers after the copies are post blocks;
+  ``max_loops`` (default R) is the deepest a request may go.
+
+:func:`plan_hf` checks everything from config.json and the tensor headers before any data is read
+and raises ModelFormatError listing every reason a checkpoint does not fit (an unknown
+architecture, rope scaling, MoE, biases where the family has none, per-layer windows, missing or
+unexpected tensors, ...). The result maps every logical tensor name to its checkpoint name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Tuple
+
+from ..errors import ConfigError, ModelFormatError
+from .arch import ModelConfig, block_tensors, required_tensors
+
+#: architectures (config.json "architectures"[0]) this importer maps
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+#: looped layouts named in the roadmap whose import is not built yet (refused by name)
+NOT_BUILT = {"RavenForCausalLM": "Huginn-0125 (raven)", "HuginnForCausalLM": "Huginn-0125",
+             "OuroForCausalLM": "Ouro"}
+
+_LAYER = "model.layers.{i}."
+_BLOCK_MAP = {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
+              "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",
+              "wv": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight",
+              "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight",
+              "w_down": "mlp.down_proj.weight", "bq": "self_attn.q_proj.bias",
+              "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias"}
+#: checkpoint tensors that carry no weights of the model (old RoPE caches) and are skipped
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+#: config keys whose presence (with a truthy value) means a mixture of experts
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+
+
+@dataclass
+class HFPlan:
+    """What :func:`plan_hf` resolved: the model config, logical name -> checkpoint tensor name,
+    the copies of the loop block to check against its first copy, and notes for the summary."""
+
+    config: ModelConfig
+    names: Dict[str, str]
+    architecture: str
+    tied_copies: List[Tuple[str, str]] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+
+
+def read_json(path: str, what: str) -> dict:
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            d = json.load(f)
+    except OSError as e:
+        raise ModelFormatError(f"cannot read {what} {path!r}: {e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelFormatError(f"{what} {path!r} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ModelFormatError(f"{what} {path!r} is not a JSON object")
+    return d
+
+
+def read_hf_config(model_dir: str) -> dict:
+    """config.json of a Hugging Face model directory (ModelFormatError when absent or invalid)."""
+    if not os.path.isdir(model_dir):
+        raise ModelFormatError(f"--hf {model_dir!r} is not a directory")
+    return read_json(os.path.join(model_dir, "config.json"), "config")
+
+
+def _token_id(v, name: str, problems: List[str], notes: List[str]) -> Optional[int]:
+    if v is None:
+        return None
+    if isinstance(v, list):
+        if not v:
+            return None
+        if len(v) > 1:
+            notes.append(f"{name} lists {v}: the first, {v[0]}, is the model's {name[:3]}_id")
+        v = v[0]
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        problems.append(f"{name}={v!r} is not a token id")
+        return None
+    return v
+
+
+def _rope_theta(c: dict, problems: List[str]) -> float:
+    rp = c.get("rope_parameters")
+    scaling = c.get("rope_scaling")
+    theta = c.get("rope_theta")
+    if isinstance(rp, dict):
+        kind = rp.get("rope_type", rp.get("type", "default"))
+        if kind not in ("default", None):
+            problems.append(f"rope_parameters.rope_type={kind!r}: only plain RoPE is built "
+                            f"(no scaled / YaRN / llama3 RoPE)")
+        theta = rp.get("rope_theta", theta)
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) not in ("default", None):
+        problems.append(f"rope_scaling={scaling!r}: only plain RoPE is built (no scaled / YaRN / "
+                        f"llama3 RoPE)")
+    if c.get("partial_rotary_factor", 1.0) not in (1, 1.0):
+        problems.append(f"partial_rotary_factor={c['partial_rotary_factor']!r}: RoPE must rotate "
+                        f"whole heads")
+    return 10000.0 if theta is None else theta
+
+
+def _sliding_window(arch: str, c: dict, n_layers: int, problems: List[str]) -> int:
+    types = c.get("layer_types")
+    if isinstance(types, list) and types:
+        kinds = set(types)
+        if kinds - {"full_attention", "sliding_attention"}:
+            problems.append(f"layer_types holds {sorted(kinds)}: only full_attention and "
+                            f"sliding_attention layers are known")
+        elif kinds == {"full_attention", "sliding_attention"}:
+            problems.append("layer_types mixes full_attention and sliding_attention layers: one "
+                            "attention span for every layer is built, not per-layer windows")
+        elif kinds == {"full_attention"}:
+            return 0
+    w = c.get("sliding_window")
+    if arch == "Qwen2ForCausalLM":
+        if not c.get("use_sliding_window", False):
+            return 0
+        if c.get("max_window_layers", n_layers) < n_layers:
+            problems.append(f"use_sliding_window with max_window_layers={c['max_window_layers']} < "
+                            f"{n_layers} layers: per-layer windows are not built")
+    if w is None:
+        return 0
+    if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+        problems.append(f"sliding_window={w!r} is not a non-negative integer")
+        return 0
+    return w
+
+
+def _config_fields(arch: str, c: dict, problems: List[str], notes: List[str]) -> dict:
+    """ModelConfig fields of the architecture read from config.json (problems appended)."""
+    need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    missing = [k for k in need if k not in c]
+    if missing:
+        problems.append(f"config.json lacks {missing}")
+        return {}
+    act = c.get("hidden_act", c.get("hidden_activation", "silu"))
+    if act != "silu":
+        problems.append(f"hidden_act={act!r}: the family's MLP is SwiGLU (silu)")
+    for key in _MOE_KEYS:
+        if c.get(key):
+            problems.append(f"{key}={c[key]!r}: mixture-of-experts layers are not part of the family")
+    if arch == "LlamaForCausalLM" or arch == "MistralForCausalLM":
+        if c.get("attention_bias"):
+            problems.append("attention_bias=true: biases on q/k/v and o are not built (the family has "
+                            "q/k/v biases only, as Qwen2)")
+        if c.get("mlp_bias"):
+            problems.append("mlp_bias=true: the family's MLP has no biases")
+    if c.get("pretraining_tp", 1) not in (1, None):
+        notes.append(f"pretraining_tp={c['pretraining_tp']} is ignored (it only splits matmuls)")
+    heads = c["num_attention_heads"]
+    fields = dict(
+        vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_heads=heads,
+        n_kv_heads=c.get("num_key_value_heads") or heads, d_ff=c["intermediate_size"],
+        head_dim=c.get("head_dim") or 0, rope_theta=_rope_theta(c, problems),
+        norm_eps=c.get("rms_norm_eps", 1e-6), tied_embeddings=bool(c.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "Qwen2ForCausalLM",
+        sliding_window=_sliding_window(arch, c, c["num_hidden_layers"], problems))
+    return fields
+
+
+def _special_ids(model_dir: str, c: dict, problems: List[str], notes: List[str]) -> dict:
+    gen = {}
+    gpath = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(gpath):
+        gen = read_json(gpath, "generation config")
+    out = {}
+    for key in ("bos", "eos"):
+        name = f"{key}_token_id"
+        v = c.get(name)
+        if v is None:
+            v = gen.get(name)
+        out[f"{key}_id"] = _token_id(v, name, problems, notes)
+    return out
+
+
+def _parse_layers(loop_layers, n_layers: int, problems: List[str]) -> Tuple[int, int]:
+    if loop_layers is None:
+        return n_layers - 1, n_layers
+    if isinstance(loop_layers, str):
+        a, sep, b = loop_layers.partition(":")
+        try:
+            loop_layers = (int(a), int(b))
+        except ValueError:
+            raise ConfigError(f"--loop-layers {loop_layers!r} must be A:B (two layer indices)") from None
+        if not sep:
+            raise ConfigError(f"--loop-layers {loop_layers!r} must be A:B (two layer indices)")
+    try:
+        a, b = loop_layers
+    except (TypeError, ValueError):
+        raise ConfigError(f"loop_layers={loop_layers!r} must be a pair (A, B)") from None
+    for v in (a, b):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError(f"loop_layers={loop_layers!r} must be two integers")
+    if not 0 <= a < b <= n_layers:
+        raise ConfigError(f"loop_layers {a}:{b} must satisfy 0 <= A < B <= {n_layers} (the "
+                          f"checkpoint's num_hidden_layers)")
+    return a, b
+
+
+def plan_hf(model_dir: str, index: Mapping[str, object], *, loop_layers=None, loops: int = 1,
+            max_loops: Optional[int] = None) -> HFPlan:
+    """Resolve a Hugging Face model directory whose tensor headers are `index` ({name: info with
+    .shape and .dtype}). Raises ConfigError for bad arguments and ModelFormatError listing every
+    reason the checkpoint does not fit."""
+    for name, v, lo in (("loops", loops, 1), ("max_loops", max_loops, 1)):
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ConfigError(f"{name}={v!r} must be an integer >= {lo}")
+    c = read_hf_config(model_dir)
+    archs = c.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    if arch is None:
+        raise ModelFormatError(f"config.json has no architectures entry (one of {list(ARCHITECTURES)})")
+    if arch in NOT_BUILT:
+        raise ModelFormatError(f"{arch} ({NOT_BUILT[arch]}) import is not built yet; supported: "
+                               f"{list(ARCHITECTURES)}")
+    if arch not in ARCHITECTURES:
+        raise ModelFormatError(f"architecture {arch!r} is not supported; supported: {list(ARCHITECTURES)}")
+    problems: List[str] = []
+    notes: List[str] = []
+    fields = _config_fields(arch, c, problems, notes)
+    fields.update(_special_ids(model_dir, c, problems, notes))
+    if problems:
+        raise ModelFormatError(f"{arch} checkpoint {model_dir!r} does not fit the model family: "
+                               + "; ".join(problems))
+    N = c["num_hidden_layers"]
+    if isinstance(N, bool) or not isinstance(N, int) or N < 1:
+        raise ModelFormatError(f"num_hidden_layers={N!r} must be a positive integer")
+    a, b = _parse_layers(loop_layers, N, problems)
+    n_loop = b - a
+    if a + loops * n_loop > N:
+        raise ConfigError(f"loops={loops}: {loops} copies of layers {a}:{b} need layers up to "
+                          f"{a + loops * n_loop - 1}, the checkpoint has {N}")
+    post0 = a + loops * n_loop
+    try:
+        cfg = ModelConfig(n_pre=a, n_loop=n_loop, n_post=N - post0, default_loops=loops,
+                          max_loops=max(loops, max_loops or loops), **fields)
+    except ConfigError as e:
+        raise ModelFormatError(f"{arch} checkpoint {model_dir!r}: {e}") from None
+
+    layer_of = {("pre", i): i for i in range(a)}
+    layer_of.update({("loop", j): a + j for j in range(n_loop)})
+    layer_of.update({("post", i): post0 + i for i in range(N - post0)})
+    names: Dict[str, str] = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight"}
+    if not cfg.tied_embeddings:
+        names["head"] = "lm_head.weight"
+    for (part, i), layer in layer_of.items():
+        for t in block_tensors(cfg):
+            names[f"{part}.{i}.{t}"] = _LAYER.format(i=layer) + _BLOCK_MAP[t]
+    tied = [(_LAYER.format(i=a + k * n_loop + j) + _BLOCK_MAP[t], _LAYER.format(i=a + j) + _BLOCK_MAP[t])
+            for k in range(1, loops) for j in range(n_loop) for t in block_tensors(cfg)]
+
+    shapes = required_tensors(cfg)
+    used = set(names.values()) | {copy for copy, _ in tied}
+    missing = sorted(n for n in used if n not in index)
+    if missing:
+        problems.append(f"missing tensor(s): {_short(missing)}")
+    skipped = [n for n in index if n not in used and n.endswith(_IGNORED_SUFFIXES)]
+    tied_head = [n for n in index if n == "lm_head.weight" and cfg.tied_embeddings]
+    unexpected = sorted(n for n in index if n not in used and n not in skipped and n not in tied_head)
+    if unexpected:
+        problems.append(f"unexpected tensor(s): {_short(unexpected)}")
+    if tied_head:
+        notes.append("lm_head.weight is stored but tie_word_embeddings=true: the embedding is the head")
+    for logical, hf in names.items():
+        info = index.get(hf)
+        if info is not None and tuple(info.shape) != tuple(shapes[logical]):
+            problems.append(f"{hf}: shape {tuple(info.shape)}, the config implies {tuple(shapes[logical])}")
+    for copy, first in tied:
+        ci, fi = index.get(copy), index.get(first)
+        if ci is not None and fi is not None and (tuple(ci.shape), ci.dtype) != (tuple(fi.shape), fi.dtype):
+            problems.append(f"{copy} cannot be a copy of {first} (shape/dtype differ)")
+    if problems:
+        raise ModelFormatError(f"{arch} checkpoint {model_dir!r} does not fit the model family: "
+                               + "; ".join(problems))
+    return HFPlan(config=cfg, names=names, architecture=arch, tied_copies=tied, notes=notes)
+
+
+def _short(names: List[str], limit: int = 12) -> str:
+    s = ", ".join(names[:limit])
+    return s + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def find_tokenizer(model_dir: str):
+    """The tokenizer files of a model directory: 'tokenizer.json' (preferred), the GPT-2
+    vocab.json + merges.txt pair, or None."""
+    if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+        return "tokenizer.json"
+    if all(os.path.isfile(os.path.join(model_dir, f)) for f in ("vocab.json", "merges.txt")):
+        return "vocab.json"
+    return None
