@@ -354,6 +354,12 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
             for i, blk in enumerate(getattr(weights, part)):
                 for attr, _ in FUSED_WEIGHTS:
                     setattr(blk, attr, fused.get((part, i, attr)))
+                if blk.bq is not None and blk.wqkv is not None:   # the qkv epilogue's biases
+                    blk.bqkv = CUDAWeight(self._to_device(np.concatenate(
+                        [np.asarray(t[f"{part}.{i}.{n}"], np.float32) for n in ("bq", "bk", "bv")])))
+                    nbytes += blk.bqkv.nbytes
+        self.stream.synchronize()
+        weights.nbytes = nbytes
         return weights
 
     @staticmethod
@@ -963,23 +969,25 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
     def attn_half(self, ws: Workspace, b, cache: CUDACache, layer: int, pos, T: int) -> None:
         """norm+q|k|v matmul with the RoPE + KV-append epilogue (rotated q -> ws.q), attention,
         wo (+= x): 3 launches; for a quantized codec the epilogue stages k and v in ws.k / ws.v
-        and kv_store encodes them (4 launches). A block without a concatenated wqkv, or with q/k/v
-        biases (added before RoPE, so not in the RoPE epilogue), takes three norm-fused matmuls,
-        the bias adds and rope_kv_append instead."""
+        and kv_store encodes them (4 launches); q/k/v biases (a concatenated bqkv) are added in
+        the epilogue before RoPE. A block without a concatenated wqkv takes three norm-fused
+        matmuls, the bias adds and rope_kv_append instead."""
         if not self.fuse:
             return super().attn_half(ws, b, cache, layer, pos, T)
         wqkv = getattr(b, "wqkv", None)
-        if wqkv is not None and b.bq is None:
+        bqkv = getattr(b, "bqkv", None)
+        if wqkv is not None and (b.bq is None or bqkv is not None):
             p, depth, path = self._tables(pos, cache)
             g, local = cache.group(layer)
+            bias = None if bqkv is None else bqkv.w
             if g.impl.quantized:
                 ep = k_rope.qkv_stage_epilogue(ws.q[:T], ws.k[:T], ws.v[:T], p, self.rope_table,
-                                               depth=depth, path=path)
+                                               depth=depth, path=path, bias=bias)
                 self._norm_matmul(ws.x, b.attn_norm, wqkv, ws.q, T, ep)
                 self._kv_store(ws.k[:T], ws.v[:T], g, local, p, depth, path, cache.window)
             else:
                 ep = k_rope.qkv_epilogue(ws.q[:T], g.k.data, g.v.data, local, p, self.rope_table,
-                                         depth=depth, path=path, window=cache.window)
+                                         depth=depth, path=path, window=cache.window, bias=bias)
                 self._norm_matmul(ws.x, b.attn_norm, wqkv, ws.q, T, ep)
         else:
             for W, bias, out in ((b.wq, b.bq, ws.q), (b.wk, b.bk, ws.k), (b.wv, b.bv, ws.v)):

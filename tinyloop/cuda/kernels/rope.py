@@ -354,7 +354,7 @@ def _qkv_rows(ep, p, N):
 def _qkv_store(ep, q_out, t, p, va, vb, N):
     """Rotate a q pair into q_out, a k pair into the cache; store a v pair in the cache (the
     element placement and arithmetic of `_rope_kv_append_kernel`)."""
-    k_cache, v_cache, layer, pos, cs, depth, path, W = ep
+    k_cache, v_cache, layer, pos, cs, depth, path, W = ep[0], ep[1], ep[2], ep[3], ep[4], ep[5], ep[6], ep[7]
     half, hd, Hk, q_dim, kv_dim, n_rope = _qkv_dims(ep, N)
     H = q_dim // hd
     S = k_cache.shape[1]
@@ -380,19 +380,40 @@ def _qkv_store(ep, q_out, t, p, va, vb, N):
         v_cache[layer, slot, kh, d + 1] = vb
 
 
-def qkv_epilogue(q_out, k_cache, v_cache, layer, pos, cs, depth=None, path=None, window=0) -> Epilogue:
+@cuda.jit(device=True)
+def _qkv_bias_store(ep, q_out, t, p, va, vb, N):
+    """`_qkv_store` of the pair plus its q|k|v biases (ep[8]), added before the rotation."""
+    half, hd, Hk, q_dim, kv_dim, n_rope = _qkv_dims(ep, N)
+    na, nb = _pair_rows(p, half, hd, q_dim, kv_dim)
+    bias = ep[8]
+    _qkv_store(ep, q_out, t, p, va + bias[na], vb + bias[nb], N)
+
+
+def _check_bias(op, bias, n):
+    if bias is not None:
+        check_array(op, "bias", bias, np.float32, 1, (n,))
+    return bias
+
+
+def qkv_epilogue(q_out, k_cache, v_cache, layer, pos, cs, depth=None, path=None, window=0,
+                 bias=None) -> Epilogue:
     """RoPE + KV append as the epilogue of the fused q|k|v matmul (``matmul(q_out, x, wqkv, ...,
     epilogue=qkv_epilogue(...))``, weight rows q | k | v, N = q_dim + 2 kv_dim): the rotated q
     rows go to `q_out` (T, q_dim), the rotated k and the v rows to cache layer `layer` at the
     rows' slots (causal, or the tree layout of `depth` / `path`, or a ring when `window` > 0),
     exactly as the matmul into a (T, N) buffer followed by `rope_kv_append_qkv` (which also
     leaves the rotated k in the buffer; here there is no buffer). The matmul pairs rows
-    (i, i + half) of every q and k head so one warp holds both members of a rotation pair."""
+    (i, i + half) of every q and k head so one warp holds both members of a rotation pair.
+    `bias` (float32 (N,), the q | k | v biases) is added to each projected value before RoPE,
+    as the matmul, `bias.add_bias` and the unfused RoPE would."""
     T, q_dim, kv_dim, layer, depth, path, window = _check_qkv("qkv_epilogue", q_out, k_cache, v_cache,
                                                               layer, pos, cs, depth, path, window)
-    proto = _QKV_EPILOGUES[np.dtype(k_cache.dtype).name]
-    return proto._replace(args=(k_cache, v_cache, np.int64(layer), pos, cs, depth, path, np.int64(window)),
-                          n_rows=q_dim + 2 * kv_dim, out_cols=q_dim, t_rows=T)
+    args = (k_cache, v_cache, np.int64(layer), pos, cs, depth, path, np.int64(window))
+    ct = np.dtype(k_cache.dtype).name
+    if _check_bias("qkv_epilogue", bias, q_dim + 2 * kv_dim) is not None:
+        return _QKV_BIAS_EPILOGUES[ct]._replace(args=args + (bias,), n_rows=q_dim + 2 * kv_dim,
+                                                out_cols=q_dim, t_rows=T)
+    return _QKV_EPILOGUES[ct]._replace(args=args, n_rows=q_dim + 2 * kv_dim, out_cols=q_dim, t_rows=T)
 
 
 @cuda.jit(device=True)
@@ -415,7 +436,7 @@ def _stage_rows(ep, p, N):
 def _stage_store(ep, q_out, t, p, va, vb, N):
     """Rotate a q pair into q_out and a k pair into k_stage; store a v pair in v_stage (the
     rotation of `_qkv_store`, float32 rows for kv_store)."""
-    k_stage, v_stage, pos, cs, depth, path = ep
+    k_stage, v_stage, pos, cs, depth, path = ep[0], ep[1], ep[2], ep[3], ep[4], ep[5]
     half, hd, q_dim, kv_dim, n_rope = _stage_dims(ep, N)
     H = q_dim // hd
     pp, _ = row_place(t, pos[0], depth, path)
@@ -437,13 +458,22 @@ def _stage_store(ep, q_out, t, p, va, vb, N):
         v_stage[t, e + 1] = vb
 
 
-def qkv_stage_epilogue(q_out, k_stage, v_stage, pos, cs, depth=None, path=None) -> Epilogue:
+@cuda.jit(device=True)
+def _stage_bias_store(ep, q_out, t, p, va, vb, N):
+    """`_stage_store` of the pair plus its q|k|v biases (ep[6]), added before the rotation."""
+    half, hd, q_dim, kv_dim, n_rope = _stage_dims(ep, N)
+    na, nb = _pair_rows(p, half, hd, q_dim, kv_dim)
+    bias = ep[6]
+    _stage_store(ep, q_out, t, p, va + bias[na], vb + bias[nb], N)
+
+
+def qkv_stage_epilogue(q_out, k_stage, v_stage, pos, cs, depth=None, path=None, bias=None) -> Epilogue:
     """RoPE as the epilogue of the fused q|k|v matmul for a quantized KV codec: the rotated q rows
     go to `q_out` (T, q_dim), the rotated k rows to `k_stage` and the v rows to `v_stage`
     (T, kv_dim) float32, at the rows' positions (causal or the tree layout) — the values
     `rope` leaves in separate q / k buffers; kv_store then quantizes the staged rows into the
     cache (a row's scale needs all its head_dim values, which no single warp of the matmul
-    holds)."""
+    holds). `bias` as in `qkv_epilogue`."""
     op = "qkv_stage_epilogue"
     T, hd, _ = _check_common(op, q_out, q_out, pos, cs)
     check_array(op, "k_stage", k_stage, np.float32, 2, (T, None))
@@ -452,29 +482,38 @@ def qkv_stage_epilogue(q_out, k_stage, v_stage, pos, cs, depth=None, path=None) 
         raise BackendError(f"{op}: k_stage width {kv_dim} is not a positive multiple of head_dim={hd}")
     check_array(op, "v_stage", v_stage, np.float32, 2, (T, kv_dim))
     depth, path = check_tree(op, depth, path, T)
-    return _STAGE_EPILOGUE._replace(args=(k_stage, v_stage, pos, cs, depth, path),
-                                    n_rows=q_out.shape[1] + 2 * kv_dim, out_cols=q_out.shape[1], t_rows=T)
+    n = q_out.shape[1] + 2 * kv_dim
+    args = (k_stage, v_stage, pos, cs, depth, path)
+    if _check_bias(op, bias, n) is not None:
+        return _STAGE_BIAS_EPILOGUE._replace(args=args + (bias,), n_rows=n, out_cols=q_out.shape[1], t_rows=T)
+    return _STAGE_EPILOGUE._replace(args=args, n_rows=n, out_cols=q_out.shape[1], t_rows=T)
 
 
-def _qkv_proto(ct):
+def _qkv_proto(ct, bias=False):
     c = f"{ct}[:, :, :, ::1]"
-    return Epilogue(f"qkv_{ct}", _qkv_rows, _qkv_store, (), 0, 0,
+    b = ", float32[::1]" if bias else ""
+    return Epilogue(f"qkv_{ct}" + ("_bias" if bias else ""), _qkv_rows,
+                    _qkv_bias_store if bias else _qkv_store, (), 0, 0,
                     f"Tuple(({c}, {c}, int64, int32[::1], float32[:, :, ::1], int32[::1], int32[:, ::1], "
-                    f"int64))")
+                    f"int64{b}))")
 
 
-#: The qkv epilogue per cache dtype without arrays or sizes; `qkv_epilogue` fills them in.
+_STAGE_SIG = "float32[:, ::1], float32[:, ::1], int32[::1], float32[:, :, ::1], int32[::1], int32[:, ::1]"
+#: The qkv epilogue per cache dtype without arrays or sizes; `qkv_epilogue` fills them in (the
+#: _bias variants carry the q|k|v biases as a last argument).
 _QKV_EPILOGUES = {ct: _qkv_proto(ct) for ct in ("float16", "float32")}
+_QKV_BIAS_EPILOGUES = {ct: _qkv_proto(ct, bias=True) for ct in ("float16", "float32")}
 #: The staging epilogue without arrays or sizes; `qkv_stage_epilogue` fills them in.
-_STAGE_EPILOGUE = Epilogue("qkv_stage", _stage_rows, _stage_store, (), 0, 0,
-                           "Tuple((float32[:, ::1], float32[:, ::1], int32[::1], float32[:, :, ::1], "
-                           "int32[::1], int32[:, ::1]))")
+_STAGE_EPILOGUE = Epilogue("qkv_stage", _stage_rows, _stage_store, (), 0, 0, f"Tuple(({_STAGE_SIG}))")
+_STAGE_BIAS_EPILOGUE = Epilogue("qkv_stage_bias", _stage_rows, _stage_bias_store, (), 0, 0,
+                                f"Tuple(({_STAGE_SIG}, float32[::1]))")
 
 
 def ptx_epilogues():
-    """The qkv epilogues (each cache dtype's and the staging one) without arrays (their `sig`
-    only), for PTX tests of the matmul variants that carry them."""
-    return list(_QKV_EPILOGUES.values()) + [_STAGE_EPILOGUE]
+    """The qkv epilogues (each cache dtype's and the staging one, with and without biases)
+    without arrays (their `sig` only), for PTX tests of the matmul variants that carry them."""
+    return (list(_QKV_EPILOGUES.values()) + list(_QKV_BIAS_EPILOGUES.values())
+            + [_STAGE_EPILOGUE, _STAGE_BIAS_EPILOGUE])
 
 
 def ptx_signatures():
