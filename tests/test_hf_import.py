@@ -244,3 +244,44 @@ def test_cli(checkpoints, tmp_path):
     assert r.returncode == 2 and "either --hf DIR or --checkpoint" in r.stderr
     r = subprocess.run(run + ["--hf", str(tmp_path / "nope"), "-o", out], capture_output=True, text=True)
     assert r.returncode == 2 and "error:" in r.stderr
+
+
+def test_modes_run_on_a_converted_looped_model(tmp_path):
+    """A Qwen2 checkpoint whose layers 1, 2 are stored twice, converted at q4 to a two-layer loop:
+    every cache mode, chain and tree speculation, warm start, prefix reuse and early exit run on
+    it, and the exact ones give plain greedy decoding's tokens."""
+    m = _make("qwen2", seed=9, num_hidden_layers=5)
+    with torch.no_grad():
+        for j in (1, 2):
+            m.model.layers[j + 2].load_state_dict(m.model.layers[j].state_dict())
+    src = _save(m, tmp_path / "looped")
+    path = _convert(src, tmp_path, quant="q4", group_size=32, loop_layers="1:3", loops=2, max_loops=4)
+    model = tl.load_model(path, backend="cpu", max_seq_len=96)
+    try:
+        assert (model.cfg.n_pre, model.cfg.n_loop, model.cfg.n_post, model.cfg.qkv_bias) == (1, 2, 0, True)
+        plain = tl.generate(model, PROMPT, tl.GenerateConfig(max_tokens=12, loops=4))
+        for mode in ("fp32", "fp16", "int8", "int4"):
+            out = tl.generate(model, PROMPT, tl.GenerateConfig(max_tokens=12, loops=4, cache_mode=mode))
+            assert len(out) == len(PROMPT) + 12
+        spec = tl.SpeculativeConfig(max_tokens=12, draft_loops=2, verify_loops=4, draft_ahead=3)
+        assert tl.generate_speculative(model, PROMPT, spec) == plain
+        tree = tl.TreeSpeculativeConfig(max_tokens=12, draft_loops=2, verify_loops=4)
+        assert tl.generate_tree_speculative(model, PROMPT, tree) == plain
+        handle = tl.build_resume_handle(model, PROMPT, 2)
+        try:
+            assert tl.resume_generate(handle, 4, tl.GenerateConfig(max_tokens=12)) == plain
+        finally:
+            tl.free_resume_handle(handle)
+        pc = tl.build_prefix_cache(model, PROMPT[:8], loops=4)
+        try:
+            got = tl.generate_from_prefix_cache(model, pc, PROMPT[8:], tl.GenerateConfig(max_tokens=12, loops=4))
+            assert got == plain
+        finally:
+            tl.free_prefix_cache(pc)
+        st = tl.GenerateStats()
+        ee = tl.GenerateConfig(max_tokens=12, loops=4, early_exit_patience=1, early_exit_min_L=1,
+                               early_exit_criterion="hidden_l2", early_exit_threshold=0.5)
+        out = tl.generate(model, PROMPT, ee, stats=st)
+        assert len(out) == len(PROMPT) + 12 and 1 <= st.loops_used <= 4 and len(st.token_loops) == 12
+    finally:
+        tl.free_model(model)

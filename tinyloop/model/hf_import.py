@@ -102,6 +102,9 @@ def _rope_theta(c: dict, problems: List[str]) -> float:
     rp = c.get("rope_parameters")
     scaling = c.get("rope_scaling")
     theta = c.get("rope_theta")
+    for key, v in (("rope_parameters", rp), ("rope_scaling", scaling)):
+        if v is not None and not isinstance(v, dict):
+            problems.append(f"{key}={v!r} must be null or an object")
     if isinstance(rp, dict):
         kind = rp.get("rope_type", rp.get("type", "default"))
         if kind not in ("default", None):
@@ -119,7 +122,9 @@ def _rope_theta(c: dict, problems: List[str]) -> float:
 
 def _sliding_window(arch: str, c: dict, n_layers: int, problems: List[str]) -> int:
     types = c.get("layer_types")
-    if isinstance(types, list) and types:
+    if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
+        problems.append(f"layer_types={types!r} must be a list of layer type names")
+    elif isinstance(types, list) and types:
         kinds = set(types)
         if kinds - {"full_attention", "sliding_attention"}:
             problems.append(f"layer_types holds {sorted(kinds)}: only full_attention and "
@@ -165,6 +170,9 @@ def _config_fields(arch: str, c: dict, problems: List[str], notes: List[str]) ->
             problems.append("mlp_bias=true: the family's MLP has no biases")
     if c.get("pretraining_tp", 1) not in (1, None):
         notes.append(f"pretraining_tp={c['pretraining_tp']} is ignored (it only splits matmuls)")
+    for key in ("tie_word_embeddings", "use_sliding_window", "attention_bias", "mlp_bias"):
+        if c.get(key) is not None and not isinstance(c[key], bool):
+            problems.append(f"{key}={c[key]!r} must be true or false")
     heads = c["num_attention_heads"]
     fields = dict(
         vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_heads=heads,
