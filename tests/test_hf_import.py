@@ -12,6 +12,8 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -170,6 +172,8 @@ def test_tokenizer_json_is_embedded(tmp_path):
     text = "the loop exits"
     assert model.tokenizer.encode(text) == tok.encode(text).ids
     assert model.tokenizer.decode(tok.encode(text).ids) == text
+    info = tl.inspect(path)["tokenizer"]
+    assert (info["type"], info["model"], info["tokens"]) == ("hf", "BPE", tok.get_vocab_size())
     del tokenizers
 
 
@@ -283,5 +287,27 @@ def test_modes_run_on_a_converted_looped_model(tmp_path):
                                early_exit_criterion="hidden_l2", early_exit_threshold=0.5)
         out = tl.generate(model, PROMPT, ee, stats=st)
         assert len(out) == len(PROMPT) + 12 and 1 <= st.loops_used <= 4 and len(st.token_loops) == 12
+    finally:
+        tl.free_model(model)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(["llama", "qwen2", "mistral"]), heads=st.sampled_from([(2, 1), (4, 2), (4, 4), (8, 2)]),
+       head_dim=st.sampled_from([8, 16]), layers=st.integers(1, 3), tied=st.booleans(),
+       ff=st.sampled_from([32, 48]), seed=st.integers(0, 2 ** 16))
+def test_random_shapes_match_transformers(tmp_path, kind, heads, head_dim, layers, tied, ff, seed):
+    """Any head layout (GQA ratios, head_dim apart from hidden / heads), depth and tying: the
+    converted model's logits are transformers'."""
+    h, kvh = heads
+    m = _make(kind, seed=seed, hidden_size=32, num_attention_heads=h, num_key_value_heads=kvh,
+              head_dim=head_dim, num_hidden_layers=layers, tie_word_embeddings=tied, intermediate_size=ff)
+    src = _save(m, tmp_path / f"h{seed}_{kind}_{h}_{kvh}_{head_dim}_{layers}_{tied}_{ff}")
+    path = _convert(src, tmp_path, f"h{seed}_{kind}_{h}_{kvh}_{head_dim}_{layers}_{tied}_{ff}.tinyloop")
+    model = tl.load_model(path, backend="cpu", max_seq_len=32)
+    try:
+        ids = PROMPT[:10]
+        ref = _hf_logits(m, ids)
+        got = tl.score(model, ids, cache_mode="fp32")
+        assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
     finally:
         tl.free_model(model)

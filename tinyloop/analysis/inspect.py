@@ -39,6 +39,24 @@ def _part_of(name: str) -> str:
     return name.split(".", 1)[0] if "." in name else name
 
 
+def _hf_tokenizer_info(text) -> dict:
+    """Token count, id range and model type of an embedded tokenizer.json, read as JSON only (the
+    tokenizers library is not needed to inspect a file); what cannot be read is reported as such."""
+    import json
+    try:
+        d = json.loads(text)
+        model = d.get("model") or {}
+        vocab = model.get("vocab")
+        ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab or [])))
+        ids += [t.get("id") for t in d.get("added_tokens") or [] if isinstance(t, dict)]
+        ids = [i for i in ids if isinstance(i, int)]
+        return {"tokens": len(set(ids)), "vocab_size": (max(ids) + 1) if ids else 0,
+                "model": str(model.get("type")), "merges": len(model.get("merges") or []),
+                "json_bytes": len(text)}
+    except (TypeError, ValueError, AttributeError) as e:
+        return {"tokens": 0, "vocab_size": 0, "model": f"unreadable ({type(e).__name__})", "merges": 0}
+
+
 def inspect(path=None, max_seq_len: int = 2048, loops: Optional[int] = None, measure: bool = False,
             prefill_chunk: int = 0) -> dict:
     """Metadata, architecture, tensor-table summary, embedded tokenizer and memory estimates per
@@ -89,7 +107,9 @@ def inspect(path=None, max_seq_len: int = 2048, loops: Optional[int] = None, mea
     params = parameter_count(cfg)
 
     tok = h.tokenizer
-    if isinstance(tok, dict):
+    if isinstance(tok, dict) and tok.get("type") == "hf":
+        tok_info = {"embedded": True, "type": "hf", **_hf_tokenizer_info(tok.get("json"))}
+    elif isinstance(tok, dict):
         vocab = tok.get("vocab") if isinstance(tok.get("vocab"), dict) else {}
         ids = [i for i in vocab.values() if isinstance(i, int)]
         tok_info = {"embedded": True, "type": tok.get("type"), "tokens": len(vocab),

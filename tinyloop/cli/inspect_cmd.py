@@ -30,6 +30,12 @@ def _print_text(d: dict, out) -> None:
     w(f"  tied embeddings: {cfg['tied_embeddings']}, loop inject: {cfg['loop_inject']}, "
       f"rope_theta {cfg['rope_theta']:g}, norm_eps {cfg['norm_eps']:g}, "
       f"bos {cfg['bos_id']}, eos {cfg['eos_id']}")
+    extras = [name for name, on in (("qkv_bias", cfg.get("qkv_bias")),
+                                    (f"embed_scale {cfg.get('embed_scale', 1.0):g}", cfg.get("embed_scale", 1.0) != 1.0),
+                                    (f"sliding_window {cfg.get('sliding_window', 0)}", cfg.get("sliding_window", 0)))
+              if on]
+    if extras:
+        w("  family features: " + ", ".join(extras))
     parts = ", ".join(f"{k} {v:,}" for k, v in d["parameters_by_part"].items())
     w(f"parameters: {d['parameters']:,}  ({parts})")
     t = d["tensors"]
@@ -43,7 +49,10 @@ def _print_text(d: dict, out) -> None:
     for e in t["largest"]:
         w(f"    {e['name']:<24} {e['dtype']:<4} {str(tuple(e['shape'])):<16} {format_bytes(e['bytes'])}")
     tok = d["tokenizer"]
-    if tok["embedded"]:
+    if tok["embedded"] and tok["type"] == "hf":
+        w(f"tokenizer: embedded tokenizer.json ({tok['model']}), {tok['tokens']} tokens "
+          f"(ids < {tok['vocab_size']}), {tok['merges']} merges")
+    elif tok["embedded"]:
         w(f"tokenizer: embedded {tok['type']}, {tok['tokens']} tokens (ids < {tok['vocab_size']}), "
           f"{tok['merges']} merges")
     else:
