@@ -217,13 +217,8 @@ def parse_metadata(items: Optional[List[str]]) -> Dict[str, str]:
 
 
 def load_config(path: str) -> ModelConfig:
-    try:
-        with open(path, "r", encoding="utf-8") as f:
-            d = json.load(f)
-    except OSError as e:
-        raise ConfigError(f"cannot read config {path!r}: {e}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config {path!r} is not valid JSON: {e}") from None
+    from ..model.hf_import import read_json
+    d = read_json(path, "config", error=ConfigError)
     try:
         return ModelConfig.from_dict(d)
     except ConfigError as e:

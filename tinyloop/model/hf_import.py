@@ -63,16 +63,17 @@ class HFPlan:
     notes: List[str] = field(default_factory=list)
 
 
-def read_json(path: str, what: str) -> dict:
+def read_json(path: str, what: str, error=ModelFormatError) -> dict:
+    """A JSON object from `path` (`what` names it in errors, raised as `error`)."""
     try:
         with open(path, "r", encoding="utf-8") as f:
             d = json.load(f)
     except OSError as e:
-        raise ModelFormatError(f"cannot read {what} {path!r}: {e}") from None
+        raise error(f"cannot read {what} {path!r}: {e}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelFormatError(f"{what} {path!r} is not valid JSON: {e}") from None
+        raise error(f"{what} {path!r} is not valid JSON: {e}") from None
     if not isinstance(d, dict):
-        raise ModelFormatError(f"{what} {path!r} is not a JSON object")
+        raise error(f"{what} {path!r} is not a JSON object")
     return d
 
 
