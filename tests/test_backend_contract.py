@@ -135,3 +135,19 @@ def test_tree_decoder_falls_back_to_the_chain(plugin, tiny_path, prompt):
             assert out == ref and st.decoder == ran and st.verify_forwards > 0
         finally:
             tl.free_model(m)
+
+
+def test_a_model_with_biases_needs_add_bias(tmp_path, monkeypatch):
+    """A backend without the add_bias op is refused at load for a qkv_bias model (named), before
+    its weights are loaded; the same backend loads the model once it has the op."""
+    from conftest import write_tiny
+    from tinyloop.runtime.backend import Backend
+    path = tmp_path / "bias.tinyloop"
+    write_tiny(path, qkv_bias=True)
+    monkeypatch.setattr(CPUBackend, "add_bias", Backend.add_bias)
+    with pytest.raises(tl.BackendError, match="qkv_bias.*add_bias"):
+        tl.load_model(str(path), backend="cpu", max_seq_len=32)
+    monkeypatch.undo()
+    m = tl.load_model(str(path), backend="cpu", max_seq_len=32)
+    assert len(tl.generate(m, [1, 2, 3], tl.GenerateConfig(max_tokens=3))) == 6
+    tl.free_model(m)

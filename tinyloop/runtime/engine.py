@@ -96,6 +96,9 @@ class Model:
             if tokenizer is not None:
                 self._tokenizer = self._resolve_tokenizer(tokenizer)
             self.backend: Backend = backend_cls(self.cfg, max_seq_len)
+            if self.cfg.qkv_bias and type(self.backend).add_bias is Backend.add_bias:
+                raise BackendError(f"the model has q/k/v biases (qkv_bias) and the {self.backend.name} "
+                                   f"backend has no add_bias op to apply them")
             self.weights = self.backend.load_weights(self.file)
             self.file.close()               # the backend holds copies (Backend.load_weights)
             rows = min(max_seq_len, prefill_chunk or DEFAULT_PREFILL_CHUNK)
