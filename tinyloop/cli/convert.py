@@ -282,12 +282,9 @@ def _embedded_tokenizer(t, cfg: ModelConfig, what: str) -> dict:
 
 def _check_shard_index(model_dir: str, index: Mapping[str, TensorInfo]) -> None:
     """A ``*.safetensors.index.json`` in the directory must agree with the shards found."""
+    from ..model.hf_import import read_json
     for path in glob.glob(os.path.join(model_dir, "*.safetensors.index.json")):
-        try:
-            with open(path, "r", encoding="utf-8") as f:
-                weight_map = json.load(f).get("weight_map")
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-            raise ModelFormatError(f"{path}: not a valid shard index: {e}") from None
+        weight_map = read_json(path, "shard index").get("weight_map")
         if not isinstance(weight_map, dict):
             raise ModelFormatError(f"{path}: has no weight_map object")
         absent = sorted(n for n in weight_map if n not in index)

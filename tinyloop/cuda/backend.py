@@ -339,10 +339,13 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
                     w = self._load_concatenated(t, quant, names, handles)
                     if w is not None:
                         fused[(part, i, attr)] = w
+                if cfg.qkv_bias:   # one float32 q|k|v vector (the qkv epilogue's), bq/bk/bv views of it
+                    fused[(part, i, "bqkv")] = self._load_bias_vector(t, [f"{part}.{i}.{n}" for n in
+                                                                          ("bq", "bk", "bv")], handles)
         for name, tq in quant.items():
             if name in handles:
                 continue
-            if name.endswith("norm") or not is_matrix(name):   # norms, biases: float32 vectors
+            if not is_matrix(name):        # norms (and biases): float32 vectors for the kernels
                 handles[name] = CUDAWeight(self._to_device(np.asarray(t[name], np.float32)))
             else:
                 handles[name] = CUDAWeight(*(self._to_device(a) for a in self._host_parts(t, name, tq)))
@@ -352,15 +355,20 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
         weights = ModelWeights.from_handles(self.cfg, handles, nbytes=nbytes)
         for part in ("pre", "loop", "post"):
             for i, blk in enumerate(getattr(weights, part)):
-                for attr, _ in FUSED_WEIGHTS:
+                for attr in [a for a, _ in FUSED_WEIGHTS] + ["bqkv"]:
                     setattr(blk, attr, fused.get((part, i, attr)))
-                if blk.bq is not None and blk.wqkv is not None:   # the qkv epilogue's biases
-                    blk.bqkv = CUDAWeight(self._to_device(np.concatenate(
-                        [np.asarray(t[f"{part}.{i}.{n}"], np.float32) for n in ("bq", "bk", "bv")])))
-                    nbytes += blk.bqkv.nbytes
-        self.stream.synchronize()
-        weights.nbytes = nbytes
         return weights
+
+    def _load_bias_vector(self, t, names, handles) -> CUDAWeight:
+        """Upload the bias vectors `names` concatenated as float32, and put views of the result
+        into `handles` under each name."""
+        parts = [np.asarray(t[n], np.float32) for n in names]
+        whole = CUDAWeight(self._to_device(np.concatenate(parts)))
+        r0 = 0
+        for n, p in zip(names, parts):
+            handles[n] = CUDAWeight(whole.w[r0:r0 + p.shape[0]], owner=whole)
+            r0 += p.shape[0]
+        return whole
 
     @staticmethod
     def _host_parts(t, name, tq) -> tuple:
@@ -975,10 +983,10 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
         if not self.fuse:
             return super().attn_half(ws, b, cache, layer, pos, T)
         wqkv = getattr(b, "wqkv", None)
-        bqkv = getattr(b, "bqkv", None)
-        if wqkv is not None and (b.bq is None or bqkv is not None):
+        if wqkv is not None:
             p, depth, path = self._tables(pos, cache)
             g, local = cache.group(layer)
+            bqkv = getattr(b, "bqkv", None)
             bias = None if bqkv is None else bqkv.w
             if g.impl.quantized:
                 ep = k_rope.qkv_stage_epilogue(ws.q[:T], ws.k[:T], ws.v[:T], p, self.rope_table,
