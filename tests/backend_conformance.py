@@ -1280,6 +1280,42 @@ def test_family_extensions_forward_matches_reference(family_rig, ring, conforman
     assert_bits(r.embed(ids[:2]), r.W["embed"][ids[:2]] * np.float32(r.cfg.embed_scale), "scaled embed")
 
 
+#: The looped layouts' block and loop features (Huginn-0125's, Ouro's), each on a small model.
+LOOPED_LAYOUTS = {
+    "huginn": dict(block_norm="sandwich", loop_inject="adapter", loop_init="zeros", loop_norm="after",
+                   embed_scale=2.0, qkv_bias=True),
+    "ouro": dict(block_norm="sublayer", loop_norm="every", head_norm=False, n_pre=0, n_post=0),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(LOOPED_LAYOUTS))
+def layout_rig(request, backend_factory, conformance_dims, tmp_path_factory):
+    path = tmp_path_factory.mktemp("conformance") / f"{request.param}.tinyloop"
+    write_model_file(path, {**conformance_dims, **LOOPED_LAYOUTS[request.param]}, "q4", 16, seed=17)
+    r = Rig(backend_factory, path, max_seq_len=64)
+    yield r
+    r.close()
+
+
+def test_looped_layouts_forward_matches_reference(layout_rig, conformance_quick):
+    """Sandwich / sublayer-output block norms, the loop-input adapter with a zero initial state,
+    the after-loop and every-iteration loop norms and a head without a norm, through the forward
+    against reference_logits at two depths: prefill, then one-row steps."""
+    r = layout_rig
+    n, depths = (4, (2,)) if conformance_quick else (7, (1, 3))
+    ids = _ids(r, n, 190)
+    for loops in depths:
+        cache = r.be.alloc_cache(build_spec(r.cfg, loops, mode_of("fp32"), SlotMap(16)))
+        try:
+            got = np.concatenate([_forward(r, cache, ids[:3], 0, loops)]
+                                 + [_forward(r, cache, [ids[t]], t, loops) for t in range(3, n)])
+        finally:
+            r.be.release_cache(cache)
+        ref = reference_logits(r.cfg, r.W, ids, loops)
+        for t in range(n):
+            assert_close(got[t], ref[t], TOL["forward_fp32"], f"{r.cfg.block_norm} forward logits, L={loops}, row {t}")
+
+
 @pytest.mark.parametrize("codec", ["fp32", "int4"])
 def test_forward_batch_invariant(fwd_rig, codec, conformance_quick):
     """Prefill in one launch == in chunks == token by token, bit for bit (logits)."""

@@ -180,7 +180,12 @@ class LoopedLM(nn.Module):
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
             raise ConfigError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
         unsupported = [f for f, on in (("qkv_bias", config.qkv_bias), ("embed_scale", config.embed_scale != 1.0),
-                                       ("sliding_window", config.sliding_window > 0)) if on]
+                                       ("sliding_window", config.sliding_window > 0),
+                                       ("block_norm", config.block_norm != "pre"),
+                                       ("loop_inject adapter", config.loop_inject == "adapter"),
+                                       ("loop_init", config.loop_init != "pre"),
+                                       ("loop_norm", config.loop_norm != "none"),
+                                       ("head_norm false", not config.head_norm)) if on]
         if unsupported:
             raise ConfigError(f"the PyTorch twin does not implement {unsupported} (the model family's "
                               f"optional features); the float64 oracle and both backends do")

@@ -114,7 +114,7 @@ def estimate_memory(source, max_seq_len: int, loops: Optional[int] = None,
     kv = int(math.ceil(batch * n_layers * slots * 2 * cfg.kv_dim * kvb))
     if scratch is None:         # a backend that does not describe its workspace: the generic formula
         row = cfg.d_model + cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.d_ff
-        if cfg.loop_inject == "add":
+        if cfg.keeps_loop_input:
             row += cfg.d_model
         scratch = ACTIVATION_BYTES * (rows * row + cfg.vocab_size)
     return {

@@ -147,8 +147,9 @@ class CheckpointWeights(Mapping):
     """Lazy {logical name: float32 array} over an indexed checkpoint. Loading a tensor with a
     non-finite value raises ModelFormatError (and records it in ``.error``)."""
 
-    def __init__(self, index: Mapping[str, TensorInfo], names) -> None:
+    def __init__(self, index: Mapping[str, TensorInfo], names, derived=None) -> None:
         self.index = index
+        self.derived = dict(derived or {})   # logical name -> (TensorInfo or None, fn)
         self.names = list(names)
         self._nameset = frozenset(self.names)
         self.error: Optional[Exception] = None
@@ -165,7 +166,15 @@ class CheckpointWeights(Mapping):
         return h
 
     def load(self, name: str) -> np.ndarray:
-        info = self.index[name]
+        if name in self.derived:
+            info, fn = self.derived[name]
+            a = fn(None if info is None else self._read(info, name))
+            return np.ascontiguousarray(a, dtype=np.float32)
+        return self._read(self.index[name], name)
+
+    def _read(self, info: TensorInfo, name: str) -> np.ndarray:
+        """The float32 array of checkpoint tensor `info` (ModelFormatError when unreadable or
+        not finite; `name` is the logical tensor it is read for)."""
         if info.dtype == "BF16":
             count = (info.end - info.start) // 2
             u = np.fromfile(info.file, dtype="<u2", count=count, offset=info.start)
@@ -241,7 +250,7 @@ def convert(checkpoint: str, config: str, output: str, *, quant: str = "q4",
                   metadata, {})
 
 
-def convert_hf(model_dir: str, output: str, *, loop_layers=None, loops: int = 1,
+def convert_hf(model_dir: str, output: str, *, loop_layers=None, loops: Optional[int] = None,
                max_loops: Optional[int] = None, quant: str = "q4", group_size: int = 128,
                embed_quant: Optional[str] = None, head_quant: Optional[str] = None,
                tokenizer_dir: Optional[str] = None, metadata: Optional[Dict[str, str]] = None) -> dict:
@@ -267,10 +276,12 @@ def convert_hf(model_dir: str, output: str, *, loop_layers=None, loops: int = 1,
     for copy, first in plan.tied_copies:
         _check_same_bytes(index[copy], index[first])
     logical = {name: index[hf] for name, hf in plan.names.items()}
+    derived = {name: (None if src is None else index[src], fn) for name, (src, fn) in plan.derived.items()}
     meta = {"source_architecture": plan.architecture}
     meta.update(metadata or {})
     return _write(cfg, logical, model_dir, output, quant, group_size, embed_quant, head_quant, tok,
-                  meta, {"architecture": plan.architecture, "notes": plan.notes})
+                  meta, {"architecture": plan.architecture, "notes": plan.notes}, derived,
+                  tensors=len(index))
 
 
 def _embedded_tokenizer(t, cfg: ModelConfig, what: str) -> dict:
@@ -308,8 +319,10 @@ def _check_same_bytes(a: TensorInfo, b: TensorInfo) -> None:
 
 
 def _write(cfg: ModelConfig, index: Mapping[str, TensorInfo], checkpoint: str, output: str,
-           quant: str, group_size: int, embed_quant, head_quant, tok, metadata, extra: dict) -> dict:
-    """Write `cfg` with the tensors of `index` (logical name -> TensorInfo) to `output` through a
+           quant: str, group_size: int, embed_quant, head_quant, tok, metadata, extra: dict,
+           derived=None, tensors: Optional[int] = None) -> dict:
+    """Write `cfg` with the tensors of `index` (logical name -> TensorInfo) and `derived`
+    (logical name -> (TensorInfo or None, function of its array)) to `output` through a
     temporary file, re-read and verify it; returns the summary."""
     from ..model.format import open_model, write_model
 
@@ -322,7 +335,7 @@ def _write(cfg: ModelConfig, index: Mapping[str, TensorInfo], checkpoint: str, o
         raise ConfigError("the output path is the checkpoint itself")
     d, base = os.path.split(out_abs)
     tmp = os.path.join(d, f".{base}.{os.getpid()}.partial")
-    weights = CheckpointWeights(index, required_tensors(cfg))
+    weights = CheckpointWeights(index, required_tensors(cfg), derived)
     try:
         try:
             write_model(tmp, cfg, weights, quant=tq, tokenizer=tok, metadata=meta)
@@ -336,7 +349,7 @@ def _write(cfg: ModelConfig, index: Mapping[str, TensorInfo], checkpoint: str, o
         if os.path.exists(tmp):
             os.unlink(tmp)
     summary.update(output=output, file_size=os.path.getsize(out_abs),
-                   checkpoint=checkpoint, tensors=len(index), **extra)
+                   checkpoint=checkpoint, tensors=len(index) if tensors is None else tensors, **extra)
     return summary
 
 
@@ -393,9 +406,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="model config JSON (keys = ModelConfig fields)")
     p.add_argument("--loop-layers", default=None, metavar="A:B",
                    help="with --hf: layers A..B-1 are the shared loop block (default: the last layer, run once)")
-    p.add_argument("--loops", type=int, default=1,
-                   help="with --hf: the checkpoint stores the loop block this many times in a row "
-                        "(weight-tied copies, checked); the default depth (default 1)")
+    p.add_argument("--loops", type=int, default=None,
+                   help="with --hf: the default depth; for a Llama-family checkpoint also how many "
+                        "times in a row it stores the loop block (weight-tied copies, checked; "
+                        "default 1); Huginn / Ouro: default their mean_recurrence / total_ut_steps")
     p.add_argument("--max-loops", type=int, default=None,
                    help="with --hf: the deepest loop count a request may ask for (default: --loops)")
     p.add_argument("-o", "--output", required=True, help="output .tinyloop file")

@@ -325,6 +325,9 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
     def copy(self, dst, src, T: int) -> None:
         dst[:T] = src[:T]
 
+    def zero(self, x, T: int) -> None:
+        x[:T] = 0.0
+
     def read_argmax(self, ws: Workspace) -> int:
         return int(ops.argmax(ws.logits[0]))
 

@@ -968,6 +968,9 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
     def copy(self, dst, src, T: int) -> None:
         dst[:T].copy_to_device(src[:T], stream=self.stream)
 
+    def zero(self, x, T: int) -> None:
+        self._memset0(x[:T])
+
     # ------------------------------------------------------------------ fused composites
     def _norm_matmul(self, x, norm, W, out, T: int, epilogue=None) -> None:
         """out[:T] = (rmsnorm(x[:T]) * norm) @ W^T in one launch (stored through `epilogue`)."""
@@ -1004,7 +1007,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
                     self.add_bias(out, bias, T)
             self.rope_kv_append(ws.q, ws.k, ws.v, cache, layer, pos, T)
         self.attention(ws.q, cache, layer, pos, T, ws.att)
-        self.matmul(ws.att, b.wo, ws.x, T, accumulate=True)
+        self.sublayer_out(ws, ws.att, b.wo, b.attn_out_norm, T)
 
     def mlp_half(self, ws: Workspace, b, T: int) -> None:
         """norm+gate|up matmul with the SwiGLU epilogue (-> ws.g), down (+= x): 2 launches. A block
@@ -1018,10 +1021,10 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
             self._norm_matmul(ws.x, b.mlp_norm, b.w_gate, ws.g, T)
             self._norm_matmul(ws.x, b.mlp_norm, b.w_up, ws.u, T)
             self.swiglu(ws.g, ws.u, ws.g, T)
-        self.matmul(ws.g, b.w_down, ws.x, T, accumulate=True)
+        self.sublayer_out(ws, ws.g, b.w_down, b.mlp_out_norm, T)
 
     def final_logits(self, ws: Workspace, w: ModelWeights, row0: int, T: int) -> None:
         """The final norm fused into the head matmul (one launch)."""
-        if not self.fuse:
+        if not self.fuse or w.final_norm is None:
             return super().final_logits(ws, w, row0, T)
         self._norm_matmul(self.rows(ws.x, row0), w.final_norm, w.head, ws.logits, T)

@@ -5,17 +5,31 @@ Family (see docs/ARCHITECTURE.md)::
 
     x = embed(ids) * embed_scale                    # (T, d_model)
     for b in pre blocks:   x = b(x)                 # n_pre distinct blocks
-    e = x if loop_inject == "add" else None         # residual entering the loop
+    e = x                                           # the loop input (kept when loop_inject != none)
+    if loop_init == "zeros": x = 0                  # the loop's initial state
     for i in range(L):                              # L = loops, 1..max_loops
-        if e is not None and i > 0: x = x + e       # optional input injection
+        if loop_inject == "add" and i > 0: x = x + e                  # input injection
+        if loop_inject == "adapter": x = Ax @ x + Ae @ e              # = A @ [x; e] (Huginn)
         for b in loop blocks: x = b(x)              # n_loop shared layers, reused L times
+        if loop_norm == "every": x = rmsnorm(x, loop_norm)            # (Ouro: every step ends normed)
+    if loop_norm == "after": x = rmsnorm(x, loop_norm)                # (Huginn: once, after the loop)
     for b in post blocks:  x = b(x)                 # n_post distinct blocks
-    logits = head(rmsnorm(x, final_norm))           # head = embed when tied_embeddings
-
-    block(x): x = x + Wo @ attn(rope(Wq @ n1(x) + bq), rope(Wk @ n1(x) + bk), Wv @ n1(x) + bv)
-              x = x + Wd @ (silu(Wg @ n2(x)) * (Wu @ n2(x)))                      # SwiGLU
+    logits = head(rmsnorm(x, final_norm))           # head = embed when tied_embeddings;
+                                                    # head(x) when head_norm is false
+    block(x), block_norm "pre" (Llama):
+              x = x + attn(n1(x))
+              x = x + mlp(n2(x))
+    block_norm "sandwich" (Huginn): a norm after each residual add
+              x = n1o(x + attn(n1(x)))
+              x = n2o(x + mlp(n2(x)))
+    block_norm "sublayer" (Ouro): a norm on each sublayer's output before the add
+              x = x + n1o(attn(n1(x)))
+              x = x + n2o(mlp(n2(x)))
+    attn(h) = Wo @ attention(rope(Wq @ h + bq), rope(Wk @ h + bk), Wv @ h + bv)
+    mlp(h)  = Wd @ (silu(Wg @ h) * (Wu @ h))                                       # SwiGLU
     attn: GQA, causal; with sliding_window = W > 0 a position sees only the last W positions.
     bq, bk, bv: projection biases, present only when qkv_bias (zero otherwise).
+    n1 = attn_norm, n2 = mlp_norm, n1o = attn_out_norm, n2o = mlp_out_norm.
 
 Tensor names (weights are stored out_features x in_features, as y = W @ x):
 
@@ -29,7 +43,13 @@ Tensor names (weights are stored out_features x in_features, as y = W @ x):
     {part}.{i}.mlp_norm        (d_model,)
     {part}.{i}.w_gate / w_up   (d_ff, d_model)
     {part}.{i}.w_down          (d_model, d_ff)
-    final_norm                 (d_model,)
+    {part}.{i}.attn_out_norm   (d_model,)                 only when block_norm != "pre"
+    {part}.{i}.mlp_out_norm    (d_model,)                 only when block_norm != "pre"
+    loop_adapter_x / _e        (d_model, d_model)         only when loop_inject == "adapter"
+                                                          (A = [Ax | Ae], the state's columns first)
+    loop_norm                  (d_model,)                 only when loop_norm != "none"
+    exit_gate, exit_gate_bias  (d_model,), (1,)           only when exit_gate
+    final_norm                 (d_model,)                 absent when head_norm is false
     head                       (vocab_size, d_model)      absent when tied_embeddings
 
 with part in pre (i < n_pre), loop (i < n_loop), post (i < n_post).
@@ -56,8 +76,14 @@ MAX_LOOPS = 4096
 BLOCK_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 BLOCK_NORMS = ("attn_norm", "mlp_norm")
 BLOCK_BIASES = ("bq", "bk", "bv")
+BLOCK_OUT_NORMS = ("attn_out_norm", "mlp_out_norm")
 PARTS = ("pre", "loop", "post")
-LOOP_INJECT = ("none", "add")
+LOOP_INJECT = ("none", "add", "adapter")
+LOOP_INIT = ("pre", "zeros")
+LOOP_NORM = ("none", "after", "every")
+BLOCK_NORM = ("pre", "sandwich", "sublayer")
+#: Model-level matrices (quantizable) beside the blocks' own.
+MODEL_MATRICES = ("embed", "head", "loop_adapter_x", "loop_adapter_e")
 
 
 def _check_int(name: str, value, lo: int, hi: int) -> None:
@@ -100,7 +126,10 @@ class ModelConfig:
     tied_embeddings: bool = False
     """When true there is no `head` tensor: logits use `embed`."""
     loop_inject: str = "none"
-    """"add": the residual entering the loop is added back before every loop iteration after the first."""
+    """"add": the residual entering the loop is added back before every loop iteration after the
+    first. "adapter": before every iteration (the first too) the state becomes
+    A @ [state; loop input] with the learned (d_model, 2 d_model) adapter A, stored as its two
+    square halves loop_adapter_x (the state's columns) and loop_adapter_e (Huginn's injection)."""
     bos_id: Optional[int] = None
     """Beginning-of-sequence id, if the model has one."""
     eos_id: Optional[int] = None
@@ -115,6 +144,27 @@ class ModelConfig:
     """Attention span of the model itself (Mistral's sliding window): a position attends to the
     last `sliding_window` positions only; 0 means full causal attention. A request longer than the
     window runs with a window cache of at most this size (GenerateConfig.cache_window)."""
+
+    block_norm: str = "pre"
+    """Where a block's norms sit: "pre" (a norm before each sublayer, Llama), "sandwich" (also a
+    norm after each residual add, Huginn's block), "sublayer" (also a norm on each sublayer's
+    output before the residual add, Ouro's decoder layer). The two extra norms are the block
+    tensors attn_out_norm and mlp_out_norm."""
+    loop_init: str = "pre"
+    """The loop's initial state: "pre" (the pre blocks' output) or "zeros" (the pre blocks'
+    output only reaches the loop through the adapter: needs loop_inject "adapter"; Huginn at
+    init_scale 0, deterministic)."""
+    loop_norm: str = "none"
+    """A norm (tensor loop_norm) on the loop's state: "after" the last iteration (Huginn applies
+    its final norm there as well as before the head), after "every" iteration (Ouro's steps
+    each end in the model norm, and the next step starts from the normed state), or "none"."""
+    head_norm: bool = True
+    """When false the head reads the final state directly and there is no final_norm tensor
+    (Ouro: its loop already ends in the norm)."""
+    exit_gate: bool = False
+    """When true the file holds a learned per-iteration exit gate, the logit
+    exit_gate . state + exit_gate_bias of the state after each loop iteration (Ouro's); the
+    early-exit criterion "gate" exits when its cumulative exit probability passes a threshold."""
 
     def __post_init__(self) -> None:
         _check_int("vocab_size", self.vocab_size, 1, MAX_DIM * 4)
@@ -150,6 +200,16 @@ class ModelConfig:
             raise ConfigError(f"tied_embeddings must be true or false, got {self.tied_embeddings!r}")
         if self.loop_inject not in LOOP_INJECT:
             raise ConfigError(f"loop_inject={self.loop_inject!r} is not one of {LOOP_INJECT}")
+        for name, allowed in (("block_norm", BLOCK_NORM), ("loop_init", LOOP_INIT), ("loop_norm", LOOP_NORM)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
+        if self.loop_init != "pre" and self.loop_inject != "adapter":
+            raise ConfigError(f"loop_init={self.loop_init!r} discards the pre blocks' output unless the loop "
+                              f"reads it through an adapter: it needs loop_inject='adapter', not "
+                              f"{self.loop_inject!r}")
+        for name in ("head_norm", "exit_gate"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.qkv_bias, bool):
             raise ConfigError(f"qkv_bias must be true or false, got {self.qkv_bias!r}")
         v = self.embed_scale
@@ -172,6 +232,11 @@ class ModelConfig:
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    @property
+    def keeps_loop_input(self) -> bool:
+        """True when the loop reads the pre blocks' output at every iteration (ws.e is live)."""
+        return self.loop_inject != "none"
 
     def n_layers(self, loops: int) -> int:
         """KV-cache layers a forward at `loops` iterations touches."""
@@ -205,7 +270,8 @@ class ModelConfig:
 
 def block_tensors(cfg: ModelConfig) -> Tuple[str, ...]:
     """The tensor names of one block of `cfg` (without the part.index. prefix), in file order."""
-    return BLOCK_NORMS + BLOCK_MATRICES + (BLOCK_BIASES if cfg.qkv_bias else ())
+    return (BLOCK_NORMS + BLOCK_MATRICES + (BLOCK_BIASES if cfg.qkv_bias else ())
+            + (BLOCK_OUT_NORMS if cfg.block_norm != "pre" else ()))
 
 
 def required_tensors(cfg: ModelConfig) -> Dict[str, Tuple[int, ...]]:
@@ -213,13 +279,22 @@ def required_tensors(cfg: ModelConfig) -> Dict[str, Tuple[int, ...]]:
     d, q, kv, ff = cfg.d_model, cfg.q_dim, cfg.kv_dim, cfg.d_ff
     shapes = {"attn_norm": (d,), "mlp_norm": (d,), "wq": (q, d), "wk": (kv, d), "wv": (kv, d),
               "wo": (d, q), "w_gate": (ff, d), "w_up": (ff, d), "w_down": (d, ff),
-              "bq": (q,), "bk": (kv,), "bv": (kv,)}
+              "bq": (q,), "bk": (kv,), "bv": (kv,), "attn_out_norm": (d,), "mlp_out_norm": (d,)}
     out: Dict[str, Tuple[int, ...]] = {"embed": (cfg.vocab_size, d)}
     for part, n in (("pre", cfg.n_pre), ("loop", cfg.n_loop), ("post", cfg.n_post)):
         for i in range(n):
             for name in block_tensors(cfg):
                 out[f"{part}.{i}.{name}"] = shapes[name]
-    out["final_norm"] = (d,)
+    if cfg.loop_inject == "adapter":
+        out["loop_adapter_x"] = (d, d)
+        out["loop_adapter_e"] = (d, d)
+    if cfg.loop_norm != "none":
+        out["loop_norm"] = (d,)
+    if cfg.exit_gate:
+        out["exit_gate"] = (d,)
+        out["exit_gate_bias"] = (1,)
+    if cfg.head_norm:
+        out["final_norm"] = (d,)
     if not cfg.tied_embeddings:
         out["head"] = (cfg.vocab_size, d)
     return out
@@ -228,7 +303,7 @@ def required_tensors(cfg: ModelConfig) -> Dict[str, Tuple[int, ...]]:
 def is_matrix(name: str) -> bool:
     """True for tensors that may be quantized (2-D weights); norms and biases are vectors kept in
     float."""
-    return name in ("embed", "head") or name.rsplit(".", 1)[-1] in BLOCK_MATRICES
+    return name in MODEL_MATRICES or name.rsplit(".", 1)[-1] in BLOCK_MATRICES
 
 
 # --------------------------------------------------------------------------- quantization
@@ -251,6 +326,27 @@ class TensorQuant:
     """One of f32, f16, q8, q4, q2."""
     group_size: int = 0
     """Elements per quantization group along the input dimension (qN only); a multiple of 8."""
+
+    block_norm: str = "pre"
+    """Where a block's norms sit: "pre" (a norm before each sublayer, Llama), "sandwich" (also a
+    norm after each residual add, Huginn's block), "sublayer" (also a norm on each sublayer's
+    output before the residual add, Ouro's decoder layer). The two extra norms are the block
+    tensors attn_out_norm and mlp_out_norm."""
+    loop_init: str = "pre"
+    """The loop's initial state: "pre" (the pre blocks' output) or "zeros" (the pre blocks'
+    output only reaches the loop through the adapter: needs loop_inject "adapter"; Huginn at
+    init_scale 0, deterministic)."""
+    loop_norm: str = "none"
+    """A norm (tensor loop_norm) on the loop's state: "after" the last iteration (Huginn applies
+    its final norm there as well as before the head), after "every" iteration (Ouro's steps
+    each end in the model norm, and the next step starts from the normed state), or "none"."""
+    head_norm: bool = True
+    """When false the head reads the final state directly and there is no final_norm tensor
+    (Ouro: its loop already ends in the norm)."""
+    exit_gate: bool = False
+    """When true the file holds a learned per-iteration exit gate, the logit
+    exit_gate . state + exit_gate_bias of the state after each loop iteration (Ouro's); the
+    early-exit criterion "gate" exits when its cumulative exit probability passes a threshold."""
 
     def __post_init__(self) -> None:
         if self.type not in QUANT_TYPES:

@@ -32,11 +32,12 @@ from typing import Dict, List, Mapping, Optional, Tuple
 from ..errors import ConfigError, ModelFormatError
 from .arch import ModelConfig, block_tensors, required_tensors
 
-#: architectures (config.json "architectures"[0]) this importer maps
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+#: architectures (config.json "architectures"[0]) this importer maps; the looped layouts
+#: (Huginn-0125's raven, Ouro) are planned in tinyloop.model.hf_looped
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "RavenForCausalLM",
+                 "OuroForCausalLM")
 #: looped layouts named in the roadmap whose import is not built yet (refused by name)
-NOT_BUILT = {"RavenForCausalLM": "Huginn-0125 (raven)", "HuginnForCausalLM": "Huginn-0125",
-             "OuroForCausalLM": "Ouro"}
+NOT_BUILT: Dict[str, str] = {}
 
 _LAYER = "model.layers.{i}."
 _BLOCK_MAP = {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
@@ -61,6 +62,9 @@ class HFPlan:
     architecture: str
     tied_copies: List[Tuple[str, str]] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
+    derived: Dict[str, tuple] = field(default_factory=dict)
+    """Logical tensors computed from a checkpoint tensor (a row or column slice, a permutation,
+    zeros): logical name -> (checkpoint name or None, function of its float32 array)."""
 
 
 def read_json(path: str, what: str, error=ModelFormatError) -> dict:
@@ -224,7 +228,7 @@ def _parse_layers(loop_layers, n_layers: int, problems: List[str]) -> Tuple[int,
     return a, b
 
 
-def plan_hf(model_dir: str, index: Mapping[str, object], *, loop_layers=None, loops: int = 1,
+def plan_hf(model_dir: str, index: Mapping[str, object], *, loop_layers=None, loops: Optional[int] = None,
             max_loops: Optional[int] = None) -> HFPlan:
     """Resolve a Hugging Face model directory whose tensor headers are `index` ({name: info with
     .shape and .dtype}). Raises ConfigError for bad arguments and ModelFormatError listing every
@@ -246,11 +250,24 @@ def plan_hf(model_dir: str, index: Mapping[str, object], *, loop_layers=None, lo
         raise ModelFormatError(f"architecture {arch!r} is not supported; supported: {list(ARCHITECTURES)}")
     problems: List[str] = []
     notes: List[str] = []
+    if arch == "RavenForCausalLM":
+        from .hf_looped import plan_raven
+        special = _special_ids(model_dir, c, problems, notes)
+        _no_loop_layers(arch, loop_layers)
+        cfg, derived = plan_raven(model_dir, c, index, special, loops, max_loops, problems, notes)
+        return HFPlan(config=cfg, names={}, architecture=arch, notes=notes, derived=derived)
     fields = _config_fields(arch, c, problems, notes)
     fields.update(_special_ids(model_dir, c, problems, notes))
+    if arch == "OuroForCausalLM":
+        from .hf_looped import plan_ouro
+        _no_loop_layers(arch, loop_layers)
+        cfg, derived = plan_ouro(model_dir, c, index, fields, loops,
+                                 max_loops, problems, notes)
+        return HFPlan(config=cfg, names={}, architecture=arch, notes=notes, derived=derived)
     if problems:
         raise ModelFormatError(f"{arch} checkpoint {model_dir!r} does not fit the model family: "
                                + "; ".join(problems))
+    loops = 1 if loops is None else loops
     N = c["num_hidden_layers"]
     if isinstance(N, bool) or not isinstance(N, int) or N < 1:
         raise ModelFormatError(f"num_hidden_layers={N!r} must be a positive integer")
@@ -302,6 +319,12 @@ def plan_hf(model_dir: str, index: Mapping[str, object], *, loop_layers=None, lo
         raise ModelFormatError(f"{arch} checkpoint {model_dir!r} does not fit the model family: "
                                + "; ".join(problems))
     return HFPlan(config=cfg, names=names, architecture=arch, tied_copies=tied, notes=notes)
+
+
+def _no_loop_layers(arch: str, loop_layers) -> None:
+    if loop_layers is not None:
+        raise ConfigError(f"--loop-layers does not apply to {arch}: its checkpoint says which layers "
+                          f"are the loop")
 
 
 def _short(names: List[str], limit: int = 12) -> str:

@@ -85,10 +85,49 @@ def _block_with(cfg: ModelConfig, W: Mapping[str, np.ndarray], p: str, x: np.nda
     s = np.exp(s - s.max(-1, keepdims=True))
     s /= s.sum(-1, keepdims=True)
     att = (s @ vh).transpose(1, 0, 2).reshape(T, cfg.q_dim)
-    x = x + att @ W[p + "wo"].T
+    x = _residual(cfg, W, p + "attn_out_norm", x, att @ W[p + "wo"].T)
     h = _rmsnorm(x, W[p + "mlp_norm"], cfg.norm_eps)
     g, u = h @ W[p + "w_gate"].T, h @ W[p + "w_up"].T
-    return x + (g / (1.0 + np.exp(-g)) * u) @ W[p + "w_down"].T
+    return _residual(cfg, W, p + "mlp_out_norm", x, (g / (1.0 + np.exp(-g)) * u) @ W[p + "w_down"].T)
+
+
+def _residual(cfg: ModelConfig, W: Mapping[str, np.ndarray], norm: str, x: np.ndarray,
+              y: np.ndarray) -> np.ndarray:
+    """The residual after adding sublayer output y to x, by the model's block_norm."""
+    if cfg.block_norm == "sandwich":
+        return _rmsnorm(x + y, W[norm], cfg.norm_eps)
+    if cfg.block_norm == "sublayer":
+        return x + _rmsnorm(y, W[norm], cfg.norm_eps)
+    return x + y
+
+
+def _loop_start(cfg: ModelConfig, x: np.ndarray) -> np.ndarray:
+    """The loop's initial state from the pre blocks' output x."""
+    return np.zeros_like(x) if cfg.loop_init == "zeros" else x
+
+
+def _inject(cfg: ModelConfig, W: Mapping[str, np.ndarray], x: np.ndarray, e: np.ndarray, it: int) -> np.ndarray:
+    """The state entering loop iteration `it` from the previous state x and the loop input e."""
+    if cfg.loop_inject == "add" and it > 0:
+        return x + e
+    if cfg.loop_inject == "adapter":
+        return x @ W["loop_adapter_x"].T + e @ W["loop_adapter_e"].T
+    return x
+
+
+def _iter_end(cfg: ModelConfig, W: Mapping[str, np.ndarray], x: np.ndarray) -> np.ndarray:
+    return _rmsnorm(x, W["loop_norm"], cfg.norm_eps) if cfg.loop_norm == "every" else x
+
+
+def _loop_end(cfg: ModelConfig, W: Mapping[str, np.ndarray], x: np.ndarray) -> np.ndarray:
+    return _rmsnorm(x, W["loop_norm"], cfg.norm_eps) if cfg.loop_norm == "after" else x
+
+
+def _head(cfg: ModelConfig, W: Mapping[str, np.ndarray], x: np.ndarray) -> np.ndarray:
+    head = W["embed"] if cfg.tied_embeddings else W["head"]
+    if cfg.head_norm:
+        x = _rmsnorm(x, np.asarray(W["final_norm"], np.float64), cfg.norm_eps)
+    return x @ np.asarray(head, np.float64).T
 
 
 def reference_hidden(cfg: ModelConfig, weights: Mapping[str, np.ndarray], ids: Sequence[int],
@@ -101,12 +140,13 @@ def reference_hidden(cfg: ModelConfig, weights: Mapping[str, np.ndarray], ids: S
     x = _embed(cfg, W, ids)
     for i in range(cfg.n_pre):
         x = _block(cfg, W, f"pre.{i}.", x, kv_round, window)
-    e = x
+    e, x = x, _loop_start(cfg, x)
     for it in range(loops):
-        if it > 0 and cfg.loop_inject == "add":
-            x = x + e
+        x = _inject(cfg, W, x, e, it)
         for j in range(cfg.n_loop):
             x = _block(cfg, W, f"loop.{j}.", x, kv_round, window)
+        x = _iter_end(cfg, W, x)
+    x = _loop_end(cfg, W, x)
     for i in range(cfg.n_post):
         x = _block(cfg, W, f"post.{i}.", x, kv_round, window)
     return x
@@ -121,28 +161,27 @@ def reference_logits(cfg: ModelConfig, weights: Mapping[str, np.ndarray], ids: S
     kv_codec (a KVCodec class) models any cache codec (its encode + decode per row); window > 0
     masks attention to the last `window` positions (a sliding-window cache)."""
     x = reference_hidden(cfg, weights, ids, loops, kv_round, kv_codec, window)
-    head = weights["embed"] if cfg.tied_embeddings else weights["head"]
-    return _rmsnorm(x, np.asarray(weights["final_norm"], np.float64), cfg.norm_eps) @ \
-        np.asarray(head, np.float64).T
+    return _head(cfg, weights, x)
 
 
 def reference_loop_residuals(cfg: ModelConfig, weights: Mapping[str, np.ndarray], ids: Sequence[int],
                              loops: int, kv_round: Optional[type] = None) -> np.ndarray:
-    """Residuals (loops + 1, T, d_model) in float64: [0] enters the loop (after the pre blocks),
-    [k] is the residual after loop iteration k (before the next iteration's input injection)."""
+    """Residuals (loops + 1, T, d_model) in float64: [0] is the loop's initial state (the pre
+    blocks' output, or zeros by loop_init), [k] the state after loop iteration k (with its
+    per-iteration norm, before the next iteration's input injection and any after-loop norm)."""
     W = {k: np.asarray(v, dtype=np.float64) for k, v in weights.items()}
     kv_round = _kv_model(kv_round, None)
     window = _window(cfg, 0)
     x = _embed(cfg, W, ids)
     for i in range(cfg.n_pre):
         x = _block(cfg, W, f"pre.{i}.", x, kv_round, window)
-    e = x
+    e, x = x, _loop_start(cfg, x)
     out = [x]
     for it in range(loops):
-        if it > 0 and cfg.loop_inject == "add":
-            x = x + e
+        x = _inject(cfg, W, x, e, it)
         for j in range(cfg.n_loop):
             x = _block(cfg, W, f"loop.{j}.", x, kv_round, window)
+        x = _iter_end(cfg, W, x)
         out.append(x)
     return np.stack(out)
 
@@ -165,14 +204,14 @@ def reference_logits_exit(cfg: ModelConfig, weights: Mapping[str, np.ndarray], i
     x = _embed(cfg, W, ids)
     for i in range(cfg.n_pre):
         x = _block(cfg, W, f"pre.{i}.", x, kv, window)
-    e = x
+    e, x = x, _loop_start(cfg, x)
     last_kv = [None] * cfg.n_loop            # per loop layer: the k, v of each row's last iteration
     for it in range(loops):
         live = depths > it                   # rows still in the loop at this iteration
         done = ~live[:, None]
-        if it > 0 and cfg.loop_inject == "add":
-            x = np.where(done, x, x + e)
-        exited = x + e if (it > 0 and cfg.loop_inject == "add") else x     # recompute's input
+        entered = _inject(cfg, W, x, e, it)
+        exited = entered                     # recompute's input (for an exited row: its state, injected)
+        x = np.where(done, x, entered)
         for j in range(cfg.n_loop):
             p = f"loop.{j}."
             q, k, v = _qkv(cfg, W, p, x, kv)
@@ -184,7 +223,8 @@ def reference_logits_exit(cfg: ModelConfig, weights: Mapping[str, np.ndarray], i
                 k, v = np.where(done, k0, k), np.where(done, v0, v)
             last_kv[j] = (k, v)
             x = np.where(done, x, _block_with(cfg, W, p, x, q, k, v, window))
+        x = np.where(done, x, _iter_end(cfg, W, x))
+    x = _loop_end(cfg, W, x)
     for i in range(cfg.n_post):
         x = _block(cfg, W, f"post.{i}.", x, kv, window)
-    head = W["embed"] if cfg.tied_embeddings else W["head"]
-    return _rmsnorm(x, W["final_norm"], cfg.norm_eps) @ head.T
+    return _head(cfg, W, x)

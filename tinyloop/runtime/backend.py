@@ -108,6 +108,9 @@ class BlockWeights:
     bk: Any = None
     bv: Any = None
     """Projection biases (float vectors), None unless the model has qkv_bias."""
+    attn_out_norm: Any = None
+    mlp_out_norm: Any = None
+    """The norms after each sublayer (block_norm "sandwich" / "sublayer"), None for "pre"."""
 
 
 @dataclass
@@ -121,6 +124,11 @@ class ModelWeights:
     final_norm: Any
     head: Any
     nbytes: int = 0
+    loop_adapter_x: Any = None
+    loop_adapter_e: Any = None
+    """The loop-input adapter's halves (loop_inject "adapter"), else None."""
+    loop_norm: Any = None
+    """The loop's norm (loop_norm "after" / "every"), else None."""
 
     @classmethod
     def from_handles(cls, cfg: ModelConfig, h: Mapping[str, Any], nbytes: int = 0) -> "ModelWeights":
@@ -128,8 +136,10 @@ class ModelWeights:
             return [BlockWeights(**{f: h.get(f"{part}.{i}.{f}") for f in BlockWeights.__dataclass_fields__})
                     for i in range(n)]
         return cls(embed=h["embed"], pre=blocks("pre", cfg.n_pre), loop=blocks("loop", cfg.n_loop),
-                   post=blocks("post", cfg.n_post), final_norm=h["final_norm"],
-                   head=h["embed"] if cfg.tied_embeddings else h["head"], nbytes=nbytes)
+                   post=blocks("post", cfg.n_post), final_norm=h.get("final_norm"),
+                   head=h["embed"] if cfg.tied_embeddings else h["head"], nbytes=nbytes,
+                   loop_adapter_x=h.get("loop_adapter_x"), loop_adapter_e=h.get("loop_adapter_e"),
+                   loop_norm=h.get("loop_norm"))
 
 
 class Backend(ABC):
@@ -295,13 +305,33 @@ class Backend(ABC):
     def copy(self, dst, src, T: int) -> None:
         """dst[:T] = src[:T]."""
 
+    def zero(self, x, T: int) -> None:
+        """x[:T] = 0: the loop's initial state of a model with loop_init "zeros". A backend
+        without it cannot load such a model (checked at load)."""
+        raise BackendError(f"the {self.name} backend has no zero op, which models with "
+                           f"loop_init='zeros' need")
+
+    def sublayer_out(self, ws: Workspace, src, W, out_norm, T: int) -> None:
+        """The residual update by one sublayer's output W @ src, as the model's block_norm
+        places its norms: x += W @ src ("pre"); x = norm(x + W @ src) ("sandwich"); x +=
+        norm(W @ src) ("sublayer"; ws.h is clobbered)."""
+        style = self.cfg.block_norm
+        if style == "sublayer":
+            self.matmul(src, W, ws.h, T)
+            self.rmsnorm(ws.h, out_norm, ws.h, T)
+            self.add(ws.x, ws.h, T)
+            return
+        self.matmul(src, W, ws.x, T, accumulate=True)
+        if style == "sandwich":
+            self.rmsnorm(ws.x, out_norm, ws.x, T)
+
     # ------------------------------------------------------------------ composites (fusable)
     def attn_half(self, ws: Workspace, b: BlockWeights, cache, layer: int, pos, T: int) -> None:
         """x += Wo @ attention(rope(Wq n(x)), rope(Wk n(x)), Wv n(x)), KV appended to `layer`."""
         self.qkv_project(ws, b, ws.x, T)
         self.rope_kv_append(ws.q, ws.k, ws.v, cache, layer, pos, T)
         self.attention(ws.q, cache, layer, pos, T, ws.att)
-        self.matmul(ws.att, b.wo, ws.x, T, accumulate=True)
+        self.sublayer_out(ws, ws.att, b.wo, b.attn_out_norm, T)
 
     def mlp_half(self, ws: Workspace, b: BlockWeights, T: int) -> None:
         """x += Wd @ (silu(Wg n(x)) * Wu n(x))."""
@@ -309,7 +339,7 @@ class Backend(ABC):
         self.matmul(ws.h, b.w_gate, ws.g, T)
         self.matmul(ws.h, b.w_up, ws.u, T)
         self.swiglu(ws.g, ws.u, ws.g, T)
-        self.matmul(ws.g, b.w_down, ws.x, T, accumulate=True)
+        self.sublayer_out(ws, ws.g, b.w_down, b.mlp_out_norm, T)
 
     def kv_project(self, ws: Workspace, b: BlockWeights, cache, layer: int, pos, T: int, src) -> None:
         """K/V of rows `src` (an activation buffer, not clobbered) through block b's attention
@@ -331,7 +361,10 @@ class Backend(ABC):
             self.add_bias(ws.v, b.bv, T)
 
     def final_logits(self, ws: Workspace, w: ModelWeights, row0: int, T: int) -> None:
-        """logits[0:T] = head(norm(x[row0:row0+T]))."""
+        """logits[0:T] = head(norm(x[row0:row0+T])) (head(x[row0:row0+T]) without head_norm)."""
+        if w.final_norm is None:
+            self.matmul(self.rows(ws.x, row0), w.head, ws.logits, T)
+            return
         self.rmsnorm(self.rows(ws.x, row0), w.final_norm, ws.h, T)
         self.matmul(ws.h, w.head, ws.logits, T)
 

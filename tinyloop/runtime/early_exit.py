@@ -23,8 +23,9 @@ are read by every later token that runs deeper. ``early_exit_kv`` says what they
   analogue for its four-layer core.
 * ``recompute``: each skipped (iteration i, loop layer j) gets layer j's K/V projections of the
   state iteration i would start from if the exited state were its fixed point: the exited state,
-  plus the loop input when the model injects it (i > 0). One K/V projection per skipped layer
-  (attention and MLP are not run); exact for iteration d itself when n_loop = 1.
+  injected as the model injects its loop input (add: i > 0; adapter: every i). One K/V
+  projection per skipped layer (attention and MLP are not run); exact for iteration d itself
+  when n_loop = 1.
 
 The statistics the criteria compute are documented on each built-in (tinyloop.plugins.exits) and
 in docs/ARCHITECTURE.md ("Early exit").
@@ -193,7 +194,7 @@ class ExitStep:
     def __init__(self, session, plan: ExitPlan):
         self.s, self.plan = session, plan
         cfg = session.model.cfg
-        self.inject = cfg.loop_inject == "add"
+        self.inject = cfg.keeps_loop_input
         probes = plan.probe_depths
         ref = plan.reference_depth
         # the depths where the host looks at the state: the reference, then every probe
@@ -230,8 +231,7 @@ class ExitStep:
         def fill():
             src = ws.x
             if self.inject:
-                be.copy(ws.snap_x, ws.x, 1)
-                be.add(ws.snap_x, ws.e, 1)
+                fwd.inject(ws.snap_x, ws.x, depth, 1)
                 src = ws.snap_x
             for i in range(depth, L):
                 for j, blk in enumerate(fwd.w.loop):

@@ -99,6 +99,9 @@ class Model:
             if self.cfg.qkv_bias and type(self.backend).add_bias is Backend.add_bias:
                 raise BackendError(f"the model has q/k/v biases (qkv_bias) and the {self.backend.name} "
                                    f"backend has no add_bias op to apply them")
+            if self.cfg.loop_init == "zeros" and type(self.backend).zero is Backend.zero:
+                raise BackendError(f"the model starts its loop from zeros (loop_init) and the "
+                                   f"{self.backend.name} backend has no zero op")
             self.weights = self.backend.load_weights(self.file)
             self.file.close()               # the backend holds copies (Backend.load_weights)
             rows = min(max_seq_len, prefill_chunk or DEFAULT_PREFILL_CHUNK)

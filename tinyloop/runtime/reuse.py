@@ -676,7 +676,7 @@ class ResumeHandle(_Kept):
         self.loops_used, self.cache_mode = loops, cache_mode
         self.cache = None
         self.snaps: Dict[int, Any] = {}        # depth -> (P, d_model) residual after its last iteration
-        self.e_rows = None                     # (P, d_model) loop-inject residual (loop_inject == "add")
+        self.e_rows = None                     # (P, d_model) the loop input (cfg.keeps_loop_input)
         self.post_depth = 0                    # depth whose post-block K/V the cache holds
 
     def __repr__(self) -> str:
@@ -811,7 +811,7 @@ def build_resume_handle(model: Model, ids: Sequence[int], loops_used: int,
                 "single", reuse="warm_start")
     L, P = loops_used, len(prompt)
     spec = build_spec(model.cfg, L, plan.cache_mode, linear_slots(P))
-    inject = model.cfg.loop_inject == "add"
+    inject = model.cfg.keeps_loop_input
     rows_bytes = _rows_bytes(model, P) * (2 if inject else 1)          # the residual (+ the inject copy)
     need = _cache_bytes(model, spec) + rows_bytes
     lock = _locked(model)

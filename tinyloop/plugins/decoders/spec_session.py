@@ -167,7 +167,7 @@ class SpeculativeSession(Session):
                          extra_slots=opts.draft_ahead + 1 if extra_slots is None else extra_slots)
         self.draft_loops, self.verify_loops = opts.draft_loops, plan.loops
         self.verify_resume = opts.verify_resume
-        self.inject = model.cfg.loop_inject == "add"
+        self.inject = model.cfg.keeps_loop_input
 
     def _stash(self, row0: int, n: int = 1) -> None:
         """Keep rows 0..n-1 of the residual (and of the loop-inject copy) in stash rows row0.."""
