@@ -192,7 +192,7 @@ def _edit_config(src, **changes):
 
 @pytest.mark.parametrize("changes, match", [
     (dict(architectures=["GPT2LMHeadModel"]), "not supported"),
-    (dict(architectures=["RavenForCausalLM"]), "not built yet"),
+    (dict(architectures=["RavenForCausalLM"]), "RavenForCausalLM checkpoint"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "only plain RoPE"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "only plain RoPE"),
     (dict(attention_bias=True), "attention_bias"),

@@ -10,7 +10,7 @@ checkpoint                          TinyLoop
 =================================  =================================================
 transformer.wte                     embed (embed_scale = init_values.embed_scale or sqrt(n_embd))
 transformer.prelude.{i}             pre.{i}        block_norm "sandwich"
-transformer.core_block.{j}          loop.{j}       (default_loops = mean_recurrence)
+transformer.core_block.{j}          loop.{j}       (default_loops = mean_recurrence, max 4x)
 transformer.coda.{i}                post.{i}
   norm_1 / norm_2 / norm_3 / norm_4   attn_norm / attn_out_norm / mlp_norm / mlp_out_norm
   attn.Wqkv  (q | k | v rows)         wq, wk, wv    (q, k rows permuted: see below)
@@ -128,9 +128,11 @@ def _short(names: List[str], limit: int = 12) -> str:
     return s + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _loops(default: int, loops: Optional[int], max_loops: Optional[int]) -> Tuple[int, int]:
+def _loops(default: int, loops: Optional[int], max_loops: Optional[int], reach: int = 1) -> Tuple[int, int]:
+    """(default_loops, max_loops): the requested depth or the checkpoint's; the deepest a request
+    may go is max_loops when given, else `reach` times the default depth."""
     L = default if loops is None else loops
-    return L, max(L, max_loops or L)
+    return L, max(L, max_loops or reach * L)
 
 
 # =============================================================================== Huginn (raven)
@@ -172,7 +174,7 @@ def plan_raven(model_dir: str, c: dict, index: Mapping[str, object], special: di
         problems.append(f"init_values.embed_scale={scale!r} is not a number")
         scale = 1.0
     _refuse(arch, model_dir, problems)
-    L, Lmax = _loops(rec, loops, max_loops)
+    L, Lmax = _loops(rec, loops, max_loops, reach=4)   # Huginn extrapolates past its mean depth
     try:
         cfg = ModelConfig(vocab_size=vocab, d_model=d, n_heads=H, n_kv_heads=Hkv, d_ff=ff, n_pre=n_pre,
                           n_loop=n_core, n_post=n_coda, default_loops=L, max_loops=Lmax,
