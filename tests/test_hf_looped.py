@@ -382,3 +382,84 @@ def test_modes_run_on_converted_looped_layouts(layout, tmp_path):
             assert len(out) == len(PROMPT) + 12 and 1 <= st.loops_used <= 4 and len(st.token_loops) == 12
     finally:
         tl.free_model(model)
+
+
+def _gate_depths(cfg, W, ids, loops, q, kv):
+    """Each position's exit depth by Ouro's rule (the first depth whose cumulative exit probability
+    reaches q; prompt positions run the full depth), from the float64 oracle's states with the
+    earlier positions' exits applied: position by position, as decoding meets them."""
+    from tinyloop.model.reference import reference_logits_exit
+    g, b = W["exit_gate"].astype(np.float64), float(W["exit_gate_bias"][0])
+    depths = []
+    for t in range(len(ids)):
+        states = []
+        reference_logits_exit(cfg, W, ids[:t + 1], depths + [loops], loops, kv, states=states)
+        survive, d = 1.0, loops
+        if t > 0:
+            for i in range(loops - 1):
+                survive *= 1.0 - 1.0 / (1.0 + np.exp(-(states[i][t] @ g + b)))
+                if 1.0 - survive >= q:
+                    d = i + 1
+                    break
+        depths.append(d)
+    return depths
+
+
+@pytest.mark.parametrize("kv", ["copy_last", "recompute"])
+def test_ouro_exit_gate_criterion_follows_the_cumulative_rule(kv, tmp_path):
+    """early_exit_criterion='gate' on a converted Ouro checkpoint: each decoded position leaves
+    the loop where the oracle's cumulative gate probability first reaches the threshold, and the
+    logits at those depths are the oracle's."""
+    from tinyloop.model.reference import reference_logits_exit
+    c, t, src = _checkpoint(tmp_path, "ouro", seed=11)
+    with torch.no_grad():                 # gates that open around the middle of the loop
+        t["model.early_exit_gate.bias"].fill_(-0.5)
+    src = _write(tmp_path / "gate", c, t)
+    path = _convert(src, tmp_path, max_loops=5)
+    model = tl.load_model(path, backend="cpu", max_seq_len=64)
+    try:
+        W = {n: np.asarray(v, np.float32) for n, v in _logical(path).items()}
+        ids = PROMPT[:10]
+        for q in (0.3, 0.6):
+            st = tl.GenerateStats()
+            cfg = tl.GenerateConfig(cache_mode="fp32", loops=5, early_exit_patience=1, early_exit_min_L=1,
+                                    early_exit_criterion="gate", early_exit_threshold=q, early_exit_kv=kv)
+            got = tl.score_decoded(model, ids, cfg, stats=st)
+            want = _gate_depths(model.cfg, W, ids, 5, q, kv)
+            assert st.token_loops == want, q
+            assert min(want[1:]) < 5
+            ref = reference_logits_exit(model.cfg, W, ids, want, 5, kv)
+            assert np.abs(got - ref).max() <= 2e-5 * np.abs(ref).max()
+    finally:
+        tl.free_model(model)
+
+
+def _logical(path):
+    from tinyloop.model.arch import required_tensors
+    with open_model(path) as mf:
+        return {n: np.array(mf.logical(n)) for n in required_tensors(mf.header.config)}
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(early_exit_min_L=2), ConfigError, "early_exit_min_L=1"),
+    (dict(early_exit_peek_every=2), ConfigError, "early_exit_peek_every=1"),
+    (dict(early_exit_threshold=1.5), ConfigError, "probability"),
+])
+def test_gate_criterion_bad_input(kw, exc, match, tmp_path):
+    _, _, src = _checkpoint(tmp_path, "ouro", seed=12)
+    model = tl.load_model(_convert(src, tmp_path, max_loops=5), backend="cpu", max_seq_len=64)
+    try:
+        cfg = dict(max_tokens=4, loops=5, early_exit_patience=1, early_exit_min_L=1, early_exit_criterion="gate")
+        with pytest.raises(exc, match=match):
+            tl.generate(model, PROMPT, tl.GenerateConfig(**{**cfg, **kw}))
+    finally:
+        tl.free_model(model)
+    _, _, hsrc = _checkpoint(tmp_path, "huginn", seed=12)
+    hug = tl.load_model(_convert(hsrc, tmp_path, name="h.tinyloop"), backend="cpu", max_seq_len=64)
+    try:
+        from tinyloop.errors import IncompatibleModesError
+        with pytest.raises(IncompatibleModesError, match="exit gate"):
+            tl.generate(hug, PROMPT, tl.GenerateConfig(max_tokens=4, early_exit_patience=1, early_exit_min_L=1,
+                                                       early_exit_criterion="gate"))
+    finally:
+        tl.free_model(hug)

@@ -188,12 +188,15 @@ def reference_loop_residuals(cfg: ModelConfig, weights: Mapping[str, np.ndarray]
 
 def reference_logits_exit(cfg: ModelConfig, weights: Mapping[str, np.ndarray], ids: Sequence[int],
                           depths: Sequence[int], loops: int, kv_policy: str = "copy_last",
-                          kv_round: Optional[type] = None, kv_codec=None, window: int = 0) -> np.ndarray:
+                          kv_round: Optional[type] = None, kv_codec=None, window: int = 0,
+                          states: Optional[list] = None) -> np.ndarray:
     """Logits (T, vocab_size) in float64 when position t leaves the loop after depths[t]
     iterations (early exit, tinyloop.runtime.early_exit): its residual stays at that depth, and
     in the iterations it skipped its cached K/V are, by `kv_policy`, those of its last iteration
     for the same loop layer (copy_last) or layer j's projections of its exited state plus the
-    loop input where the model injects it (recompute). Other arguments as reference_logits."""
+    loop input where the model injects it (recompute). `states`, when given, receives the
+    state (T, d_model) after each iteration (an exited row keeps its exit state). Other
+    arguments as reference_logits."""
     depths = np.asarray(depths, dtype=np.int64)
     ids = np.asarray(ids, dtype=np.int64)
     if depths.shape != ids.shape or depths.min() < 1 or depths.max() > loops:
@@ -224,6 +227,8 @@ def reference_logits_exit(cfg: ModelConfig, weights: Mapping[str, np.ndarray], i
             last_kv[j] = (k, v)
             x = np.where(done, x, _block_with(cfg, W, p, x, q, k, v, window))
         x = np.where(done, x, _iter_end(cfg, W, x))
+        if states is not None:
+            states.append(x.copy())
     x = _loop_end(cfg, W, x)
     for i in range(cfg.n_post):
         x = _block(cfg, W, f"post.{i}.", x, kv, window)

@@ -107,6 +107,13 @@ class ExitCriterion:
     def __init__(self, threshold: Optional[float]):
         self.threshold = threshold
 
+    def bind(self, model, config) -> None:
+        """Check the request against the model before any work and take what the criterion needs
+        from it (raise a TinyLoopError naming the value); called once per request."""
+
+    def begin_token(self) -> None:
+        """A new token's probes start (a criterion with per-token state resets it)."""
+
     @classmethod
     def threshold_of(cls, config) -> Optional[float]:
         """The threshold a request asks for (validated): early_exit_threshold, or the default."""
@@ -170,6 +177,7 @@ def resolve_exit(model, config, loops: int, criteria: Mapping[str, type]) -> Opt
             f"early_exit_logit_margin={config.early_exit_logit_margin} selects the logit_margin criterion, but "
             f"early_exit_criterion={name!r} was asked for (set one of them)")
     criterion = cls(cls.threshold_of(config))
+    criterion.bind(model, config)
     if config.early_exit_min_L >= loops:
         raise ConfigError(f"early_exit_min_L={config.early_exit_min_L} leaves no probe before the last of "
                           f"loops={loops} iterations (early exit needs early_exit_min_L < loops)")
@@ -356,6 +364,7 @@ class ExitStep:
         L, crit = plan.loops, plan.criterion
         stops = (forced,) if forced is not None and forced < L else (() if forced is not None else self.stops)
         done, prev, run, depth = 0, None, 0, L
+        crit.begin_token()
         for d in stops:
             first = done == 0
 

@@ -103,6 +103,9 @@ class Model:
                 raise BackendError(f"the model starts its loop from zeros (loop_init) and the "
                                    f"{self.backend.name} backend has no zero op")
             self.weights = self.backend.load_weights(self.file)
+            # the exit gate's (weight, bias) on the host, for the "gate" exit criterion
+            self.exit_gate = ((np.array(self.file.logical("exit_gate"), np.float64),
+                               float(self.file.logical("exit_gate_bias")[0])) if self.cfg.exit_gate else None)
             self.file.close()               # the backend holds copies (Backend.load_weights)
             rows = min(max_seq_len, prefill_chunk or DEFAULT_PREFILL_CHUNK)
             self.ws = self.backend.alloc_workspace(rows)

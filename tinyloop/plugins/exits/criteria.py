@@ -12,7 +12,15 @@ hidden_l2        ||x - x'||_2 / ||x||_2                        statistic < thres
 logit_margin     z[top1] - z[top2] (this probe only)           statistic >= margin     3.0
 kl               KL(softmax(z) || softmax(z')), in nats        statistic < threshold   0.01
 argmax           argmax z == argmax z' (1 when it changed)     statistic == 0          none
+gate             1 - prod_{i <= d} (1 - sigmoid(g . x_i + b))  statistic >= threshold  0.5
 ===============  ============================================  ======================  =========
+
+gate is Ouro's learned exit: the model's exit gate (ModelConfig.exit_gate: weight g, bias b)
+gives each iteration i's state x_i an exit probability lambda_i = sigmoid(g . x_i + b); the
+statistic is the cumulative probability of having exited by depth d, and the token exits at the
+first depth where it reaches the threshold (the Ouro paper's rule; patience p > 1 waits p - 1
+more iterations). It needs every iteration's gate: early_exit_min_L = early_exit_peek_every = 1.
+Its threshold is a probability in (0, 1].
 
 logit_margin reads its margin from the spec's ``early_exit_logit_margin`` (> 0 also selects it when
 no criterion is named); the others from ``early_exit_threshold`` (0: the default above). The
@@ -22,7 +30,9 @@ defaults are where the demo model keeps its perplexity within about 1 % at its d
 
 from __future__ import annotations
 
-from ...errors import ConfigError
+import numpy as np
+
+from ...errors import ConfigError, IncompatibleModesError
 from ...runtime.early_exit import ExitCriterion
 from ...runtime.hookspecs import hookimpl
 
@@ -85,6 +95,48 @@ class ArgmaxStable(ExitCriterion):
         return 0.5                          # argmax_change is 0 or 1: stable below one half
 
 
+class ExitGate(ExitCriterion):
+    """The model's learned exit gate (Ouro): exit once the cumulative exit probability reaches
+    the threshold. Probed on the host (one row per iteration)."""
+
+    name = "gate"
+    compat = EXIT_COMPAT
+    reads = "hidden"
+    needs_previous = False
+    default_threshold = 0.5
+
+    @classmethod
+    def threshold_of(cls, config):
+        t = super().threshold_of(config)
+        if t > 1.0:
+            raise ConfigError(f"early_exit_threshold={config.early_exit_threshold} is not a probability in (0, 1] "
+                              f"(the gate criterion exits when the cumulative exit probability reaches it)")
+        return t
+
+    def bind(self, model, config) -> None:
+        if getattr(model, "exit_gate", None) is None:
+            raise IncompatibleModesError("early_exit_criterion='gate' needs a model with a learned exit gate "
+                                         "(exit_gate: true, e.g. a converted Ouro checkpoint); this model has none")
+        if config.early_exit_min_L != 1 or config.early_exit_peek_every != 1:
+            raise ConfigError(f"early_exit_criterion='gate' accumulates every iteration's exit probability: it "
+                              f"needs early_exit_min_L=1 and early_exit_peek_every=1, got "
+                              f"{config.early_exit_min_L} and {config.early_exit_peek_every}")
+        self.weight, self.bias = model.exit_gate
+        self.survive = 1.0
+
+    def begin_token(self) -> None:
+        self.survive = 1.0
+
+    def statistic(self, cur, prev) -> float:
+        z = float(np.dot(self.weight, cur)) + self.bias
+        lam = 1.0 / (1.0 + np.exp(-z)) if z >= 0 else np.exp(z) / (1.0 + np.exp(z))
+        self.survive *= 1.0 - lam
+        return 1.0 - self.survive
+
+    def stable(self, stat: float) -> bool:
+        return stat >= self.threshold
+
+
 @hookimpl
 def tinyloop_exit_criteria():
-    return [HiddenL2, LogitMargin, KLDivergence, ArgmaxStable]
+    return [HiddenL2, LogitMargin, KLDivergence, ArgmaxStable, ExitGate]
