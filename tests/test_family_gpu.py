@@ -21,8 +21,12 @@ PROMPTS = [[3, 17, 42, 8, 91, 23], [5, 6], [60, 2, 77, 11, 13, 14, 15, 16, 40]]
 
 
 @pytest.fixture(scope="module", params=[dict(qkv_bias=True, embed_scale=1.5),
-                                        dict(qkv_bias=True, sliding_window=12, loop_inject="none")],
-                ids=["bias_scale", "bias_window"])
+                                        dict(qkv_bias=True, sliding_window=12, loop_inject="none"),
+                                        dict(block_norm="sandwich", loop_inject="adapter", loop_init="zeros",
+                                             loop_norm="after", embed_scale=2.0, qkv_bias=True),
+                                        dict(block_norm="sublayer", loop_norm="every", head_norm=False,
+                                             exit_gate=True, n_pre=0, n_post=0)],
+                ids=["bias_scale", "bias_window", "huginn_layout", "ouro_layout"])
 def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("family") / "m.tinyloop"
     cfg = write_tiny(path, seed=21, quant="q4", group_size=32, **request.param)
@@ -63,3 +67,16 @@ def test_batch_sampling_and_speculative_equal_cpu(pair):
     assert tl.generate(gpu, PROMPTS[0], s) == tl.generate(cpu, PROMPTS[0], s)
     spec = tl.GenerateConfig(max_tokens=16, loops=3, decoder="speculative")
     assert tl.generate(gpu, PROMPTS[0], spec) == tl.generate(cpu, PROMPTS[0], c)
+
+
+def test_gate_exit_equals_cpu(pair):
+    """The learned exit gate (Ouro's criterion): tokens and per-token depths equal the CPU's."""
+    cfg, _, cpu, gpu = pair
+    if not cfg.exit_gate:
+        pytest.skip("the model has no exit gate")
+    c = tl.GenerateConfig(max_tokens=16, loops=4, early_exit_patience=1, early_exit_min_L=1,
+                          early_exit_criterion="gate", early_exit_threshold=0.4, early_exit_kv="recompute")
+    for p in PROMPTS:
+        a, b = tl.GenerateStats(), tl.GenerateStats()
+        assert tl.generate(gpu, p, c, stats=a) == tl.generate(cpu, p, c, stats=b)
+        assert a.token_loops == b.token_loops

@@ -1,0 +1,102 @@
+"""Decode cost of the public looped layouts at their real shapes: Huginn-0125 (d 5280, 55 heads,
+prelude 2 / core 4 / coda 2, vocab 65 536, sandwich blocks, the loop-input adapter, the
+after-loop norm) and Ouro-1.4B (d 2048, 16 heads, 24 layers all looped, sublayer-output norms,
+the per-step norm, the exit gate), random weights at q4, one process.
+
+For each layout and depth: greedy decode of --new-tokens after a --prompt-len random prompt,
+median ms/token over --repeats runs after a warm-up (graph capture), prefill ms, and the weights'
+bytes on the device. Prints a table, writes JSON (--json). The PyTorch twin (tinyloop.torch_model)
+does not implement these layouts, so there is no PyTorch row here: bench/decode_bench.py compares
+the plain family at the same shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from bench.decode_bench import _commit, _median, log
+
+#: layout -> (ModelConfig overrides of the 360m preset, group size, depths)
+LAYOUTS = {
+    "huginn-0125": (dict(vocab_size=65536, d_model=5280, n_heads=55, n_kv_heads=55, d_ff=17920, n_pre=2,
+                         n_loop=4, n_post=2, default_loops=32, max_loops=64, head_dim=0, rope_theta=50000.0,
+                         tied_embeddings=True, qkv_bias=True, embed_scale=72.66, block_norm="sandwich",
+                         loop_inject="adapter", loop_init="zeros", loop_norm="after", norm_eps=1e-6),
+                    160, (4, 8, 16, 32)),
+    "ouro-1.4b": (dict(vocab_size=49152, d_model=2048, n_heads=16, n_kv_heads=16, d_ff=5632, n_pre=0,
+                       n_loop=24, n_post=0, default_loops=4, max_loops=8, head_dim=0, tied_embeddings=True,
+                       loop_inject="none", block_norm="sublayer", loop_norm="every", head_norm=False,
+                       exit_gate=True, norm_eps=1e-6),
+                  128, (1, 2, 4)),
+}
+
+
+def bench_layout(path: str, backend: str, prompt, new: int, depths, repeats: int) -> dict:
+    import tinyloop as tl
+    m = tl.load_model(path, max_seq_len=len(prompt) + new + 8, backend=backend)
+    try:
+        out = {"weights_bytes": int(m.weights.nbytes), "depths": {}}
+        for L in depths:
+            cfg = tl.GenerateConfig(max_tokens=new, loops=L)
+            tl.generate(m, prompt, tl.GenerateConfig(max_tokens=4, loops=L))      # compile, capture
+            dec, pre = [], []
+            for _ in range(repeats):
+                st = tl.GenerateStats()
+                tl.generate(m, prompt, cfg, stats=st)
+                pre.append(st.prefill_ms)
+                dec.append(st.decode_ms / max(1, st.tokens_emitted - 1))
+            out["depths"][L] = {"decode_ms_per_token": _median(dec), "prefill_ms": _median(pre)}
+            log(f"  L={L}: {out['depths'][L]['decode_ms_per_token']:.3f} ms/token")
+        return out
+    finally:
+        tl.free_model(m)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {list(LAYOUTS)}")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    names = [n for n in args.layouts.split(",") if n]
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown:
+        ap.error(f"unknown layout(s) {unknown}; choose from {list(LAYOUTS)}")
+    from tinyloop.cli.synth import synth_model
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            over, group, depths = LAYOUTS[name]
+            path = os.path.join(tmp, f"{name}.tinyloop")
+            t = time.perf_counter()
+            cfg = synth_model("360m", path, seed=0, quant="q4", group_size=group, **over)
+            log(f"{name}: wrote {os.path.getsize(path) / 1e9:.2f} GB in {time.perf_counter() - t:.1f} s")
+            prompt = [int(i) for i in np.random.default_rng(0).integers(0, cfg.vocab_size, args.prompt_len)]
+            rows[name] = bench_layout(path, args.backend, prompt, args.new_tokens, depths, args.repeats)
+            rows[name]["group_size"] = group
+            os.unlink(path)
+    print(f"{'layout':<14} {'L':>4} {'ms/token':>9} {'prefill ms':>11} {'weights GB':>11}")
+    for name, r in rows.items():
+        for L, d in r["depths"].items():
+            print(f"{name:<14} {L:>4} {d['decode_ms_per_token']:>9.3f} {d['prefill_ms']:>11.1f} "
+                  f"{r['weights_bytes'] / 1e9:>11.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"commit": _commit(), "date": time.strftime("%Y-%m-%d"), "backend": args.backend,
+                       "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
+                       "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
