@@ -444,8 +444,8 @@ def run(args) -> int:
         else:
             if args.checkpoint is None or args.config is None:
                 raise ConfigError("give --hf DIR, or both --checkpoint and --config")
-            hf_only = [f for f, v in (("--loop-layers", args.loop_layers), ("--max-loops", args.max_loops))
-                       if v is not None] + (["--loops"] if args.loops != 1 else [])
+            hf_only = [f for f, v in (("--loop-layers", args.loop_layers), ("--loops", args.loops),
+                                      ("--max-loops", args.max_loops)) if v is not None]
             if hf_only:
                 raise ConfigError(f"{', '.join(hf_only)} apply to --hf only (the config JSON sets "
                                   f"the loop structure)")
