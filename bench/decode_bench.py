@@ -273,12 +273,14 @@ def bench_torch(path: str, prompt: List[int], new: int, loops: int, repeats: int
 
 
 def bench_torch_int4(path: str, prompt: List[int], new: int, loops: int, repeats: int,
-                     logical=None, compile_mode: str = "default", profile: bool = False) -> dict:
+                     logical=None, compile_mode: str = "default", profile: bool = False,
+                     variants=None) -> dict:
     """INT4 weight-only PyTorch (tinygemm, group 128, bf16 activations and KV cache): the same
     logical weights quantized for torch (bench/torch_int4.py; every packed matrix checked against
     its dequantized reference), the decode step in a CUDA graph, plain and through torch.compile
     (per-layer KV caches with SDPA, the same with attention in plain ops, and one shared cache tensor
-    as torch_model keeps it). ``profile``: the device time per kernel of each compiled step too."""
+    as torch_model keeps it). ``profile``: the device time per kernel of each compiled step too;
+    ``variants``: the result keys of the compiled rows to run (None: all three)."""
     import torch
 
     from bench import torch_int4 as q4
@@ -288,9 +290,10 @@ def bench_torch_int4(path: str, prompt: List[int], new: int, loops: int, repeats
     if logical is None:
         logical = q4.load_logical(path)
     cfg = read_header(path).config
-    res = {"dtype": "bfloat16", "weights": f"int4 group {q4.GROUP} (tinygemm, _weight_int4pack_mm)",
+    group = q4.pick_group(cfg)
+    res = {"dtype": "bfloat16", "weights": f"int4 group {group} (tinygemm, _weight_int4pack_mm)",
            "torch": torch.__version__}
-    blocks, head, check = q4.timed_quantize(logical, cfg, q4.load_grids(path))
+    blocks, head, check = q4.timed_quantize(logical, cfg, q4.load_grids(path, group), group)
     res["matmul_check"] = {k: v for k, v in check.items() if k != "per_matrix"}
     log(f"torch int4: quantized in {check['quantize_s']:.1f}s (grids: {', '.join(check['grids'])}); "
         f"matmul max rel err "
@@ -332,7 +335,7 @@ def bench_torch_int4(path: str, prompt: List[int], new: int, loops: int, repeats
         log(f"torch int4 graph (eager ops): {res['graph_decode_ms_per_token']:.3f} ms/token")
         if compile_mode != "none":
             res["compile_mode"] = compile_mode
-            variants = (  # key, step, what
+            rows = (  # key, step, what
                 ("compiled_graph_decode_ms_per_token", step,
                  "per-layer KV caches, SDPA"),
                 ("compiled_ops_attention_graph_decode_ms_per_token",
@@ -341,7 +344,8 @@ def bench_torch_int4(path: str, prompt: List[int], new: int, loops: int, repeats
                 ("compiled_shared_cache_graph_decode_ms_per_token",
                  q4.make_int4_step(model, blocks, head, loops),
                  "one KV cache tensor sliced per layer (as torch_model), SDPA"))
-            for key, fn, what in variants:
+            rows = [r for r in rows if variants is None or r[0] in variants]
+            for key, fn, what in rows:
                 t0 = time.perf_counter()
                 kern = {} if profile else None
                 try:

@@ -5,9 +5,11 @@ the per-step norm, the exit gate), random weights at q4, one process.
 
 For each layout and depth: greedy decode of --new-tokens after a --prompt-len random prompt,
 median ms/token over --repeats runs after a warm-up (graph capture), prefill ms, and the weights'
-bytes on the device. Prints a table, writes JSON (--json). The PyTorch twin (tinyloop.torch_model)
-does not implement these layouts, so there is no PyTorch row here: bench/decode_bench.py compares
-the plain family at the same shapes.
+bytes on the device; with --torch, the strongest PyTorch form of the same structure at each
+depth in the same process: tinyloop.torch_model's layout with every matrix on the INT4 tinygemm
+kernel (bench/torch_int4.py: bf16 activations, the group size tinygemm allows for the shape),
+the decode step under torch.compile and captured in a CUDA graph (bench/decode_bench.py's
+per-layer-cache SDPA row). Prints a table, writes JSON (--json).
 """
 
 from __future__ import annotations
@@ -29,13 +31,30 @@ LAYOUTS = {
                          n_loop=4, n_post=2, default_loops=32, max_loops=64, head_dim=0, rope_theta=50000.0,
                          tied_embeddings=True, qkv_bias=True, embed_scale=72.66, block_norm="sandwich",
                          loop_inject="adapter", loop_init="zeros", loop_norm="after", norm_eps=1e-6),
-                    160, (4, 8, 16, 32)),
+                    32, (4, 8, 16, 32)),     # tinygemm needs 32 for d 5280: both sides on one grid
     "ouro-1.4b": (dict(vocab_size=49152, d_model=2048, n_heads=16, n_kv_heads=16, d_ff=5632, n_pre=0,
                        n_loop=24, n_post=0, default_loops=4, max_loops=8, head_dim=0, tied_embeddings=True,
                        loop_inject="none", block_norm="sublayer", loop_norm="every", head_norm=False,
                        exit_gate=True, norm_eps=1e-6),
                   128, (1, 2, 4)),
 }
+
+
+TORCH_ROW = "compiled_graph_decode_ms_per_token"
+
+
+def bench_torch(path: str, prompt, new: int, depths, repeats: int) -> dict:
+    """The compiled INT4 PyTorch step at each depth (decode_bench.bench_torch_int4)."""
+    from bench import torch_int4 as q4
+    from bench.decode_bench import bench_torch_int4
+    logical = q4.load_logical(path)
+    out = {}
+    for L in depths:
+        r = bench_torch_int4(path, prompt, new, L, repeats, logical=logical, variants=(TORCH_ROW,))
+        out[L] = {k: r.get(k) for k in (TORCH_ROW, "graph_decode_ms_per_token", "weights", "logits_vs_bf16",
+                                        "compile_errors")}
+        log(f"  torch L={L}: {r.get(TORCH_ROW)} ms/token")
+    return out
 
 
 def bench_layout(path: str, backend: str, prompt, new: int, depths, repeats: int) -> dict:
@@ -66,6 +85,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--depths", default=None, help="comma-separated depths (default: each layout's own)")
+    ap.add_argument("--torch", action="store_true", help="also the compiled INT4 PyTorch form at each depth")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     names = [n for n in args.layouts.split(",") if n]
@@ -77,6 +98,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             over, group, depths = LAYOUTS[name]
+            if args.depths:
+                depths = tuple(int(v) for v in args.depths.split(","))
             path = os.path.join(tmp, f"{name}.tinyloop")
             t = time.perf_counter()
             cfg = synth_model("360m", path, seed=0, quant="q4", group_size=group, **over)
@@ -84,12 +107,17 @@ def main(argv=None) -> int:
             prompt = [int(i) for i in np.random.default_rng(0).integers(0, cfg.vocab_size, args.prompt_len)]
             rows[name] = bench_layout(path, args.backend, prompt, args.new_tokens, depths, args.repeats)
             rows[name]["group_size"] = group
+            if args.torch:
+                rows[name]["torch"] = bench_torch(path, prompt, args.new_tokens, depths, args.repeats)
             os.unlink(path)
-    print(f"{'layout':<14} {'L':>4} {'ms/token':>9} {'prefill ms':>11} {'weights GB':>11}")
+    print(f"{'layout':<14} {'L':>4} {'ms/token':>9} {'torch ms':>9} {'x torch':>8} {'prefill ms':>11} "
+          f"{'weights GB':>11}")
     for name, r in rows.items():
         for L, d in r["depths"].items():
-            print(f"{name:<14} {L:>4} {d['decode_ms_per_token']:>9.3f} {d['prefill_ms']:>11.1f} "
-                  f"{r['weights_bytes'] / 1e9:>11.2f}")
+            t = (r.get("torch") or {}).get(L, {}).get(TORCH_ROW)
+            ts, ratio = (f"{t:.3f}", f"{t / d['decode_ms_per_token']:.2f}") if t else ("-", "-")
+            print(f"{name:<14} {L:>4} {d['decode_ms_per_token']:>9.3f} {ts:>9} {ratio:>8} "
+                  f"{d['prefill_ms']:>11.1f} {r['weights_bytes'] / 1e9:>11.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"commit": _commit(), "date": time.strftime("%Y-%m-%d"), "backend": args.backend,

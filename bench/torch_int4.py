@@ -27,6 +27,8 @@ from typing import Dict, Mapping, Tuple
 import numpy as np
 
 GROUP = 128
+#: group sizes tinygemm supports, in order of preference (the bench's default is GROUP)
+GROUPS = (128, 64, 32, 256)
 INNER_K_TILES = 8
 #: The largest max-abs error of a checked int4 matmul, relative to the reference's max-abs value,
 #: that the bench row accepts: against the matrix the kernel holds (bf16 rounding of the output
@@ -34,6 +36,16 @@ INNER_K_TILES = 8
 #: re-quantization: small on tinyloop's own grid, ~0.1 for a min/max grid of random weights).
 MAX_REL_ERR_KERNEL = 2e-2
 MAX_REL_ERR_LOGICAL = 0.25
+
+
+def pick_group(cfg) -> int:
+    """The tinygemm group size for a model: GROUP where every matrix's in_features allows it,
+    else the first of GROUPS that divides them all (Huginn-0125's d_model 5280 needs 32)."""
+    ins = {cfg.d_model, cfg.q_dim, cfg.d_ff}
+    for g in GROUPS:
+        if all(k % g == 0 for k in ins):
+            return g
+    raise ValueError(f"no tinygemm group size in {GROUPS} divides the in_features {sorted(ins)}")
 
 
 def bf16_round(x: np.ndarray) -> np.ndarray:
@@ -102,32 +114,33 @@ def rel_err(y: np.ndarray, ref: np.ndarray) -> float:
 
 # --------------------------------------------------------------------------- torch side
 def to_tinygemm(codes, scales, zeros, device="cuda"):
-    """The (packed weight, scales_and_zeros) pair that ``_weight_int4pack_mm`` takes."""
+    """The (packed weight, scales_and_zeros, group size) that ``_weight_int4pack_mm`` takes."""
     import torch
     u8 = torch.from_numpy(pack_nibbles(codes)).to(device)
     packed = torch.ops.aten._convert_weight_to_int4pack(u8, INNER_K_TILES)
     sz = torch.from_numpy(scales_and_zeros(scales, zeros)).to(device=device, dtype=torch.bfloat16)
-    return packed, sz
+    return packed, sz, codes.shape[1] // scales.shape[1]
 
 
 def int4_linear(x, w):
-    """F.linear(x, W) for W given as (packed, scales_and_zeros); x bf16 (..., K)."""
+    """F.linear(x, W) for W given as (packed, scales_and_zeros, group); x bf16 (..., K)."""
     import torch
-    packed, sz = w
+    packed, sz, group = w
     K = x.shape[-1]
-    y = torch.ops.aten._weight_int4pack_mm(x.reshape(-1, K).contiguous(), packed, GROUP, sz)
+    y = torch.ops.aten._weight_int4pack_mm(x.reshape(-1, K).contiguous(), packed, group, sz)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def quantize_for_torch(logical: Mapping[str, np.ndarray], cfg, grids=None, check_rows: int = 4, seed: int = 0,
-                       device="cuda"):
+                       device="cuda", group: int = GROUP):
     """Quantize the model's matrices for tinygemm: per block q|k|v, wo, gate|up, w_down (fused like
     tinyloop's kernels) and the head, on the grids of ``grids`` (:func:`load_grids`) where given.
     Each packed matrix is checked on ``check_rows`` random bf16 input rows against the dequantized
     matrix it holds (the packing and the kernel) and against the logical weights (plus the
     re-quantization).
 
-    Returns ({block prefix: {"qkv", "wo", "gate_up", "w_down": (packed, sz)}}, head (packed, sz),
+    Returns ({block prefix: {"qkv", "wo", "gate_up", "w_down": (packed, sz, group)}, and
+    "model": the loop adapter's halves where the model has them}, head (packed, sz, group),
     check dict with the max relative errors). Raises RuntimeError when a check is way off."""
     import torch
     grids = grids or {}
@@ -142,7 +155,7 @@ def quantize_for_torch(logical: Mapping[str, np.ndarray], cfg, grids=None, check
 
     def one(label, names):
         w_logical = np.concatenate([logical[n] for n in names]) if len(names) > 1 else logical[names[0]]
-        codes, s, z = group_quantize(w_logical, GROUP, grid_of(names))
+        codes, s, z = group_quantize(w_logical, group, grid_of(names))
         w = to_tinygemm(codes, s, z, device)
         x = torch.randn(check_rows, w_logical.shape[1], generator=gen).to(torch.bfloat16)
         xf = x.float().numpy()
@@ -164,6 +177,8 @@ def quantize_for_torch(logical: Mapping[str, np.ndarray], cfg, grids=None, check
                      "wo": one(f"{p}.wo", [f"{p}.wo"]),
                      "gate_up": one(f"{p}.gate_up", [f"{p}.w_gate", f"{p}.w_up"]),
                      "w_down": one(f"{p}.w_down", [f"{p}.w_down"])}
+    if cfg.loop_inject == "adapter":
+        blocks["model"] = {n: one(n, [n]) for n in ("loop_adapter_x", "loop_adapter_e")}
     head = one("head", ["embed" if cfg.tied_embeddings else "head"])
     return blocks, head, {"max_rel_err_vs_quantized": worst["kernel"],
                           "max_rel_err_vs_logical": worst["logical"], "rows": check_rows,
@@ -198,6 +213,7 @@ def make_int4_step(model, blocks, head, loops: int, caches=None, attention: str 
     (one tensor, a slice per layer) or ``caches`` = (K list, V list) from :func:`layer_caches`;
     ``attention`` is "sdpa" (F.scaled_dot_product_attention with the mask, as torch_model) or
     "ops" (:func:`ops_attention`)."""
+    import torch
     import torch.nn.functional as F
 
     from tinyloop.torch_model import apply_rope, rms_norm
@@ -208,13 +224,16 @@ def make_int4_step(model, blocks, head, loops: int, caches=None, attention: str 
                  + [(f"loop.{i}", b) for i, b in enumerate(model.loop)]
                  + [(f"post.{i}", b) for i, b in enumerate(model.post)]):
         b.int4 = blocks[p]                                # a plain attribute (a dict): not a parameter
-    cfg = model.config
+        b.int4_bias = torch.cat([b.bq, b.bk, b.bv]).detach() if b.qkv_bias else None
 
     def block_step(b, x, cos, sin, pos_idx, mask, ck, cv):
         B, T, _ = x.shape
         w = b.int4
         h = rms_norm(x, b.attn_norm, b.eps)
-        q, k, v = int4_linear(h, w["qkv"]).split([b.n_heads * b.hd, b.n_kv * b.hd, b.n_kv * b.hd], dim=-1)
+        qkv = int4_linear(h, w["qkv"])
+        if b.int4_bias is not None:
+            qkv = qkv + b.int4_bias
+        q, k, v = qkv.split([b.n_heads * b.hd, b.n_kv * b.hd, b.n_kv * b.hd], dim=-1)
         q = apply_rope(q.reshape(B, T, b.n_heads, b.hd).transpose(1, 2), cos, sin)
         k = apply_rope(k.reshape(B, T, b.n_kv, b.hd).transpose(1, 2), cos, sin)
         v = v.reshape(B, T, b.n_kv, b.hd).transpose(1, 2)
@@ -224,10 +243,16 @@ def make_int4_step(model, blocks, head, loops: int, caches=None, attention: str 
             att = F.scaled_dot_product_attention(q, b._expand(ck), b._expand(cv), attn_mask=mask, scale=b.scale)
         else:
             att = ops_attention(q, b._expand(ck), b._expand(cv), mask, b.scale)
-        x = x + int4_linear(att.transpose(1, 2).reshape(B, T, b.n_heads * b.hd), w["wo"])
+        x = b.residual(x, int4_linear(att.transpose(1, 2).reshape(B, T, b.n_heads * b.hd), w["wo"]),
+                       getattr(b, "attn_out_norm", None))
         h = rms_norm(x, b.mlp_norm, b.eps)
         g, u = int4_linear(h, w["gate_up"]).chunk(2, dim=-1)
-        return x + int4_linear(F.silu(g) * u, w["w_down"])
+        return b.residual(x, int4_linear(F.silu(g) * u, w["w_down"]), getattr(b, "mlp_out_norm", None))
+
+    model_w = blocks.get("model", {})
+
+    def linear(v, name):
+        return int4_linear(v, model_w[name])
 
     def step(tok, pos):
         kc, vc = (model.k_cache, model.v_cache) if caches is None else caches
@@ -235,10 +260,10 @@ def make_int4_step(model, blocks, head, loops: int, caches=None, attention: str 
         pos_idx = pos.reshape(1)
         cos, sin = model.rope_cos[pos_idx], model.rope_sin[pos_idx]
         mask = (model._positions[:S] <= pos_idx).view(1, 1, 1, S)
-        x = F.embedding(tok.reshape(B, 1), model.embed)
+        x = model._embed(tok.reshape(B, 1))
         x = model._trunk(x, loops, lambda b, x, layer: block_step(b, x, cos, sin, pos_idx, mask,
-                                                                  kc[layer], vc[layer]))
-        return int4_linear(rms_norm(x, model.final_norm, cfg.norm_eps), head)[:, 0]
+                                                                  kc[layer], vc[layer]), linear)
+        return model._logits(x, lambda v: int4_linear(v, head))[:, 0]
 
     return step
 
@@ -250,21 +275,21 @@ def load_logical(path: str) -> Dict[str, np.ndarray]:
         return {n: np.array(mf.logical(n), dtype=np.float32) for n in mf.header.quant}
 
 
-def load_grids(path: str) -> Dict[str, Tuple[np.ndarray, np.ndarray]]:
+def load_grids(path: str, group: int = GROUP) -> Dict[str, Tuple[np.ndarray, np.ndarray]]:
     """{logical name: (scales, zeros) in the tinygemm convention} of the file's q4 tensors with
-    group size GROUP: re-quantizing their logical values on these grids gives back tinyloop's own
-    codes (a min/max grid would not where a group leaves its top or bottom code unused)."""
+    group size `group`: re-quantizing their logical values on these grids gives back tinyloop's
+    own codes (a min/max grid would not where a group leaves its top or bottom code unused)."""
     from tinyloop.model.format import open_model
     out = {}
     with open_model(path) as mf:
         for n, tq in mf.header.quant.items():
-            if tq.type == "q4" and tq.group_size == GROUP:
+            if tq.type == "q4" and tq.group_size == group:
                 out[n] = tinyloop_grid(mf.tensors[f"{n}.scales"], mf.tensors[f"{n}.zeros"])
     return out
 
 
-def timed_quantize(logical, cfg, grids=None):
+def timed_quantize(logical, cfg, grids=None, group: int = GROUP):
     t = time.perf_counter()
-    blocks, head, check = quantize_for_torch(logical, cfg, grids)
+    blocks, head, check = quantize_for_torch(logical, cfg, grids, group=group)
     check["quantize_s"] = time.perf_counter() - t
     return blocks, head, check

@@ -299,3 +299,43 @@ def test_weight_sharding_and_merge(tmp_path):
     one = tmp_path / "one"
     one.mkdir()
     assert td.save_weights(arrays, str(one), {}, 1 << 30) == ["model.safetensors"]
+
+
+# ---------------------------------------------------------------- the family's optional features
+FEATURES = {
+    "bias_scale": dict(qkv_bias=True, embed_scale=1.5),
+    "huginn": dict(block_norm="sandwich", loop_inject="adapter", loop_init="zeros", loop_norm="after",
+                   embed_scale=2.0, qkv_bias=True),
+    "ouro": dict(block_norm="sublayer", loop_norm="every", head_norm=False, exit_gate=True, n_pre=0,
+                 n_post=0, loop_inject="none"),
+}
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_optional_features_match_the_oracle(feature):
+    """Biases, the scaled embedding, the sandwich / sublayer-output blocks, the loop adapter from a
+    zero state and the loop norms: the PyTorch forward equals the float64 oracle, and prefill +
+    decode_one (fused projections too) equal the forward."""
+    from tinyloop.model.reference import reference_logits
+    cfg = make_cfg(**FEATURES[feature])
+    m = make_model(cfg, seed=3)
+    assert sorted(n for n, _ in m.named_parameters()) == sorted(required_tensors(cfg))
+    W = {k: v.detach().numpy() for k, v in m.state_dict_logical().items()}
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(4))
+    for L in (1, 3):
+        ref = reference_logits(cfg, W, ids[0].tolist(), L)
+        np.testing.assert_allclose(m(ids[0], L).detach().double().numpy(), ref, atol=3e-5, rtol=0)
+        full = m(ids, L)
+        for fused in (False, True):
+            if fused:
+                m.fuse_projections()
+            m.allocate_cache(batch_size=2)
+            torch.testing.assert_close(m.prefill(ids[:, :5], L), full[:, :5], atol=2e-5, rtol=0)
+            for t in range(5, 12):
+                torch.testing.assert_close(m.decode_one(ids[:, t], t, L), full[:, t], atol=2e-5, rtol=0)
+
+
+def test_model_window_is_refused():
+    from tinyloop.errors import ConfigError
+    with pytest.raises(ConfigError, match="sliding_window"):
+        LoopedLM(make_cfg(sliding_window=4))

@@ -5,23 +5,30 @@ an optional extra (``pip install tinyloop[torch]``); it is imported only by this
 
 Semantics follow arch.py exactly::
 
-    x = embed(ids)
+    x = embed(ids) * embed_scale
     for b in pre:  x = b(x)
-    e = x                                   (loop_inject == "add")
+    e = x; if loop_init == "zeros": x = 0
     for i in range(L):
         if i > 0 and loop_inject == "add": x = x + e
+        if loop_inject == "adapter": x = Ax @ x + Ae @ e
         for b in loop: x = b(x)             (shared weights, reused L times)
+        if loop_norm == "every": x = rmsnorm(x, loop_norm)
+    if loop_norm == "after": x = rmsnorm(x, loop_norm)
     for b in post: x = b(x)
-    logits = rmsnorm(x, final_norm) @ head.T        head = embed when tied_embeddings
-
-    block: x = x + wo @ attn(rope(wq @ n1(x)), rope(wk @ n1(x)), wv @ n1(x))     GQA, causal
+    logits = rmsnorm(x, final_norm) @ head.T        head = embed when tied_embeddings; no norm
+                                                    without head_norm
+    block: x = x + wo @ attn(rope(wq @ n1(x) + bq), rope(wk @ n1(x) + bk), wv @ n1(x) + bv)
            x = x + w_down @ (silu(w_gate @ n2(x)) * (w_up @ n2(x)))
+    (block_norm "sandwich": x = n1o(x + attn(..)), x = n2o(x + mlp(..)); "sublayer":
+    x = x + n1o(attn(..)), x = x + n2o(mlp(..)); biases only with qkv_bias)
+
+The model's own sliding window is not implemented here (refused).
 
 * RMSNorm is computed in float32: ``x * rsqrt(mean(x^2) + eps) * w``, cast back to x's dtype.
 * RoPE uses the half-split convention: for i < hd/2 the pair (x[i], x[i + hd/2]) rotates by
   ``pos * rope_theta ** (-2 i / hd)``; angles are computed in float64, applied in float32.
 * GQA: query head h reads kv head ``h // (n_heads // n_kv_heads)``; scores scaled by 1/sqrt(hd).
-* No biases anywhere. Parameters are registered under the logical names themselves
+* Parameters are registered under the logical names themselves
   (``embed``, ``pre.0.wq``, ``loop.1.w_down``, ``final_norm``, ``head``), so
   :meth:`LoopedLM.state_dict_logical` is a plain rename-free view and equals
   ``required_tensors(config)`` in names, order and shapes.
@@ -51,7 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model.arch import BLOCK_NORMS, ModelConfig, required_tensors
+from .model.arch import BLOCK_BIASES, BLOCK_NORMS, BLOCK_OUT_NORMS, ModelConfig, required_tensors
 from .errors import ConfigError, InvalidInputError, ModelFormatError
 
 __all__ = ["LoopedLM", "rms_norm", "apply_rope", "rope_tables"]
@@ -103,12 +110,21 @@ class Block(nn.Module):
         self.w_gate = nn.Parameter(torch.empty(ff, d))
         self.w_up = nn.Parameter(torch.empty(ff, d))
         self.w_down = nn.Parameter(torch.empty(d, ff))
+        if cfg.qkv_bias:
+            self.bq = nn.Parameter(torch.zeros(q))
+            self.bk = nn.Parameter(torch.zeros(kv))
+            self.bv = nn.Parameter(torch.zeros(kv))
+        if cfg.block_norm != "pre":
+            self.attn_out_norm = nn.Parameter(torch.ones(d))
+            self.mlp_out_norm = nn.Parameter(torch.ones(d))
+        self.style, self.qkv_bias = cfg.block_norm, cfg.qkv_bias
         self.n_heads, self.n_kv, self.hd, self.eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
         self.group = cfg.n_heads // cfg.n_kv_heads
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         # inference copies of [wq; wk; wv] and [w_gate; w_up] (LoopedLM.fuse_projections)
         self.w_qkv: Optional[torch.Tensor] = None
         self.w_gate_up: Optional[torch.Tensor] = None
+        self.b_qkv: Optional[torch.Tensor] = None
 
     def fuse_projections(self) -> None:
         """One matrix for q|k|v and one for gate|up (copies, on the parameters' device and dtype):
@@ -118,13 +134,24 @@ class Block(nn.Module):
         with torch.no_grad():
             self.w_qkv = torch.cat([self.wq, self.wk, self.wv]).detach().contiguous()
             self.w_gate_up = torch.cat([self.w_gate, self.w_up]).detach().contiguous()
+            self.b_qkv = torch.cat([self.bq, self.bk, self.bv]).detach().contiguous() if self.qkv_bias else None
+
+    def residual(self, x, y, out_norm):
+        """x after adding sublayer output y, by the block's norm placement (block_norm)."""
+        if self.style == "sandwich":
+            return rms_norm(x + y, out_norm, self.eps)
+        if self.style == "sublayer":
+            return x + rms_norm(y, out_norm, self.eps)
+        return x + y
 
     def _qkv(self, x, cos, sin):
         B, T, _ = x.shape
         h = rms_norm(x, self.attn_norm, self.eps)
         if self.w_qkv is not None and not self.training:
-            q, k, v = F.linear(h, self.w_qkv).split([self.n_heads * self.hd, self.n_kv * self.hd,
-                                                    self.n_kv * self.hd], dim=-1)
+            q, k, v = F.linear(h, self.w_qkv, self.b_qkv).split([self.n_heads * self.hd, self.n_kv * self.hd,
+                                                                 self.n_kv * self.hd], dim=-1)
+        elif self.qkv_bias:
+            q, k, v = F.linear(h, self.wq, self.bq), F.linear(h, self.wk, self.bk), F.linear(h, self.wv, self.bv)
         else:
             q, k, v = F.linear(h, self.wq), F.linear(h, self.wk), F.linear(h, self.wv)
         q = q.reshape(B, T, self.n_heads, self.hd).transpose(1, 2)
@@ -138,13 +165,14 @@ class Block(nn.Module):
 
     def _finish(self, x, att):
         B, _, T, _ = att.shape
-        x = x + F.linear(att.transpose(1, 2).reshape(B, T, self.n_heads * self.hd), self.wo)
+        x = self.residual(x, F.linear(att.transpose(1, 2).reshape(B, T, self.n_heads * self.hd), self.wo),
+                          getattr(self, "attn_out_norm", None))
         h = rms_norm(x, self.mlp_norm, self.eps)
         if self.w_gate_up is not None and not self.training:
             g, u = F.linear(h, self.w_gate_up).chunk(2, dim=-1)
         else:
             g, u = F.linear(h, self.w_gate), F.linear(h, self.w_up)
-        return x + F.linear(F.silu(g) * u, self.w_down)
+        return self.residual(x, F.linear(F.silu(g) * u, self.w_down), getattr(self, "mlp_out_norm", None))
 
     def forward(self, x, cos, sin, cache_k=None, cache_v=None):
         """Causal block over a full sequence starting at position 0. If cache_k / cache_v
@@ -179,13 +207,7 @@ class LoopedLM(nn.Module):
             raise ConfigError(f"config must be a ModelConfig, got {type(config).__name__}")
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
             raise ConfigError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
-        unsupported = [f for f, on in (("qkv_bias", config.qkv_bias), ("embed_scale", config.embed_scale != 1.0),
-                                       ("sliding_window", config.sliding_window > 0),
-                                       ("block_norm", config.block_norm != "pre"),
-                                       ("loop_inject adapter", config.loop_inject == "adapter"),
-                                       ("loop_init", config.loop_init != "pre"),
-                                       ("loop_norm", config.loop_norm != "none"),
-                                       ("head_norm false", not config.head_norm)) if on]
+        unsupported = [f for f, on in (("sliding_window", config.sliding_window > 0),) if on]
         if unsupported:
             raise ConfigError(f"the PyTorch twin does not implement {unsupported} (the model family's "
                               f"optional features); the float64 oracle and both backends do")
@@ -195,7 +217,16 @@ class LoopedLM(nn.Module):
         self.pre = nn.ModuleList(Block(cfg) for _ in range(cfg.n_pre))
         self.loop = nn.ModuleList(Block(cfg) for _ in range(cfg.n_loop))
         self.post = nn.ModuleList(Block(cfg) for _ in range(cfg.n_post))
-        self.final_norm = nn.Parameter(torch.ones(cfg.d_model))
+        d = cfg.d_model
+        self.final_norm = nn.Parameter(torch.ones(d)) if cfg.head_norm else None
+        if cfg.loop_inject == "adapter":
+            self.loop_adapter_x = nn.Parameter(torch.empty(d, d))
+            self.loop_adapter_e = nn.Parameter(torch.empty(d, d))
+        if cfg.loop_norm != "none":
+            self.loop_norm = nn.Parameter(torch.ones(d))
+        if cfg.exit_gate:
+            self.exit_gate = nn.Parameter(torch.zeros(d))
+            self.exit_gate_bias = nn.Parameter(torch.zeros(1))
         self.head = None if cfg.tied_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -216,8 +247,10 @@ class LoopedLM(nn.Module):
         depth = cfg.n_layers(cfg.default_loops)
         for name, p in self.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
-            if leaf in BLOCK_NORMS or name == "final_norm":
+            if leaf in BLOCK_NORMS + BLOCK_OUT_NORMS or name in ("final_norm", "loop_norm"):
                 p.fill_(1.0)
+            elif leaf in BLOCK_BIASES or name.startswith("exit_gate"):
+                p.zero_()
             elif leaf in ("wo", "w_down"):
                 p.normal_(0.0, std / math.sqrt(2 * depth), generator=generator)
             else:
@@ -289,32 +322,55 @@ class LoopedLM(nn.Module):
             raise InvalidInputError(f"sequence length {ids.shape[1]} exceeds max_seq_len={self.max_seq_len}")
         return ids, squeeze
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(x, self.final_norm, self.config.norm_eps), self.head_weight())
+    def _logits(self, x: torch.Tensor, head=None) -> torch.Tensor:
+        """The head on the final state (through the final norm when the model has one); `head`
+        replaces F.linear with the head weight (an INT4 baseline's matmul)."""
+        if self.final_norm is not None:
+            x = rms_norm(x, self.final_norm, self.config.norm_eps)
+        return F.linear(x, self.head_weight()) if head is None else head(x)
 
-    def _trunk(self, x: torch.Tensor, loops: int, block_fn) -> torch.Tensor:
-        """Runs the family's structure; block_fn(block, x, cache_layer) applies one block."""
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(ids, self.embed)
+        s = self.config.embed_scale
+        return x * s if s != 1.0 else x
+
+    def _trunk(self, x: torch.Tensor, loops: int, block_fn, linear=None) -> torch.Tensor:
+        """Runs the family's structure; block_fn(block, x, cache_layer) applies one block;
+        `linear(x, name)` replaces F.linear with the named model-level matrix (the loop adapter)."""
         cfg = self.config
+        if linear is None:
+            def linear(v, name):
+                return F.linear(v, getattr(self, name))
         for i, b in enumerate(self.pre):
             x = block_fn(b, x, cfg.cache_layer("pre", i))
-        e = x if cfg.loop_inject == "add" else None
+        e = x
+        if cfg.loop_inject == "adapter":
+            e = linear(x, "loop_adapter_e")
+        if cfg.loop_init == "zeros":
+            x = torch.zeros_like(x)
         for it in range(loops):
-            if e is not None and it > 0:
+            if cfg.loop_inject == "add" and it > 0:
                 x = x + e
+            elif cfg.loop_inject == "adapter":
+                x = linear(x, "loop_adapter_x") + e
             for j, b in enumerate(self.loop):
                 x = block_fn(b, x, cfg.cache_layer("loop", j, iteration=it))
+            if cfg.loop_norm == "every":
+                x = rms_norm(x, self.loop_norm, cfg.norm_eps)
+        if cfg.loop_norm == "after":
+            x = rms_norm(x, self.loop_norm, cfg.norm_eps)
         for i, b in enumerate(self.post):
             x = block_fn(b, x, cfg.cache_layer("post", i, loops=loops))
         return x
 
     # ------------------------------------------------------------------ training forward
     def hidden(self, ids: torch.Tensor, loops: Optional[int] = None) -> torch.Tensor:
-        """Final residual (B, T, d_model) before the final norm."""
+        """Final state (B, T, d_model) before the final norm (after the loop norm)."""
         loops = self._check_loops(loops)
         ids, _ = self._check_ids(ids)
         T = ids.shape[1]
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-        x = F.embedding(ids, self.embed)
+        x = self._embed(ids)
         return self._trunk(x, loops, lambda b, x, layer: b(x, cos, sin))
 
     def forward(self, ids: torch.Tensor, loops: Optional[int] = None) -> torch.Tensor:
@@ -354,7 +410,7 @@ class LoopedLM(nn.Module):
             raise InvalidInputError(f"prompt of {T} tokens exceeds the cache length {self.k_cache.shape[3]}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         kc, vc = self.k_cache, self.v_cache
-        x = F.embedding(ids, self.embed)
+        x = self._embed(ids)
         x = self._trunk(x, loops, lambda b, x, layer: b(x, cos, sin, kc[layer], vc[layer]))
         logits = self._logits(x)
         return logits[0] if squeeze else logits
@@ -381,6 +437,6 @@ class LoopedLM(nn.Module):
         cos, sin = self.rope_cos[pos_idx], self.rope_sin[pos_idx]          # (1, hd/2)
         mask = (self._positions[:S] <= pos_idx).view(1, 1, 1, S)          # (1, 1, 1, S) bool
         kc, vc = self.k_cache, self.v_cache
-        x = F.embedding(token, self.embed)                                   # (B, 1, d)
+        x = self._embed(token)                                               # (B, 1, d)
         x = self._trunk(x, loops, lambda b, x, layer: b.step(x, cos, sin, pos_idx, mask, kc[layer], vc[layer]))
         return self._logits(x)[:, 0]
