@@ -135,6 +135,31 @@ def test_matmul_fused_norm_gpu(kind, group):
 
 
 # =============================================================================== others
+def test_norm_add_gpu():
+    """x += rmsnorm(y) * w: float64 reference, == rmsnorm then add bit for bit, rows alone."""
+    from tinyloop.cuda.kernels import norm_add
+    rng = np.random.default_rng(7)
+    T, Dm = 9, 5280
+    x = rng.standard_normal((T, Dm)).astype(np.float32)
+    y = (3 * rng.standard_normal((T, Dm))).astype(np.float32)
+    w = rng.standard_normal(Dm).astype(np.float32)
+    xd = D(x)
+    norm_add.norm_add(xd, D(y), D(w), 1e-6)
+    got = host(xd)
+    close(got, x + ref_rmsnorm(y, w, 1e-6), 1e-5)
+    h = D(np.zeros((T, Dm), np.float32))
+    rmsnorm.rmsnorm(h, D(y), D(w), 1e-6)
+    two = D(x)
+    add.add(two, h)
+    assert np.array_equal(host(two), got)
+
+    def one(t):
+        o = D(x[t:t + 1])
+        norm_add.norm_add(o, D(y[t:t + 1]), D(w), 1e-6)
+        return host(o)[0]
+    assert np.array_equal(rows_alone(one, T), got)
+
+
 def test_rmsnorm_add_swiglu_embed_gpu():
     rng = np.random.default_rng(1)
     T, Dm = 9, 4096

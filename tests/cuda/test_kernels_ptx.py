@@ -77,7 +77,7 @@ def test_compiles_for_sm90(cc90_device, name, fn, sig):
     if name.startswith("kv_store"):
         # rint half to even (cvt.rni), the warp max butterflies
         assert "cvt.rni.f32.f32" in ptx and "shfl.sync.bfly" in ptx
-    if name.startswith(("matmul", "rmsnorm", "attention", "swiglu", "add", "embed", "argmax", "rope",
+    if name.startswith(("matmul", "rmsnorm", "norm_add", "attention", "swiglu", "add", "embed", "argmax", "rope",
                         "kv_store", "token_mask")):
         # No accidental float64 arithmetic (an untyped 0.0 literal promotes a float32 chain);
         # rope reads cos/sin from a float32 table (only sample uses float64, on purpose).

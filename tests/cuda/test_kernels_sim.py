@@ -439,6 +439,31 @@ def test_rmsnorm():
     assert np.array_equal(host(xd), got)
 
 
+def test_norm_add():
+    """x += rmsnorm(y) * w against float64, == rmsnorm into a scratch row then add (bit for
+    bit), one row alone == the row in a launch of three."""
+    from tinyloop.cuda.kernels import norm_add
+    rng = np.random.default_rng(4)
+    T, Dm = 3, 300
+    x = rng.standard_normal((T, Dm)).astype(np.float32)
+    y = (3 * rng.standard_normal((T, Dm))).astype(np.float32)
+    w = rng.standard_normal(Dm).astype(np.float32)
+    xd = D(x)
+    norm_add.norm_add(xd, D(y), D(w), 1e-5)
+    got = host(xd)
+    close(got, x + ref_rmsnorm(y, w, 1e-5), 1e-5)
+    h = D(np.zeros((T, Dm), np.float32))
+    rmsnorm.rmsnorm(h, D(y), D(w), 1e-5)
+    two = D(x)
+    add.add(two, h)
+    assert np.array_equal(host(two), got)
+    x1 = D(x[1:2])
+    norm_add.norm_add(x1, D(y[1:2]), D(w), 1e-5)
+    assert np.array_equal(host(x1)[0], got[1])
+    with pytest.raises(BackendError, match="shape"):
+        norm_add.norm_add(xd, D(y[:2]), D(w), 1e-5)
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # simulator exp(100)
 def test_advance_position():
     from tinyloop.cuda.kernels import position

@@ -275,6 +275,9 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
     def rmsnorm(self, x, w, out, T: int) -> None:
         ops.rmsnorm(x, w, out, T, self.cfg.norm_eps)
 
+    def norm_add(self, x, y, w, T: int) -> None:
+        ops.norm_add(x, y, w, T, self.cfg.norm_eps)
+
     def matmul(self, x, W, out, T: int, accumulate: bool = False) -> None:
         with self._par:
             ops.matmul(x, W, out, T, accumulate)

@@ -76,6 +76,17 @@ def rmsnorm(x, w, out, T, eps):
 
 
 @njit(**_SEQ)
+def norm_add(x, y, w, T, eps):
+    """x[t] += y[t] / sqrt(mean(y[t]^2) + eps) * w: rmsnorm's terms (same order), then the add."""
+    K = y.shape[1]
+    for t in range(T):
+        ss = _dot(y[t], y[t], K)
+        r = float32(1.0) / np.sqrt(ss / float32(K) + float32(eps))
+        for k in range(K):
+            x[t, k] = x[t, k] + y[t, k] * r * w[k]
+
+
+@njit(**_SEQ)
 def embed(table, ids, out, T):
     """out[t] = table[ids[t]]."""
     for t in range(T):

@@ -75,6 +75,7 @@ from .kernels import add as k_add
 from .kernels import argmax as k_argmax
 from .kernels import attention as k_attention
 from .kernels import bias as k_bias
+from .kernels import norm_add as k_norm_add
 from .kernels import cache_move as k_cache_move
 from .kernels import embed as k_embed
 from .kernels import exit_probe as k_exit_probe
@@ -967,6 +968,9 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
 
     def copy(self, dst, src, T: int) -> None:
         dst[:T].copy_to_device(src[:T], stream=self.stream)
+
+    def norm_add(self, x, y, w, T: int) -> None:
+        k_norm_add.norm_add(x[:T], y[:T], w.w, self.cfg.norm_eps, stream=self.stream)
 
     def zero(self, x, T: int) -> None:
         self._memset0(x[:T])

@@ -311,6 +311,12 @@ class Backend(ABC):
         raise BackendError(f"the {self.name} backend has no zero op, which models with "
                            f"loop_init='zeros' need")
 
+    def norm_add(self, x, y, w, T: int) -> None:
+        """x += rmsnorm(y) * w (y may be clobbered): a sublayer's normed output added to the
+        residual. Default: rmsnorm in place, then add (a backend fuses them)."""
+        self.rmsnorm(y, w, y, T)
+        self.add(x, y, T)
+
     def sublayer_out(self, ws: Workspace, src, W, out_norm, T: int) -> None:
         """The residual update by one sublayer's output W @ src, as the model's block_norm
         places its norms: x += W @ src ("pre"); x = norm(x + W @ src) ("sandwich"); x +=
@@ -318,8 +324,7 @@ class Backend(ABC):
         style = self.cfg.block_norm
         if style == "sublayer":
             self.matmul(src, W, ws.h, T)
-            self.rmsnorm(ws.h, out_norm, ws.h, T)
-            self.add(ws.x, ws.h, T)
+            self.norm_add(ws.x, ws.h, out_norm, T)
             return
         self.matmul(src, W, ws.x, T, accumulate=True)
         if style == "sandwich":

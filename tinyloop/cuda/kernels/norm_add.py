@@ -1,0 +1,61 @@
+"""Residual add of a normed sublayer output: ``x[t, k] += (y[t, k] * inv_rms(y[t])) * w[k]``
+(block_norm "sublayer", Ouro's decoder layer: x = x + norm(sublayer(h))).
+
+Shapes (T rows, D features)::
+
+    x    float32 (T, D)      updated in place
+    y    float32 (T, D)      the sublayer's output (read only)
+    w    float32 (D,)        the norm weight
+
+Thread mapping and reduction: rmsnorm.py's, exactly (one block of NT = 256 threads per row,
+`rmsnorm.sumsq_partial` then `_common.block_sum`, `rmsnorm.inv_rms`), so the added term has the bits
+rmsnorm would write and the result equals rmsnorm into a scratch row followed by add.py, in one
+launch instead of two. Batch-invariant as rmsnorm is.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, float32
+
+from ...errors import BackendError
+from ._common import block_sum, check_array
+from ._pdl import grid_dep_wait
+from .rmsnorm import NT, NW, check_eps, inv_rms, sumsq_partial
+
+
+@cuda.jit
+def _norm_add_kernel(x, y, w, eps):
+    grid_dep_wait()
+    D = y.shape[1]
+    t = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    warp = tid // 32
+    lane = tid % 32
+    scratch = cuda.shared.array((NW, 32), float32)
+    part = cuda.shared.array(NW, float32)
+    ss = sumsq_partial(y, t, tid, D)
+    ss = block_sum(ss, scratch, part, warp, lane, NW)
+    inv = inv_rms(ss, D, eps)
+    for k in range(tid, D, NT):
+        x[t, k] = x[t, k] + (y[t, k] * inv) * w[k]
+
+
+def norm_add(x, y, w, eps, stream=0):
+    """``x += y / sqrt(mean(y^2, axis=1) + eps) * w`` row by row (x must not be y)."""
+    op = "norm_add"
+    check_array(op, "x", x, np.float32, 2)
+    T, D = x.shape
+    check_array(op, "y", y, np.float32, 2, (T, D))
+    check_array(op, "w", w, np.float32, 1, (D,))
+    if D == 0:
+        raise BackendError(f"{op}: empty feature dimension")
+    eps = check_eps(op, eps)
+    if T == 0:
+        return
+    _norm_add_kernel[T, NT, stream](x, y, w, eps)
+
+
+def ptx_signatures():
+    return [("norm_add", _norm_add_kernel.py_func,
+             "void(float32[:, ::1], float32[:, ::1], float32[::1], float32)")]
