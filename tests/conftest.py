@@ -89,3 +89,35 @@ def demo_pair():
     yield cpu, gpu
     tl.free_model(cpu)
     tl.free_model(gpu)
+
+
+def check_decode_modes(model, prompt, loops: int = 4, draft: int = 2, tokens: int = 12) -> None:
+    """Every cache mode, chain and tree speculation, warm start, prefix reuse and early exit (both
+    K/V policies) run on `model`, and the exact ones give plain greedy decoding's tokens."""
+    import tinyloop as tl
+    plain = tl.generate(model, prompt, tl.GenerateConfig(max_tokens=tokens, loops=loops))
+    for mode in ("fp32", "fp16", "int8", "int4"):
+        out = tl.generate(model, prompt, tl.GenerateConfig(max_tokens=tokens, loops=loops, cache_mode=mode))
+        assert len(out) == len(prompt) + tokens
+    spec = tl.SpeculativeConfig(max_tokens=tokens, draft_loops=draft, verify_loops=loops, draft_ahead=3)
+    assert tl.generate_speculative(model, prompt, spec) == plain
+    tree = tl.TreeSpeculativeConfig(max_tokens=tokens, draft_loops=draft, verify_loops=loops)
+    assert tl.generate_tree_speculative(model, prompt, tree) == plain
+    handle = tl.build_resume_handle(model, prompt, draft)
+    try:
+        assert tl.resume_generate(handle, loops, tl.GenerateConfig(max_tokens=tokens)) == plain
+    finally:
+        tl.free_resume_handle(handle)
+    pc = tl.build_prefix_cache(model, prompt[:8], loops=loops)
+    try:
+        got = tl.generate_from_prefix_cache(model, pc, prompt[8:], tl.GenerateConfig(max_tokens=tokens, loops=loops))
+        assert got == plain
+    finally:
+        tl.free_prefix_cache(pc)
+    for kv in ("copy_last", "recompute"):
+        st = tl.GenerateStats()
+        ee = tl.GenerateConfig(max_tokens=tokens, loops=loops, early_exit_patience=1, early_exit_min_L=1,
+                               early_exit_criterion="hidden_l2", early_exit_threshold=0.5, early_exit_kv=kv)
+        out = tl.generate(model, prompt, ee, stats=st)
+        assert len(out) == len(prompt) + tokens and 1 <= st.loops_used <= loops
+        assert len(st.token_loops) == tokens

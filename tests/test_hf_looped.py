@@ -22,6 +22,8 @@ from tinyloop.errors import ConfigError, ModelFormatError  # noqa: E402
 from tinyloop.model.format import open_model  # noqa: E402
 from tinyloop.model.hf_looped import interleaved_to_half  # noqa: E402
 
+from conftest import check_decode_modes  # noqa: E402
+
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 64, 128, 11, 200, 31]
 V = 300
 
@@ -354,32 +356,7 @@ def test_modes_run_on_converted_looped_layouts(layout, tmp_path):
     path = _convert(src, tmp_path, quant="q4", group_size=16, max_loops=6)
     model = tl.load_model(path, backend="cpu", max_seq_len=96)
     try:
-        plain = tl.generate(model, PROMPT, tl.GenerateConfig(max_tokens=12, loops=4))
-        for mode in ("fp32", "fp16", "int8", "int4"):
-            out = tl.generate(model, PROMPT, tl.GenerateConfig(max_tokens=12, loops=4, cache_mode=mode))
-            assert len(out) == len(PROMPT) + 12
-        spec = tl.SpeculativeConfig(max_tokens=12, draft_loops=2, verify_loops=4, draft_ahead=3)
-        assert tl.generate_speculative(model, PROMPT, spec) == plain
-        tree = tl.TreeSpeculativeConfig(max_tokens=12, draft_loops=2, verify_loops=4)
-        assert tl.generate_tree_speculative(model, PROMPT, tree) == plain
-        handle = tl.build_resume_handle(model, PROMPT, 2)
-        try:
-            assert tl.resume_generate(handle, 4, tl.GenerateConfig(max_tokens=12)) == plain
-        finally:
-            tl.free_resume_handle(handle)
-        pc = tl.build_prefix_cache(model, PROMPT[:8], loops=4)
-        try:
-            got = tl.generate_from_prefix_cache(model, pc, PROMPT[8:], tl.GenerateConfig(max_tokens=12, loops=4))
-            assert got == plain
-        finally:
-            tl.free_prefix_cache(pc)
-        for kv in ("copy_last", "recompute"):
-            st = tl.GenerateStats()
-            ee = tl.GenerateConfig(max_tokens=12, loops=4, early_exit_patience=1, early_exit_min_L=1,
-                                   early_exit_criterion="hidden_l2", early_exit_threshold=0.5,
-                                   early_exit_kv=kv)
-            out = tl.generate(model, PROMPT, ee, stats=st)
-            assert len(out) == len(PROMPT) + 12 and 1 <= st.loops_used <= 4 and len(st.token_loops) == 12
+        check_decode_modes(model, PROMPT)
     finally:
         tl.free_model(model)
 

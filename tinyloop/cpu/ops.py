@@ -64,13 +64,17 @@ def matmul(x, W, out, T, accumulate):
                 out[t, n] = s
 
 
+@njit(inline="always", **_SEQ)
+def _inv_rms(row, K, eps):
+    return float32(1.0) / np.sqrt(_dot(row, row, K) / float32(K) + float32(eps))
+
+
 @njit(**_SEQ)
 def rmsnorm(x, w, out, T, eps):
     """out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w."""
     K = x.shape[1]
     for t in range(T):
-        ss = _dot(x[t], x[t], K)
-        r = float32(1.0) / np.sqrt(ss / float32(K) + float32(eps))
+        r = _inv_rms(x[t], K, eps)
         for k in range(K):
             out[t, k] = x[t, k] * r * w[k]
 
@@ -80,8 +84,7 @@ def norm_add(x, y, w, T, eps):
     """x[t] += y[t] / sqrt(mean(y[t]^2) + eps) * w: rmsnorm's terms (same order), then the add."""
     K = y.shape[1]
     for t in range(T):
-        ss = _dot(y[t], y[t], K)
-        r = float32(1.0) / np.sqrt(ss / float32(K) + float32(eps))
+        r = _inv_rms(y[t], K, eps)
         for k in range(K):
             x[t, k] = x[t, k] + y[t, k] * r * w[k]
 

@@ -327,27 +327,6 @@ class TensorQuant:
     group_size: int = 0
     """Elements per quantization group along the input dimension (qN only); a multiple of 8."""
 
-    block_norm: str = "pre"
-    """Where a block's norms sit: "pre" (a norm before each sublayer, Llama), "sandwich" (also a
-    norm after each residual add, Huginn's block), "sublayer" (also a norm on each sublayer's
-    output before the residual add, Ouro's decoder layer). The two extra norms are the block
-    tensors attn_out_norm and mlp_out_norm."""
-    loop_init: str = "pre"
-    """The loop's initial state: "pre" (the pre blocks' output) or "zeros" (the pre blocks'
-    output only reaches the loop through the adapter: needs loop_inject "adapter"; Huginn at
-    init_scale 0, deterministic)."""
-    loop_norm: str = "none"
-    """A norm (tensor loop_norm) on the loop's state: "after" the last iteration (Huginn applies
-    its final norm there as well as before the head), after "every" iteration (Ouro's steps
-    each end in the model norm, and the next step starts from the normed state), or "none"."""
-    head_norm: bool = True
-    """When false the head reads the final state directly and there is no final_norm tensor
-    (Ouro: its loop already ends in the norm)."""
-    exit_gate: bool = False
-    """When true the file holds a learned per-iteration exit gate, the logit
-    exit_gate . state + exit_gate_bias of the state after each loop iteration (Ouro's); the
-    early-exit criterion "gate" exits when its cumulative exit probability passes a threshold."""
-
     def __post_init__(self) -> None:
         if self.type not in QUANT_TYPES:
             raise ConfigError(f"quantization type {self.type!r} is not one of {QUANT_TYPES}")

@@ -8,7 +8,7 @@ Shapes (T rows, D features)::
     w    float32 (D,)        the norm weight
 
 Thread mapping and reduction: rmsnorm.py's, exactly (one block of NT = 256 threads per row,
-`rmsnorm.sumsq_partial` then `_common.block_sum`, `rmsnorm.inv_rms`), so the added term has the bits
+`rmsnorm.row_inv_rms`), so the added term has the bits
 rmsnorm would write and the result equals rmsnorm into a scratch row followed by add.py, in one
 launch instead of two. Batch-invariant as rmsnorm is.
 """
@@ -16,12 +16,12 @@ launch instead of two. Batch-invariant as rmsnorm is.
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda
 
 from ...errors import BackendError
-from ._common import block_sum, check_array
+from ._common import check_array
 from ._pdl import grid_dep_wait
-from .rmsnorm import NT, NW, check_eps, inv_rms, sumsq_partial
+from .rmsnorm import NT, check_eps, row_inv_rms
 
 
 @cuda.jit
@@ -30,13 +30,7 @@ def _norm_add_kernel(x, y, w, eps):
     D = y.shape[1]
     t = cuda.blockIdx.x
     tid = cuda.threadIdx.x
-    warp = tid // 32
-    lane = tid % 32
-    scratch = cuda.shared.array((NW, 32), float32)
-    part = cuda.shared.array(NW, float32)
-    ss = sumsq_partial(y, t, tid, D)
-    ss = block_sum(ss, scratch, part, warp, lane, NW)
-    inv = inv_rms(ss, D, eps)
+    inv = row_inv_rms(y, t, eps)
     for k in range(tid, D, NT):
         x[t, k] = x[t, k] + (y[t, k] * inv) * w[k]
 

@@ -50,19 +50,26 @@ def inv_rms(ss, D, eps):
     return float32(1.0) / math.sqrt(ss / float32(D) + eps)
 
 
+@cuda.jit(device=True)
+def row_inv_rms(x, t, eps):
+    """``1 / sqrt(mean(x[t]^2) + eps)`` of row t, computed by the whole block of NT threads
+    (every thread gets it; call from uniform control flow)."""
+    D = x.shape[1]
+    tid = cuda.threadIdx.x
+    scratch = cuda.shared.array((NW, 32), float32)
+    part = cuda.shared.array(NW, float32)
+    ss = sumsq_partial(x, t, tid, D)
+    ss = block_sum(ss, scratch, part, tid // 32, tid % 32, NW)
+    return inv_rms(ss, D, eps)
+
+
 @cuda.jit
 def _rmsnorm_kernel(out, x, w, eps):
     grid_dep_wait()
     D = x.shape[1]
     t = cuda.blockIdx.x
     tid = cuda.threadIdx.x
-    warp = tid // 32
-    lane = tid % 32
-    scratch = cuda.shared.array((NW, 32), float32)
-    part = cuda.shared.array(NW, float32)
-    ss = sumsq_partial(x, t, tid, D)
-    ss = block_sum(ss, scratch, part, warp, lane, NW)
-    inv = inv_rms(ss, D, eps)
+    inv = row_inv_rms(x, t, eps)
     # x is read again after the block sum's barriers, so out may alias x: each element is
     # read and written by the same thread.
     for k in range(tid, D, NT):
