@@ -32,7 +32,12 @@ def _print_text(d: dict, out) -> None:
       f"bos {cfg['bos_id']}, eos {cfg['eos_id']}")
     extras = [name for name, on in (("qkv_bias", cfg.get("qkv_bias")),
                                     (f"embed_scale {cfg.get('embed_scale', 1.0):g}", cfg.get("embed_scale", 1.0) != 1.0),
-                                    (f"sliding_window {cfg.get('sliding_window', 0)}", cfg.get("sliding_window", 0)))
+                                    (f"sliding_window {cfg.get('sliding_window', 0)}", cfg.get("sliding_window", 0)),
+                                    (f"block_norm {cfg.get('block_norm')}", cfg.get("block_norm", "pre") != "pre"),
+                                    (f"loop_init {cfg.get('loop_init')}", cfg.get("loop_init", "pre") != "pre"),
+                                    (f"loop_norm {cfg.get('loop_norm')}", cfg.get("loop_norm", "none") != "none"),
+                                    ("no head norm", not cfg.get("head_norm", True)),
+                                    ("exit_gate", cfg.get("exit_gate", False)))
               if on]
     if extras:
         w("  family features: " + ", ".join(extras))
