@@ -440,3 +440,20 @@ def test_gate_criterion_bad_input(kw, exc, match, tmp_path):
                                                        early_exit_criterion="gate"))
     finally:
         tl.free_model(hug)
+
+
+def test_cli_converts_both_layouts(tmp_path):
+    import subprocess
+    import sys
+    for layout in ("huginn", "ouro"):
+        _, _, src = _checkpoint(tmp_path, layout, seed=13)
+        out = str(tmp_path / f"{layout}.tinyloop")
+        r = subprocess.run([sys.executable, "-m", "tinyloop", "convert", "--hf", src, "-o", out, "--quant", "q8",
+                            "--group-size", "16", "--loops", "2"], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert LAYOUTS[layout][0]["architectures"][0] in r.stdout
+        with open_model(out) as mf:
+            assert mf.header.config.default_loops == 2
+        r = subprocess.run([sys.executable, "-m", "tinyloop", "convert", "--hf", src, "-o", out, "--loop-layers", "0:1"],
+                           capture_output=True, text=True)
+        assert r.returncode == 2 and "loop-layers" in r.stderr
