@@ -2,9 +2,10 @@
 ``tokenizer.json``) of a Llama-family architecture mapped onto the model family.
 
 Supported ``architectures`` (config.json): LlamaForCausalLM, MistralForCausalLM (its sliding
-window becomes ModelConfig.sliding_window) and Qwen2ForCausalLM (q/k/v biases: qkv_bias). These
-checkpoints keep RoPE in the half-split ("rotate_half") layout the kernels use, so no rows are
-permuted. Every layer is a pre-norm SwiGLU block with an RMSNorm; both config styles are read
+window becomes ModelConfig.sliding_window) and Qwen2ForCausalLM (q/k/v biases: qkv_bias), planned
+here, and the looped layouts RavenForCausalLM (Huginn-0125) and OuroForCausalLM, planned in
+tinyloop.model.hf_looped. The Llama-family checkpoints keep RoPE in the half-split
+("rotate_half") layout the kernels use, so no rows are permuted. Every layer is a pre-norm SwiGLU block with an RMSNorm; both config styles are read
 (``rope_theta`` / ``rope_scaling`` at the top, or transformers 5's ``rope_parameters``).
 
 Layers become the family's parts:
@@ -36,8 +37,6 @@ from .arch import ModelConfig, block_tensors, required_tensors
 #: (Huginn-0125's raven, Ouro) are planned in tinyloop.model.hf_looped
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "RavenForCausalLM",
                  "OuroForCausalLM")
-#: looped layouts named in the roadmap whose import is not built yet (refused by name)
-NOT_BUILT: Dict[str, str] = {}
 
 _LAYER = "model.layers.{i}."
 _BLOCK_MAP = {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
@@ -243,9 +242,6 @@ def plan_hf(model_dir: str, index: Mapping[str, object], *, loop_layers=None, lo
     arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
     if arch is None:
         raise ModelFormatError(f"config.json has no architectures entry (one of {list(ARCHITECTURES)})")
-    if arch in NOT_BUILT:
-        raise ModelFormatError(f"{arch} ({NOT_BUILT[arch]}) import is not built yet; supported: "
-                               f"{list(ARCHITECTURES)}")
     if arch not in ARCHITECTURES:
         raise ModelFormatError(f"architecture {arch!r} is not supported; supported: {list(ARCHITECTURES)}")
     problems: List[str] = []
