@@ -19,7 +19,7 @@ import numpy as np
 from numba import cuda
 
 from ...errors import BackendError
-from ._common import check_array
+from ._common import check_array, mul_rn
 from ._pdl import grid_dep_wait
 from .rmsnorm import NT, check_eps, row_inv_rms
 
@@ -32,7 +32,9 @@ def _norm_add_kernel(x, y, w, eps):
     tid = cuda.threadIdx.x
     inv = row_inv_rms(y, t, eps)
     for k in range(tid, D, NT):
-        x[t, k] = x[t, k] + (y[t, k] * inv) * w[k]
+        # the product rounded once before the add (mul_rn: ptxas would contract it into an fma),
+        # so the term is rmsnorm's stored value
+        x[t, k] = x[t, k] + mul_rn(y[t, k] * inv, w[k])
 
 
 def norm_add(x, y, w, eps, stream=0):
