@@ -15,13 +15,11 @@ launch instead of two. Batch-invariant as rmsnorm is.
 
 from __future__ import annotations
 
-import numpy as np
 from numba import cuda
 
-from ...errors import BackendError
-from ._common import check_array, mul_rn
+from ._common import mul_rn
 from ._pdl import grid_dep_wait
-from .rmsnorm import NT, check_eps, row_inv_rms
+from .rmsnorm import NT, check_row_args, row_inv_rms
 
 
 @cuda.jit
@@ -39,14 +37,7 @@ def _norm_add_kernel(x, y, w, eps):
 
 def norm_add(x, y, w, eps, stream=0):
     """``x += y / sqrt(mean(y^2, axis=1) + eps) * w`` row by row (x must not be y)."""
-    op = "norm_add"
-    check_array(op, "x", x, np.float32, 2)
-    T, D = x.shape
-    check_array(op, "y", y, np.float32, 2, (T, D))
-    check_array(op, "w", w, np.float32, 1, (D,))
-    if D == 0:
-        raise BackendError(f"{op}: empty feature dimension")
-    eps = check_eps(op, eps)
+    T, eps = check_row_args("norm_add", ("x", x), ("y", y), w, eps)
     if T == 0:
         return
     _norm_add_kernel[T, NT, stream](x, y, w, eps)

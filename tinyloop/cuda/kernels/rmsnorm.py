@@ -79,17 +79,24 @@ def _rmsnorm_kernel(out, x, w, eps):
 def rmsnorm(out, x, w, eps, stream=0):
     """``out = x / sqrt(mean(x^2, axis=1) + eps) * w`` row by row; out may be x. `eps` is a
     model constant (a Python float, cast to float32)."""
-    op = "rmsnorm"
-    check_array(op, "x", x, np.float32, 2)
-    T, D = x.shape
-    check_array(op, "out", out, np.float32, 2, (T, D))
-    check_array(op, "w", w, np.float32, 1, (D,))
-    if D == 0:
-        raise BackendError(f"{op}: empty feature dimension")
-    eps = check_eps(op, eps)
+    T, eps = check_row_args("rmsnorm", ("x", x), ("out", out), w, eps)
     if T == 0:
         return
     _rmsnorm_kernel[T, NT, stream](out, x, w, eps)
+
+
+def check_row_args(op, src, dst, w, eps):
+    """The row-norm launchers' shared checks: `src` (whose shape is taken) and `dst` are (name, array) pairs of float32
+    (T, D) arrays with D > 0, `w` float32 (D,), `eps` finite and >= 0. Returns (T, eps as
+    float32); raises BackendError naming `op` and the argument."""
+    (src_name, x), (dst_name, out) = src, dst
+    check_array(op, src_name, x, np.float32, 2)
+    T, D = x.shape
+    check_array(op, dst_name, out, np.float32, 2, (T, D))
+    check_array(op, "w", w, np.float32, 1, (D,))
+    if D == 0:
+        raise BackendError(f"{op}: empty feature dimension")
+    return T, check_eps(op, eps)
 
 
 def check_eps(op, eps):
