@@ -49,3 +49,25 @@ def test_no_5xx_and_responses_match_the_schema(api_schema, route):
         # max_seq_len, loops past max_loops): a documented 400, not a failure
         case.call_and_validate(excluded_checks=[positive_data_acceptance])
     run()
+
+
+LONG = " ".join(str(i) for i in range(300))         # ~590 demo tokens, max_seq_len is 128
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "Once", "max_tokens": 3, "stream": True},
+    {"prompt": ["a", "b"], "max_tokens": 2, "stream": True, "echo": True,
+     "stream_options": {"include_usage": True}},
+    {"prompt": LONG, "max_tokens": 2, "stream": True},           # past max_seq_len: a 400 before any event
+])
+def test_streamed_events_match_the_schema(api_schema, body):
+    """Every server-sent event of a streamed completion (chunks, the usage chunk, [DONE]) matches
+    the documented event schema; random generation reaches stream=true only now and then."""
+    op = next(o for o in operations(api_schema) if o.path == "/v1/completions")
+    case = op.Case(body={"model": "demo", **body}, media_type="application/json")
+    response = case.call_and_validate(excluded_checks=[positive_data_acceptance])
+    if body["prompt"] == LONG:
+        assert response.status_code == 400
+    else:
+        assert response.status_code == 200
+        assert response.text.endswith("data: [DONE]\n\n") and response.text.count("data: ") >= 3

@@ -238,6 +238,20 @@ def _tinyloop_error(exc: TinyLoopError, retry_after: int):
 
 # =============================================================================== the app
 #: Routes counted by name in tinyloop_requests_total; any other path counts as "other".
+#: One server-sent event of a streamed completion, as OpenAPI before 3.2 documents an event
+#: stream (the media type's schema describes each event): its data is a JSON chunk (the
+#: Completion object with one choice, ``tinyloop`` stats and finish_reason on the choice's last
+#: chunk), the usage chunk (stream_options.include_usage), an error body, or ``[DONE]`` last.
+SSE_EVENT_SCHEMA = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {"type": "string", "minLength": 1,
+                 "description": "a JSON completion chunk, usage chunk or error body; [DONE] ends the stream"},
+        "event": {"type": "string", "const": "message"},
+    },
+}
+
 ROUTES = frozenset({"/v1/completions", "/v1/models", "/health", "/metrics", "/", "/openapi.json", "/docs"})
 
 
@@ -284,7 +298,7 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
     app.state.served = served
     app.add_middleware(_CountResponses, counter=served.metrics.requests)
     errors = {400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 429: {"model": ErrorResponse},
-              200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+              200: {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
                     "description": "A completion (JSON), or with stream=true server-sent events"}}
 
     @app.exception_handler(RequestValidationError)
