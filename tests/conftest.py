@@ -12,6 +12,13 @@ TINY = dict(vocab_size=97, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96, n_pre=1
             default_loops=3, max_loops=8, loop_inject="add", eos_id=None)
 
 
+def pytest_configure(config):
+    import numba
+    if numba.config.ENABLE_CUDASIM:
+        import sim_fast
+        sim_fast.install()      # the simulator's barriers and shared arrays, without its overheads
+
+
 def real_gpu() -> bool:
     """A real CUDA GPU (not numba's simulator, which the tests/cuda runners use)."""
     try:

@@ -80,10 +80,13 @@ if not SIM:
         return cuda.libdevice.fmul_rn(a, b)
 
 else:  # CUDA simulator twins: same butterfly, through shared memory.
-    # Each lane publishes its value, reads all 32, and replays the whole butterfly locally (every
-    # lane's partial at every step, self + partner in that order), so the result is bit for bit the
-    # shuffle version's, with two barriers instead of one per step (the simulator's barriers are
-    # what makes it slow).
+    # Each lane publishes its value, reads all 32, and replays the butterfly locally, so the result
+    # is bit for bit the shuffle version's, with two barriers instead of one per step (the
+    # simulator's barriers are what makes it slow). warp_max replays every lane's partial at every
+    # step (self, partner in that order: Python's max is not symmetric in a NaN). warp_sum needs
+    # only lane 0's tree: at each step lanes i and i^o add the same two float32 values (addition is
+    # commutative), so every lane ends with lane 0's bits; its 31 adds are the ones lane 0 of the
+    # shuffle version makes, v[i] + v[i + o] for i < o.
 
     @cuda.jit(device=True)
     def _replay(v, scratch, warp, lane, combine):
@@ -100,7 +103,15 @@ else:  # CUDA simulator twins: same butterfly, through shared memory.
 
     @cuda.jit(device=True)
     def warp_sum(v, scratch, warp, lane):
-        return _replay(v, scratch, warp, lane, lambda a, b: a + b)
+        scratch[warp, lane] = v
+        # Every lane's value must be stored before any lane reads the warp's values.
+        cuda.syncthreads()
+        vals = list(scratch[warp])
+        # Every lane must have read the values before a later call overwrites them.
+        cuda.syncthreads()
+        for o in (16, 8, 4, 2, 1):
+            vals = [vals[i] + vals[i + o] for i in range(o)]
+        return vals[0]
 
     @cuda.jit(device=True)
     def warp_max(v, scratch, warp, lane):
