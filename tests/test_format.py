@@ -78,13 +78,20 @@ def _mapped(directory):
         return [line for line in f if str(directory) in line]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def collect_earlier_garbage():
+    """Garbage left by earlier tests (in other files) must not close its descriptors mid-test: one
+    full collection before this file's tests (a collection per test cost ~4 s each in the whole
+    suite, whose heap holds torch and ray). This file's own tests leave no such garbage: no_leaks
+    checks each of them without the collector."""
+    gc.collect()
+
+
 @pytest.fixture(autouse=True)
 def no_leaks(tmp_path):
     """Every test must leave no file descriptor open and nothing under tmp_path mapped, without
     help from the garbage collector (closing must be deterministic)."""
-    # Garbage left by earlier tests (in other files) must not close its descriptors mid-test,
-    # and only model files count: libraries may open and close unrelated descriptors meanwhile.
-    gc.collect()
+    # Only model files count: libraries may open and close unrelated descriptors meanwhile.
     before = _fds()
     yield
     opened = {fd: t for fd, t in _fds().items() if before.get(fd) != t and _model_file(t, tmp_path)}
