@@ -34,7 +34,7 @@ def test_greedy_lanes_equal_generate_and_cpu(demo_pair, cache_mode):
     assert out == tl.generate_batch(cpu, prompts, cfg)
 
 
-def test_sampling_stops_and_grammar_lanes(demo_pair):
+def test_sampling_and_stop_lanes(demo_pair):
     cpu, gpu = demo_pair
     prompts = [gpu.tokenizer.encode(t) for t in TEXTS]
     stop = (gpu.tokenizer.encode(" the")[0],)
@@ -42,6 +42,12 @@ def test_sampling_stops_and_grammar_lanes(demo_pair):
     out = tl.generate_batch(gpu, prompts, cfg)
     assert out == [tl.generate(gpu, p, dataclasses.replace(cfg, sample_seed=tl.lane_seed(3, i)))
                    for i, p in enumerate(prompts)]
+
+
+def test_grammar_lanes(demo_pair):
+    pytest.importorskip("llguidance")            # the grammar extra
+    cpu, gpu = demo_pair
+    prompts = [gpu.tokenizer.encode(t) for t in TEXTS]
     g = tl.Grammar.regex("[0-9]+")
     grammars = [g if i % 2 else None for i in range(len(prompts))]
     gcfg = tl.GenerateConfig(max_tokens=12, repetition_penalty=1.2)
