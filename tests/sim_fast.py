@@ -114,7 +114,7 @@ def _install_shared_lookup():
 
     orig = KA.FakeCUDAShared.array
     dtypes = {}                                            # numba type -> numpy dtype
-    if getattr(orig, "_tinyloop", False) or not hasattr(KA.FakeCUDAShared, "__init__"):
+    if getattr(orig, "_tinyloop", False):
         return
 
     def array(self, shape, dtype, alignment=None):

@@ -237,7 +237,6 @@ def _tinyloop_error(exc: TinyLoopError, retry_after: int):
 
 
 # =============================================================================== the app
-#: Routes counted by name in tinyloop_requests_total; any other path counts as "other".
 #: One server-sent event of a streamed completion, as OpenAPI before 3.2 documents an event
 #: stream (the media type's schema describes each event): its data is a JSON chunk (the
 #: Completion object with one choice, ``tinyloop`` stats and finish_reason on the choice's last
@@ -252,6 +251,7 @@ SSE_EVENT_SCHEMA = {
     },
 }
 
+#: Routes counted by name in tinyloop_requests_total; any other path counts as "other".
 ROUTES = frozenset({"/v1/completions", "/v1/models", "/health", "/metrics", "/", "/openapi.json", "/docs"})
 
 

@@ -89,26 +89,27 @@ else:  # CUDA simulator twins: same butterfly, through shared memory.
     # shuffle version makes, v[i] + v[i + o] for i < o.
 
     @cuda.jit(device=True)
-    def _replay(v, scratch, warp, lane, combine):
-        """Publish v, read the warp's 32 values, replay the butterfly with `combine`."""
+    def _gather(v, scratch, warp, lane):
+        """Publish v and return the warp's 32 values as a list."""
         scratch[warp, lane] = v
         # Every lane's value must be stored before any lane reads the warp's values.
         cuda.syncthreads()
         vals = [scratch[warp, i] for i in range(32)]
         # Every lane must have read the values before a later call overwrites them.
         cuda.syncthreads()
+        return vals
+
+    @cuda.jit(device=True)
+    def _replay(v, scratch, warp, lane, combine):
+        """Replay the butterfly with `combine` over the warp's values; lane's result."""
+        vals = _gather(v, scratch, warp, lane)
         for o in (16, 8, 4, 2, 1):
             vals = [combine(vals[i], vals[i ^ o]) for i in range(32)]
         return vals[lane]
 
     @cuda.jit(device=True)
     def warp_sum(v, scratch, warp, lane):
-        scratch[warp, lane] = v
-        # Every lane's value must be stored before any lane reads the warp's values.
-        cuda.syncthreads()
-        vals = list(scratch[warp])
-        # Every lane must have read the values before a later call overwrites them.
-        cuda.syncthreads()
+        vals = _gather(v, scratch, warp, lane)
         for o in (16, 8, 4, 2, 1):
             vals = [vals[i] + vals[i + o] for i in range(o)]
         return vals[0]

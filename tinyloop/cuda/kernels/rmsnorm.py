@@ -86,9 +86,9 @@ def rmsnorm(out, x, w, eps, stream=0):
 
 
 def check_row_args(op, src, dst, w, eps):
-    """The row-norm launchers' shared checks: `src` (whose shape is taken) and `dst` are (name, array) pairs of float32
-    (T, D) arrays with D > 0, `w` float32 (D,), `eps` finite and >= 0. Returns (T, eps as
-    float32); raises BackendError naming `op` and the argument."""
+    """The row-norm launchers' shared checks: `src` (whose shape is taken) and `dst` are
+    (name, array) pairs of float32 (T, D) arrays with D > 0, `w` float32 (D,), `eps` finite and
+    >= 0. Returns (T, eps as float32); raises BackendError naming `op` and the argument."""
     (src_name, x), (dst_name, out) = src, dst
     check_array(op, src_name, x, np.float32, 2)
     T, D = x.shape
