@@ -262,7 +262,8 @@ def make_int4_step(model, blocks, head, loops: int, caches=None, attention: str 
         mask = (model._positions[:S] <= pos_idx).view(1, 1, 1, S)
         x = model._embed(tok.reshape(B, 1))
         x = model._trunk(x, loops, lambda b, x, layer: block_step(b, x, cos, sin, pos_idx, mask,
-                                                                  kc[layer], vc[layer]), linear)
+                                                                  kc[layer], vc[layer]), linear,
+                             rows=pos_idx)
         return model._logits(x, lambda v: int4_linear(v, head))[:, 0]
 
     return step

@@ -47,6 +47,7 @@ from tinyloop.runtime.backend import CAPABILITIES, Backend, TreeRows, Workspace
 from tinyloop.runtime.cache import CacheMode, CacheSpec, LayerGroup, SlotMap, build_spec
 from tinyloop.errors import BackendError
 from tinyloop.model.format import open_model, write_model
+from tinyloop.model.init_state import random_state
 from tinyloop.runtime.forward import Forward
 from tinyloop.runtime.plugins import get_plugin_manager
 from tinyloop.model.reference import reference_logits
@@ -1284,6 +1285,8 @@ def test_family_extensions_forward_matches_reference(family_rig, ring, conforman
 LOOPED_LAYOUTS = {
     "huginn": dict(block_norm="sandwich", loop_inject="adapter", loop_init="zeros", loop_norm="after",
                    embed_scale=2.0, qkv_bias=True),
+    "huginn_random": dict(block_norm="sandwich", loop_inject="adapter", loop_init="random", loop_norm="after",
+                          loop_init_scale=0.7, loop_init_seed=2 ** 64 - 5, embed_scale=2.0, qkv_bias=True),
     "ouro": dict(block_norm="sublayer", loop_norm="every", head_norm=False, n_pre=0, n_post=0),
 }
 
@@ -1314,6 +1317,30 @@ def test_looped_layouts_forward_matches_reference(layout_rig, conformance_quick)
         ref = reference_logits(r.cfg, r.W, ids, loops)
         for t in range(n):
             assert_close(got[t], ref[t], TOL["forward_fp32"], f"{r.cfg.block_norm} forward logits, L={loops}, row {t}")
+
+
+def test_init_state_matches_host_draw(layout_rig):
+    """The random initial state (loop_init "random") bit for bit against the host definition
+    (tinyloop.model.init_state), at a causal launch's positions and at a draft tree's
+    (pos + depth[t]), whole and from a later row."""
+    r, c = layout_rig, layout_rig.cfg
+    if c.loop_init != "random":
+        pytest.skip(f"the {c.loop_init!r} layout has no random initial state")
+
+    def ref(positions):
+        return random_state(c.loop_init_seed, c.loop_init_scale, positions, c.d_model)
+
+    r.be.init_state(r.ws.x, r.be.positions(11), 5)
+    assert_bits(r.host(r.ws.x, 5), ref(np.arange(11, 16)), "init_state, causal rows at 11..15")
+    r.be.init_state(r.ws.x, r.be.positions(0), 1)
+    assert_bits(r.host(r.ws.x, 1), ref([0]), "init_state, position 0")
+    if r.be.supports("tree"):
+        depth = np.array([0, 1, 1, 2, 2, 2])
+        path = np.array([[0, 0, 0], [0, 1, 0], [0, 2, 0], [0, 1, 3], [0, 1, 4], [0, 2, 5]])
+        r.be.init_state(r.ws.x, _tree_rows(r, depth, path, 9), 6)
+        assert_bits(r.host(r.ws.x, 6), ref(9 + depth), "init_state, tree rows")
+        r.be.init_state(r.ws.x, _tree_rows(r, depth, path, 9, row0=3), 3)
+        assert_bits(r.host(r.ws.x, 3), ref(9 + depth[3:]), "init_state, tree rows from row 3")
 
 
 @pytest.mark.parametrize("codec", ["fp32", "int4"])

@@ -99,10 +99,14 @@ def demo_pair():
 
 
 def check_decode_modes(model, prompt, loops: int = 4, draft: int = 2, tokens: int = 12) -> None:
-    """Every cache mode, chain and tree speculation, warm start, prefix reuse and early exit (both
-    K/V policies) run on `model`, and the exact ones give plain greedy decoding's tokens."""
+    """Every cache mode, chain and tree speculation, lockstep lanes, warm start, prefix reuse and
+    early exit (both K/V policies) run on `model`, and the exact ones give plain greedy
+    decoding's tokens."""
     import tinyloop as tl
     plain = tl.generate(model, prompt, tl.GenerateConfig(max_tokens=tokens, loops=loops))
+    short = tl.generate(model, prompt[:5], tl.GenerateConfig(max_tokens=tokens, loops=loops))
+    lanes = tl.generate_batch(model, [prompt, prompt[:5]], tl.GenerateConfig(max_tokens=tokens, loops=loops))
+    assert [list(x) for x in lanes] == [list(plain), list(short)]
     for mode in ("fp32", "fp16", "int8", "int4"):
         out = tl.generate(model, prompt, tl.GenerateConfig(max_tokens=tokens, loops=loops, cache_mode=mode))
         assert len(out) == len(prompt) + tokens

@@ -24,9 +24,11 @@ PROMPTS = [[3, 17, 42, 8, 91, 23], [5, 6], [60, 2, 77, 11, 13, 14, 15, 16, 40]]
                                         dict(qkv_bias=True, sliding_window=12, loop_inject="none"),
                                         dict(block_norm="sandwich", loop_inject="adapter", loop_init="zeros",
                                              loop_norm="after", embed_scale=2.0, qkv_bias=True),
+                                        dict(block_norm="sandwich", loop_inject="adapter", loop_init="random",
+                                             loop_init_scale=0.5, loop_init_seed=2 ** 63 + 7, loop_norm="after"),
                                         dict(block_norm="sublayer", loop_norm="every", head_norm=False,
                                              exit_gate=True, n_pre=0, n_post=0)],
-                ids=["bias_scale", "bias_window", "huginn_layout", "ouro_layout"])
+                ids=["bias_scale", "bias_window", "huginn_layout", "huginn_random", "ouro_layout"])
 def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("family") / "m.tinyloop"
     cfg = write_tiny(path, seed=21, quant="q4", group_size=32, **request.param)

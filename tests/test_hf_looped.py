@@ -101,9 +101,10 @@ def huginn_tensors(c: dict, seed: int) -> dict:
     return t
 
 
-def huginn_reference(c: dict, t: dict, ids, steps: int) -> torch.Tensor:
+def huginn_reference(c: dict, t: dict, ids, steps: int, s0=None) -> torch.Tensor:
     """Huginn-0125's forward: scaled embedding, sandwich prelude, `steps` recurrences of
-    adapter([state; e]) + sandwich core from a zero state, ln_f, sandwich coda, ln_f, head."""
+    adapter([state; e]) + sandwich core from a zero state (or the given initial state s0), ln_f,
+    sandwich coda, ln_f, head."""
     d, H, eps = c["n_embd"], c["n_heads"], c["norm_eps"]
     Hkv = c["num_key_value_heads"]
     D = d // H
@@ -123,7 +124,7 @@ def huginn_reference(c: dict, t: dict, ids, steps: int) -> torch.Tensor:
         x = t["transformer.wte.weight"][torch.tensor(ids)] * math.sqrt(d)
         for i in range(c["n_layers_in_prelude"]):
             x = block(f"transformer.prelude.{i}.", x)
-        s = torch.zeros_like(x)
+        s = torch.zeros_like(x) if s0 is None else torch.as_tensor(s0, dtype=x.dtype)
         for _ in range(steps):
             s = torch.cat([s, x], -1) @ t["transformer.adapter.weight"].T
             for j in range(c["n_layers_in_recurrent_block"]):
@@ -341,6 +342,64 @@ def test_unexpected_and_misshaped_tensors_are_listed(tmp_path):
     assert "transformer.extra.weight" in str(e.value) and "transformer.adapter.weight: shape" in str(e.value)
 
 
+def test_huginn_random_initial_state(tmp_path):
+    """--init-scale: the loop starts from the seeded random state of std init_values.std *
+    init_scale * embed_scale; logits equal the reference started from that state (drawn by
+    tinyloop.model.init_state at positions 0..T-1), and cached greedy decoding equals the
+    reference's argmax chain."""
+    from tinyloop.model.init_state import random_state
+    c, t, src = _checkpoint(tmp_path, "huginn", seed=6)
+    seed = 2 ** 64 - 3
+    path = _convert(src, tmp_path, max_loops=5, init_scale=1.5, init_seed=seed)
+    d = c["n_embd"]
+    std = math.sqrt(2.0 / (5 * d)) * 1.5 * math.sqrt(d)
+    model = tl.load_model(path, backend="cpu", max_seq_len=64)
+    try:
+        cfg = model.cfg
+        assert (cfg.loop_init, cfg.loop_init_seed) == ("random", seed)
+        assert cfg.loop_init_scale == pytest.approx(std, rel=1e-12)
+
+        def ref(ids, L):
+            s0 = random_state(seed, cfg.loop_init_scale, np.arange(len(ids)), d)
+            return huginn_reference(c, t, ids, L, s0=torch.from_numpy(s0))
+
+        for L in (1, 4):
+            want = ref(PROMPT, L).double().numpy()
+            got = tl.score(model, PROMPT, loops=L, cache_mode="fp32")
+            assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), L
+            zero = huginn_reference(c, t, PROMPT, L).double().numpy()
+            assert np.abs(zero - want).max() > 1e-3, "the random start must change the logits"
+        want = _greedy(lambda ids: ref(ids, 3), PROMPT, 8)
+        got = tl.generate(model, PROMPT, tl.GenerateConfig(max_tokens=8, loops=3, cache_mode="fp32"))
+        assert list(got) == want
+    finally:
+        tl.free_model(model)
+    _, _, src2 = _checkpoint(tmp_path, "huginn", seed=7, init_values={"std": 0.02, "embed_scale": 3.0})
+    with open_model(_convert(src2, tmp_path, name="iv.tinyloop", init_scale=0.5)) as mf:
+        h = mf.header.config
+        assert (h.loop_init, h.loop_init_seed) == ("random", 0)
+        assert h.loop_init_scale == pytest.approx(0.02 * 0.5 * 3.0, rel=1e-12)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(init_scale=-1.0), "init_scale"), (dict(init_scale=float("nan")), "init_scale"),
+    (dict(init_scale="1"), "init_scale"), (dict(init_scale=True), "init_scale"),
+    (dict(init_seed=-1, init_scale=1.0), "init_seed"), (dict(init_seed=2 ** 64, init_scale=1.0), "init_seed"),
+    (dict(init_seed=1.5, init_scale=1.0), "init_seed"), (dict(init_seed=3), "needs init_scale"),
+])
+def test_init_options_bad_input(kw, match, tmp_path):
+    _, _, src = _checkpoint(tmp_path, "huginn")
+    with pytest.raises(ConfigError, match=match):
+        _convert(src, tmp_path, **kw)
+    assert not os.path.exists(tmp_path / "m.tinyloop")
+
+
+def test_init_options_refused_outside_huginn(tmp_path):
+    _, _, src = _checkpoint(tmp_path, "ouro")
+    with pytest.raises(ConfigError, match="Huginn"):
+        _convert(src, tmp_path, init_scale=1.0)
+
+
 @pytest.mark.parametrize("layout", ["huginn", "ouro"])
 def test_loop_layers_does_not_apply(layout, tmp_path):
     _, _, src = _checkpoint(tmp_path, layout)
@@ -348,12 +407,14 @@ def test_loop_layers_does_not_apply(layout, tmp_path):
         _convert(src, tmp_path, loop_layers="0:1")
 
 
-@pytest.mark.parametrize("layout", ["huginn", "ouro"])
+@pytest.mark.parametrize("layout", ["huginn", "huginn_random", "ouro"])
 def test_modes_run_on_converted_looped_layouts(layout, tmp_path):
     """Every cache mode, chain and tree speculation, warm start, prefix reuse and early exit run
-    on the converted layout at q4, and the exact ones give plain greedy decoding's tokens."""
-    _, _, src = _checkpoint(tmp_path, layout, seed=8)
-    path = _convert(src, tmp_path, quant="q4", group_size=16, max_loops=6)
+    on the converted layout at q4 (Huginn also from its random initial state), and the exact
+    ones give plain greedy decoding's tokens."""
+    init = dict(init_scale=1.0, init_seed=99) if layout == "huginn_random" else {}
+    _, _, src = _checkpoint(tmp_path, layout.split("_")[0], seed=8)
+    path = _convert(src, tmp_path, quant="q4", group_size=16, max_loops=6, **init)
     model = tl.load_model(path, backend="cpu", max_seq_len=96)
     try:
         check_decode_modes(model, PROMPT)

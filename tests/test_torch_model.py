@@ -306,6 +306,8 @@ FEATURES = {
     "bias_scale": dict(qkv_bias=True, embed_scale=1.5),
     "huginn": dict(block_norm="sandwich", loop_inject="adapter", loop_init="zeros", loop_norm="after",
                    embed_scale=2.0, qkv_bias=True),
+    "huginn_random": dict(block_norm="sandwich", loop_inject="adapter", loop_init="random", loop_norm="after",
+                          loop_init_scale=0.8, loop_init_seed=12345678901234567890, embed_scale=2.0),
     "ouro": dict(block_norm="sublayer", loop_norm="every", head_norm=False, exit_gate=True, n_pre=0,
                  n_post=0, loop_inject="none"),
 }
@@ -314,7 +316,7 @@ FEATURES = {
 @pytest.mark.parametrize("feature", sorted(FEATURES))
 def test_optional_features_match_the_oracle(feature):
     """Biases, the scaled embedding, the sandwich / sublayer-output blocks, the loop adapter from a
-    zero state and the loop norms: the PyTorch forward equals the float64 oracle, and prefill +
+    zero or a seeded random state and the loop norms: the PyTorch forward equals the float64 oracle, and prefill +
     decode_one (fused projections too) equal the forward."""
     from tinyloop.model.reference import reference_logits
     cfg = make_cfg(**FEATURES[feature])

@@ -7,7 +7,7 @@ Semantics follow arch.py exactly::
 
     x = embed(ids) * embed_scale
     for b in pre:  x = b(x)
-    e = x; if loop_init == "zeros": x = 0
+    e = x; if loop_init == "zeros": x = 0; if loop_init == "random": x = the seeded draw
     for i in range(L):
         if i > 0 and loop_inject == "add": x = x + e
         if loop_inject == "adapter": x = Ax @ x + Ae @ e
@@ -54,11 +54,13 @@ from __future__ import annotations
 import math
 from typing import Dict, Mapping, Optional, Union
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .model.arch import BLOCK_BIASES, BLOCK_NORMS, BLOCK_OUT_NORMS, ModelConfig, required_tensors
+from .model.init_state import random_state
 from .errors import ConfigError, InvalidInputError, ModelFormatError
 
 __all__ = ["LoopedLM", "rms_norm", "apply_rope", "rope_tables"]
@@ -232,6 +234,10 @@ class LoopedLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.register_buffer("_positions", torch.arange(max_seq_len), persistent=False)
+        if cfg.loop_init == "random":
+            # the seeded initial state of every position, the exact host draw (model/init_state.py)
+            state = random_state(cfg.loop_init_seed, cfg.loop_init_scale, np.arange(max_seq_len), d)
+            self.register_buffer("loop_init_state", torch.from_numpy(state), persistent=False)
         self.k_cache: Optional[torch.Tensor] = None
         self.v_cache: Optional[torch.Tensor] = None
         self.reset_parameters()
@@ -334,9 +340,11 @@ class LoopedLM(nn.Module):
         s = self.config.embed_scale
         return x * s if s != 1.0 else x
 
-    def _trunk(self, x: torch.Tensor, loops: int, block_fn, linear=None) -> torch.Tensor:
+    def _trunk(self, x: torch.Tensor, loops: int, block_fn, linear=None, rows=None) -> torch.Tensor:
         """Runs the family's structure; block_fn(block, x, cache_layer) applies one block;
-        `linear(x, name)` replaces F.linear with the named model-level matrix (the loop adapter)."""
+        `linear(x, name)` replaces F.linear with the named model-level matrix (the loop adapter);
+        `rows` (a slice or an index tensor of positions) picks the rows of x's positions from
+        the random initial state (loop_init "random"; default: positions 0 .. T-1)."""
         cfg = self.config
         if linear is None:
             def linear(v, name):
@@ -348,6 +356,9 @@ class LoopedLM(nn.Module):
             e = linear(x, "loop_adapter_e")
         if cfg.loop_init == "zeros":
             x = torch.zeros_like(x)
+        elif cfg.loop_init == "random":
+            rows = slice(0, x.shape[-2]) if rows is None else rows
+            x = self.loop_init_state[rows].to(x.dtype).expand_as(x)
         for it in range(loops):
             if cfg.loop_inject == "add" and it > 0:
                 x = x + e
@@ -438,5 +449,6 @@ class LoopedLM(nn.Module):
         mask = (self._positions[:S] <= pos_idx).view(1, 1, 1, S)          # (1, 1, 1, S) bool
         kc, vc = self.k_cache, self.v_cache
         x = self._embed(token)                                               # (B, 1, d)
-        x = self._trunk(x, loops, lambda b, x, layer: b.step(x, cos, sin, pos_idx, mask, kc[layer], vc[layer]))
+        x = self._trunk(x, loops, lambda b, x, layer: b.step(x, cos, sin, pos_idx, mask, kc[layer], vc[layer]),
+                        rows=pos_idx)
         return self._logits(x)[:, 0]

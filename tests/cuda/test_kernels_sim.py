@@ -479,6 +479,28 @@ def test_advance_position():
         position.advance_rows(rows, 5)
 
 
+@pytest.mark.parametrize("seed", [0, 2 ** 64 - 1])
+def test_init_state_equals_scalar_definition(seed):
+    """The random initial state kernel against the scalar host definition, element by element
+    (tinyloop.model.init_state.state_element), causal rows and draft-tree rows."""
+    from tinyloop.cuda.kernels import init_state
+    from tinyloop.model.init_state import seed_key, state_element
+    T, d, scale = 3, 5, 0.37
+    key = seed_key(seed)
+    x = D(np.full((T, d), np.nan, np.float32))
+    init_state.init_state(x, D(np.array([6], np.int32)), seed, scale)
+    want = [[state_element(key, p * d + i, scale) for i in range(d)] for p in (6, 7, 8)]
+    assert np.array_equal(host(x), np.array(want, np.float32))
+    depth, path = np.array([0, 1, 1], np.int32), np.array([[0, 0], [0, 1], [0, 2]], np.int32)
+    init_state.init_state(x, D(np.array([2], np.int32)), seed, scale, depth=D(depth), path=D(path))
+    want = [[state_element(key, p * d + i, scale) for i in range(d)] for p in (2, 3, 3)]
+    assert np.array_equal(host(x), np.array(want, np.float32))
+    for bad in (dict(seed=-1), dict(seed=2 ** 64), dict(seed=True), dict(scale=0.0), dict(scale=float("nan"))):
+        args = {"seed": seed, "scale": scale, **bad}
+        with pytest.raises(BackendError):
+            init_state.init_state(x, D(np.array([0], np.int32)), args["seed"], args["scale"])
+
+
 def test_add_and_swiglu():
     rng = np.random.default_rng(2)
     T, F = 3, 70

@@ -251,12 +251,14 @@ def convert(checkpoint: str, config: str, output: str, *, quant: str = "q4",
 
 
 def convert_hf(model_dir: str, output: str, *, loop_layers=None, loops: Optional[int] = None,
-               max_loops: Optional[int] = None, quant: str = "q4", group_size: int = 128,
+               max_loops: Optional[int] = None, init_scale: Optional[float] = None,
+               init_seed: Optional[int] = None, quant: str = "q4", group_size: int = 128,
                embed_quant: Optional[str] = None, head_quant: Optional[str] = None,
                tokenizer_dir: Optional[str] = None, metadata: Optional[Dict[str, str]] = None) -> dict:
     """Convert a Hugging Face model directory (tinyloop.model.hf_import: config.json, safetensors
     shards, tokenizer.json) and verify; returns the summary dict. `tokenizer_dir` overrides the
-    directory's own tokenizer files."""
+    directory's own tokenizer files; init_scale / init_seed select Huginn's seeded random
+    initial loop state (docs/CONVERT.md)."""
     from ..model.hf_import import find_tokenizer, plan_hf
 
     if not isinstance(model_dir, (str, os.PathLike)):
@@ -264,7 +266,8 @@ def convert_hf(model_dir: str, output: str, *, loop_layers=None, loops: Optional
     model_dir = os.fspath(model_dir)
     index = index_checkpoint(model_dir)
     _check_shard_index(model_dir, index)
-    plan = plan_hf(model_dir, index, loop_layers=loop_layers, loops=loops, max_loops=max_loops)
+    plan = plan_hf(model_dir, index, loop_layers=loop_layers, loops=loops, max_loops=max_loops,
+                   init_scale=init_scale, init_seed=init_seed)
     cfg = plan.config
     tok = None
     tok_dir = tokenizer_dir or (model_dir if find_tokenizer(model_dir) else None)
@@ -412,6 +415,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "default 1); Huginn / Ouro: default their mean_recurrence / total_ut_steps")
     p.add_argument("--max-loops", type=int, default=None,
                    help="with --hf: the deepest loop count a request may ask for (default: --loops)")
+    p.add_argument("--init-scale", type=float, default=None, metavar="S",
+                   help="with --hf, Huginn: start the loop from the seeded random state of the "
+                        "reference code's init_scale S (default 0: from zeros)")
+    p.add_argument("--init-seed", type=int, default=None, metavar="N",
+                   help="with --hf, Huginn: the random initial state's seed, in [0, 2**64) (default 0)")
     p.add_argument("-o", "--output", required=True, help="output .tinyloop file")
     p.add_argument("--quant", choices=QUANT_TYPES, default="q4",
                    help="storage of the block matrices (default q4)")
@@ -440,12 +448,14 @@ def run(args) -> int:
                 raise ConfigError("--hf reads the checkpoint and config from its directory: give "
                                   "either --hf DIR or --checkpoint + --config")
             s = convert_hf(args.hf, args.output, loop_layers=args.loop_layers, loops=args.loops,
-                           max_loops=args.max_loops, **common)
+                           max_loops=args.max_loops, init_scale=args.init_scale,
+                           init_seed=args.init_seed, **common)
         else:
             if args.checkpoint is None or args.config is None:
                 raise ConfigError("give --hf DIR, or both --checkpoint and --config")
             hf_only = [f for f, v in (("--loop-layers", args.loop_layers), ("--loops", args.loops),
-                                      ("--max-loops", args.max_loops)) if v is not None]
+                                      ("--max-loops", args.max_loops), ("--init-scale", args.init_scale),
+                                      ("--init-seed", args.init_seed)) if v is not None]
             if hf_only:
                 raise ConfigError(f"{', '.join(hf_only)} apply to --hf only (the config JSON sets "
                                   f"the loop structure)")

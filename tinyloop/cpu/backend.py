@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..model.arch import required_tensors
+from ..model.init_state import random_state
 from ..runtime.backend import (Backend, CacheReuse, GuardedSteps, KVLayerCopy, LaneOps, ModelWeights, TokenMasks,
                                TreeOps, TreeRows, Workspace, fill_lane_paths, lane_tables)
 from ..runtime.early_exit import STATISTICS, is_stable
@@ -330,6 +331,12 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
 
     def zero(self, x, T: int) -> None:
         x[:T] = 0.0
+
+    def init_state(self, x, pos, T: int) -> None:
+        p0, depth, _, _ = _layout(pos, T)
+        rows = p0 + (depth if depth.shape[0] else np.arange(T))
+        c = self.cfg
+        x[:T] = random_state(c.loop_init_seed, c.loop_init_scale, rows, c.d_model)
 
     def read_argmax(self, ws: Workspace) -> int:
         return int(ops.argmax(ws.logits[0]))

@@ -79,6 +79,7 @@ from .kernels import norm_add as k_norm_add
 from .kernels import cache_move as k_cache_move
 from .kernels import embed as k_embed
 from .kernels import exit_probe as k_exit_probe
+from .kernels import init_state as k_init_state
 from .kernels import kv_layer_copy as k_kv_layer_copy
 from .kernels import kv_store as k_kv_store
 from .kernels import matmul as k_matmul
@@ -974,6 +975,12 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
 
     def zero(self, x, T: int) -> None:
         self._memset0(x[:T])
+
+    def init_state(self, x, pos, T: int) -> None:
+        p, depth, path = self._tables(pos)
+        c = self.cfg
+        k_init_state.init_state(x[:T], p, c.loop_init_seed, c.loop_init_scale, stream=self.stream,
+                                depth=depth, path=path)
 
     # ------------------------------------------------------------------ fused composites
     def _norm_matmul(self, x, norm, W, out, T: int, epilogue=None) -> None:

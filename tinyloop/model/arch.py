@@ -7,6 +7,7 @@ Family (see docs/ARCHITECTURE.md)::
     for b in pre blocks:   x = b(x)                 # n_pre distinct blocks
     e = x                                           # the loop input (kept when loop_inject != none)
     if loop_init == "zeros": x = 0                  # the loop's initial state
+    if loop_init == "random": x = draw(loop_init_seed, position) * loop_init_scale  # (model/init_state.py)
     for i in range(L):                              # L = loops, 1..max_loops
         if loop_inject == "add" and i > 0: x = x + e                  # input injection
         if loop_inject == "adapter": x = Ax @ x + Ae @ e              # = A @ [x; e] (Huginn)
@@ -79,7 +80,7 @@ BLOCK_BIASES = ("bq", "bk", "bv")
 BLOCK_OUT_NORMS = ("attn_out_norm", "mlp_out_norm")
 PARTS = ("pre", "loop", "post")
 LOOP_INJECT = ("none", "add", "adapter")
-LOOP_INIT = ("pre", "zeros")
+LOOP_INIT = ("pre", "zeros", "random")
 LOOP_NORM = ("none", "after", "every")
 BLOCK_NORM = ("pre", "sandwich", "sublayer")
 #: Model-level matrices (quantizable) beside the blocks' own.
@@ -151,9 +152,15 @@ class ModelConfig:
     output before the residual add, Ouro's decoder layer). The two extra norms are the block
     tensors attn_out_norm and mlp_out_norm."""
     loop_init: str = "pre"
-    """The loop's initial state: "pre" (the pre blocks' output) or "zeros" (the pre blocks'
-    output only reaches the loop through the adapter: needs loop_inject "adapter"; Huginn at
-    init_scale 0, deterministic)."""
+    """The loop's initial state: "pre" (the pre blocks' output), "zeros" or "random" (a seeded
+    draw of standard deviation loop_init_scale, a fixed function of loop_init_seed and the
+    row's position: tinyloop/model/init_state.py). With "zeros" and "random" the pre blocks'
+    output only reaches the loop through the adapter, so they need loop_inject "adapter"
+    (Huginn: zeros is its init_scale 0, random its default draw)."""
+    loop_init_scale: float = 0.0
+    """Standard deviation of the "random" initial state (required > 0 there; 0 otherwise)."""
+    loop_init_seed: int = 0
+    """Seed of the "random" initial state, an integer in [0, 2**64) (0 unless "random")."""
     loop_norm: str = "none"
     """A norm (tensor loop_norm) on the loop's state: "after" the last iteration (Huginn applies
     its final norm there as well as before the head), after "every" iteration (Ouro's steps
@@ -203,6 +210,19 @@ class ModelConfig:
         for name, allowed in (("block_norm", BLOCK_NORM), ("loop_init", LOOP_INIT), ("loop_norm", LOOP_NORM)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
+        v = self.loop_init_scale
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1e6:
+            raise ConfigError(f"loop_init_scale={v!r} must be a finite number in [0, 1e6)")
+        object.__setattr__(self, "loop_init_scale", float(v))
+        _check_int("loop_init_seed", self.loop_init_seed, 0, 2 ** 64 - 1)
+        object.__setattr__(self, "loop_init_seed", int(self.loop_init_seed))
+        if self.loop_init == "random" and not self.loop_init_scale > 0:
+            raise ConfigError("loop_init='random' needs loop_init_scale > 0 (the initial state's "
+                              "standard deviation); for a zero start use loop_init='zeros'")
+        if self.loop_init != "random" and (self.loop_init_scale or self.loop_init_seed):
+            raise ConfigError(f"loop_init_scale={self.loop_init_scale!r} and loop_init_seed="
+                              f"{self.loop_init_seed!r} apply to loop_init='random' only, not "
+                              f"{self.loop_init!r}; leave them 0")
         if self.loop_init != "pre" and self.loop_inject != "adapter":
             raise ConfigError(f"loop_init={self.loop_init!r} discards the pre blocks' output unless the loop "
                               f"reads it through an adapter: it needs loop_inject='adapter', not "

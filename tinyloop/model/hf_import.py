@@ -227,16 +227,33 @@ def _parse_layers(loop_layers, n_layers: int, problems: List[str]) -> Tuple[int,
     return a, b
 
 
+def _check_init(init_scale, init_seed):
+    """(scale, seed) of the random initial state options, validated (None -> 0)."""
+    s = 0.0 if init_scale is None else init_scale
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s < 1e6:
+        raise ConfigError(f"init_scale={init_scale!r} must be a finite number in [0, 1e6) "
+                          f"(0: the loop starts from zeros)")
+    seed = 0 if init_seed is None else init_seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
+        raise ConfigError(f"init_seed={init_seed!r} must be an integer in [0, 2**64)")
+    if seed and not s:
+        raise ConfigError(f"init_seed={init_seed!r} needs init_scale > 0 (a zero start draws nothing)")
+    return float(s), int(seed)
+
+
 def plan_hf(model_dir: str, index: Mapping[str, object], *, loop_layers=None, loops: Optional[int] = None,
-            max_loops: Optional[int] = None) -> HFPlan:
+            max_loops: Optional[int] = None, init_scale: Optional[float] = None,
+            init_seed: Optional[int] = None) -> HFPlan:
     """Resolve a Hugging Face model directory whose tensor headers are `index` ({name: info with
     .shape and .dtype}). Raises ConfigError for bad arguments and ModelFormatError listing every
-    reason the checkpoint does not fit."""
+    reason the checkpoint does not fit. init_scale / init_seed: Huginn's random initial state
+    (tinyloop.model.hf_looped; other architectures refuse them)."""
     for name, v, lo in (("loops", loops, 1), ("max_loops", max_loops, 1)):
         if v is None:
             continue
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ConfigError(f"{name}={v!r} must be an integer >= {lo}")
+    init_scale, init_seed = _check_init(init_scale, init_seed)
     c = read_hf_config(model_dir)
     archs = c.get("architectures")
     arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
@@ -250,8 +267,12 @@ def plan_hf(model_dir: str, index: Mapping[str, object], *, loop_layers=None, lo
         from .hf_looped import plan_raven
         special = _special_ids(model_dir, c, problems, notes)
         _no_loop_layers(arch, loop_layers)
-        cfg, derived = plan_raven(model_dir, c, index, special, loops, max_loops, problems, notes)
+        cfg, derived = plan_raven(model_dir, c, index, special, loops, max_loops, problems, notes,
+                                  init_scale, init_seed)
         return HFPlan(config=cfg, names={}, architecture=arch, notes=notes, derived=derived)
+    if init_scale or init_seed:
+        raise ConfigError(f"init_scale={init_scale!r} / init_seed={init_seed!r}: a random initial "
+                          f"loop state applies to Huginn (RavenForCausalLM) checkpoints only, not {arch}")
     fields = _config_fields(arch, c, problems, notes)
     fields.update(_special_ids(model_dir, c, problems, notes))
     if arch == "OuroForCausalLM":

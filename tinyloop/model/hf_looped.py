@@ -26,8 +26,12 @@ lm_head                             head (absent when tie_embeddings)
 Huginn rotates RoPE pairs (x[2i], x[2i+1]) (the complex-number form); the kernels rotate
 (x[i], x[i + D/2]). Permuting each head's q and k rows (and biases) to [0, 2, 4, ..., 1, 3, 5, ...]
 turns one into the other exactly; q . k is unchanged because both get the same permutation, and
-v is not permuted. The loop starts from zeros (loop_init "zeros": the reference code's
-``init_scale=0``); Huginn's random initial state is not built.
+v is not permuted. By default the loop starts from zeros (loop_init "zeros": the reference
+code's ``init_scale=0``, deterministic). With ``init_scale`` s > 0 (``convert --init-scale``) it
+starts from the seeded random state (loop_init "random", tinyloop/model/init_state.py) of standard
+deviation ``init_values.std * s * embed_scale``, the spread of the reference code's draw
+(``init_values.std`` defaults to sqrt(2 / (5 n_embd))): a fixed draw per (seed, position) with
+bounded Irwin-Hall tails where the reference draws a fresh truncated normal per call.
 
 Ouro: every decoder layer is looped ``total_ut_steps`` times (n_pre = n_post = 0, n_loop =
 num_hidden_layers, default_loops = total_ut_steps); each layer norms each sublayer's output before
@@ -137,8 +141,10 @@ def _loops(default: int, loops: Optional[int], max_loops: Optional[int], reach: 
 
 # =============================================================================== Huginn (raven)
 def plan_raven(model_dir: str, c: dict, index: Mapping[str, object], special: dict,
-               loops: Optional[int], max_loops: Optional[int], problems: List[str], notes: List[str]):
-    """(ModelConfig, Derived) of a Huginn-0125 checkpoint (problems appended; raises at the end)."""
+               loops: Optional[int], max_loops: Optional[int], problems: List[str], notes: List[str],
+               init_scale: float = 0.0, init_seed: int = 0):
+    """(ModelConfig, Derived) of a Huginn-0125 checkpoint (problems appended; raises at the end);
+    init_scale > 0 selects the random initial state (module doc), drawn from init_seed."""
     arch = "RavenForCausalLM"
     d = _int(c, "n_embd", problems)
     H = _int(c, "n_heads", problems, c.get("num_attention_heads"))
@@ -173,6 +179,14 @@ def plan_raven(model_dir: str, c: dict, index: Mapping[str, object], special: di
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         problems.append(f"init_values.embed_scale={scale!r} is not a number")
         scale = 1.0
+    std = iv.get("std", math.sqrt(2.0 / (5 * d)) if d else 0.0)
+    if isinstance(std, bool) or not isinstance(std, (int, float)) or not 0 < std < 1e6:
+        if init_scale:
+            problems.append(f"init_values.std={std!r} is not a positive number (the random "
+                            f"initial state's spread)")
+        std = 1.0
+    init = (dict(loop_init="random", loop_init_scale=float(std) * init_scale * float(scale),
+                 loop_init_seed=init_seed) if init_scale else dict(loop_init="zeros"))
     _refuse(arch, model_dir, problems)
     L, Lmax = _loops(rec, loops, max_loops, reach=4)   # Huginn extrapolates past its mean depth
     try:
@@ -181,7 +195,7 @@ def plan_raven(model_dir: str, c: dict, index: Mapping[str, object], special: di
                           rope_theta=c.get("rope_base", c.get("rope_theta", 10000.0)),
                           norm_eps=c.get("norm_eps", 1e-6), tied_embeddings=tied, qkv_bias=qk_bias,
                           embed_scale=float(scale), block_norm="sandwich", loop_inject="adapter",
-                          loop_init="zeros", loop_norm="after", **special)
+                          loop_norm="after", **init, **special)
     except ConfigError as e:
         raise ModelFormatError(f"{arch} checkpoint {model_dir!r}: {e}") from None
     D, q, kv = cfg.head_dim, cfg.q_dim, cfg.kv_dim
@@ -230,8 +244,10 @@ def plan_raven(model_dir: str, c: dict, index: Mapping[str, object], special: di
         notes.append("lm_head.weight is stored but tie_embeddings=true: the embedding is the head")
     _check_sources(cfg, index, sources, extra, ("freqs_cis",), problems)
     _refuse(arch, model_dir, problems)
-    notes.append("q/k rows permuted from interleaved to half-split RoPE; the loop starts from zeros "
-                 "(Huginn's init_scale=0)")
+    notes.append("q/k rows permuted from interleaved to half-split RoPE; " + (
+        f"the loop starts from the seeded random state (init_scale={init_scale:g}: std "
+        f"{cfg.loop_init_scale:.6g}, seed {init_seed})" if init_scale else
+        "the loop starts from zeros (Huginn's init_scale=0; --init-scale for its random start)"))
     _check_complete(cfg, derived)
     return cfg, derived
 

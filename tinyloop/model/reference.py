@@ -11,6 +11,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from .arch import ModelConfig
+from .init_state import random_state
 
 
 def _rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -102,8 +103,13 @@ def _residual(cfg: ModelConfig, W: Mapping[str, np.ndarray], norm: str, x: np.nd
 
 
 def _loop_start(cfg: ModelConfig, x: np.ndarray) -> np.ndarray:
-    """The loop's initial state from the pre blocks' output x."""
-    return np.zeros_like(x) if cfg.loop_init == "zeros" else x
+    """The loop's initial state from the pre blocks' output x (rows at positions 0 .. T-1)."""
+    if cfg.loop_init == "zeros":
+        return np.zeros_like(x)
+    if cfg.loop_init == "random":
+        return random_state(cfg.loop_init_seed, cfg.loop_init_scale, np.arange(x.shape[0]),
+                            cfg.d_model).astype(np.float64)
+    return x
 
 
 def _inject(cfg: ModelConfig, W: Mapping[str, np.ndarray], x: np.ndarray, e: np.ndarray, it: int) -> np.ndarray:
@@ -167,8 +173,9 @@ def reference_logits(cfg: ModelConfig, weights: Mapping[str, np.ndarray], ids: S
 def reference_loop_residuals(cfg: ModelConfig, weights: Mapping[str, np.ndarray], ids: Sequence[int],
                              loops: int, kv_round: Optional[type] = None) -> np.ndarray:
     """Residuals (loops + 1, T, d_model) in float64: [0] is the loop's initial state (the pre
-    blocks' output, or zeros by loop_init), [k] the state after loop iteration k (with its
-    per-iteration norm, before the next iteration's input injection and any after-loop norm)."""
+    blocks' output, zeros or the seeded draw, by loop_init), [k] the state after loop iteration
+    k (with its per-iteration norm, before the next iteration's input injection and any
+    after-loop norm)."""
     W = {k: np.asarray(v, dtype=np.float64) for k, v in weights.items()}
     kv_round = _kv_model(kv_round, None)
     window = _window(cfg, 0)

@@ -311,6 +311,14 @@ class Backend(ABC):
         raise BackendError(f"the {self.name} backend has no zero op, which models with "
                            f"loop_init='zeros' need")
 
+    def init_state(self, x, pos, T: int) -> None:
+        """x[:T] = the seeded random initial state (loop_init "random") of the T rows at the
+        positions of handle `pos` (their RoPE positions: pos + t, or a tree's pos + depth[t]),
+        exactly tinyloop.model.init_state.random_state. A backend without it cannot load such a
+        model (checked at load)."""
+        raise BackendError(f"the {self.name} backend has no init_state op, which models with "
+                           f"loop_init='random' need")
+
     def norm_add(self, x, y, w, T: int) -> None:
         """x += rmsnorm(y) * w (y may be clobbered): a sublayer's normed output added to the
         residual. Default: rmsnorm in place, then add (a backend fuses them)."""

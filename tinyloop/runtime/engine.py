@@ -99,9 +99,10 @@ class Model:
             if self.cfg.qkv_bias and type(self.backend).add_bias is Backend.add_bias:
                 raise BackendError(f"the model has q/k/v biases (qkv_bias) and the {self.backend.name} "
                                    f"backend has no add_bias op to apply them")
-            if self.cfg.loop_init == "zeros" and type(self.backend).zero is Backend.zero:
-                raise BackendError(f"the model starts its loop from zeros (loop_init) and the "
-                                   f"{self.backend.name} backend has no zero op")
+            for init, op in (("zeros", "zero"), ("random", "init_state")):
+                if self.cfg.loop_init == init and getattr(type(self.backend), op) is getattr(Backend, op):
+                    raise BackendError(f"the model starts its loop from {init} (loop_init) and the "
+                                       f"{self.backend.name} backend has no {op} op")
             self.weights = self.backend.load_weights(self.file)
             # the exit gate's (weight, bias) on the host, for the "gate" exit criterion
             self.exit_gate = ((np.array(self.file.logical("exit_gate"), np.float64),

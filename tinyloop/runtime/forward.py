@@ -45,6 +45,8 @@ class Forward:
             b.matmul(ws.x, self.w.loop_adapter_e, ws.e, T)
         if cfg.loop_init == "zeros":
             b.zero(ws.x, T)
+        elif cfg.loop_init == "random":
+            b.init_state(ws.x, pos, T)
 
     def inject(self, dst: Any, src: Any, it: int, T: int) -> None:
         """dst = the state entering loop iteration `it` from state rows `src` and the loop input

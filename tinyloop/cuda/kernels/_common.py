@@ -28,15 +28,26 @@ from typing import Any, NamedTuple
 
 import numba
 import numpy as np
-from numba import cuda, float32, uint32
+from numba import cuda, float32, uint32, uint64
 
 from ...errors import BackendError
+from ...model.init_state import C1, C2, mix
 
 SIM = bool(numba.config.ENABLE_CUDASIM)
 FULL_MASK = 0xFFFFFFFF
 NEG_INF = float32(-np.inf)
 
 if not SIM:
+    _U_C1 = np.uint64(C1)
+    _U_C2 = np.uint64(C2)
+
+    @cuda.jit(device=True)
+    def splitmix64(z):
+        """The splitmix64 finalizer on a uint64 (tinyloop.model.init_state.mix on the device);
+        the counter hash of the sampler's uniforms and of the random initial state."""
+        z = (z ^ (z >> uint64(30))) * _U_C1
+        z = (z ^ (z >> uint64(27))) * _U_C2
+        return z ^ (z >> uint64(31))
 
     @cuda.jit(device=True)
     def warp_sum(v, scratch, warp, lane):
@@ -117,6 +128,11 @@ else:  # CUDA simulator twins: same butterfly, through shared memory.
     @cuda.jit(device=True)
     def warp_max(v, scratch, warp, lane):
         return _replay(v, scratch, warp, lane, max)
+
+    @cuda.jit(device=True)
+    def splitmix64(z):
+        # numpy warns on uint64 wrap-around; Python integers give the same bits.
+        return np.uint64(mix(int(z)))
 
     @cuda.jit(device=True)
     def as_float(bits):

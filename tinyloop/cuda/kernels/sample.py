@@ -55,7 +55,8 @@ import numpy as np
 from numba import cuda, float32, float64, int32, int64, uint32, uint64
 
 from ...errors import BackendError
-from ._common import NEG_INF, SIM, as_bits, block_max, check_array
+from ...model.init_state import MASK64, G, mix
+from ._common import NEG_INF, SIM, as_bits, block_max, check_array, splitmix64
 from ._pdl import grid_dep_wait
 
 NT = 64 if SIM else 512
@@ -66,41 +67,21 @@ NW = NT // 32
 KMAX = 1024
 _BIG = 2 ** 31 - 1
 
-_MASK64 = (1 << 64) - 1
-_G = 0x9E3779B97F4A7C15
-_C1 = 0xBF58476D1CE4E5B9
-_C2 = 0x94D049BB133111EB
-
-
 # ----------------------------------------------------------------------------- random numbers
-def _mix_host(z: int) -> int:
-    z = ((z ^ (z >> 30)) * _C1) & _MASK64
-    z = ((z ^ (z >> 27)) * _C2) & _MASK64
-    return z ^ (z >> 31)
-
-
 def uniform(seed: int, step: int) -> float:
     """The uniform number in [0, 1) the sampler draws for (seed, step) (seed, step as int64)."""
-    s = int(seed) & _MASK64
-    t = int(step) & _MASK64
-    h = _mix_host((_mix_host((s + _G) & _MASK64) + t * _G) & _MASK64)
+    s = int(seed) & MASK64
+    t = int(step) & MASK64
+    h = mix((mix((s + G) & MASK64) + t * G) & MASK64)
     return float(h >> 11) * 2.0 ** -53
 
 
 if not SIM:
-    _U_G = np.uint64(_G)
-    _U_C1 = np.uint64(_C1)
-    _U_C2 = np.uint64(_C2)
-
-    @cuda.jit(device=True)
-    def _mix(z):
-        z = (z ^ (z >> uint64(30))) * _U_C1
-        z = (z ^ (z >> uint64(27))) * _U_C2
-        return z ^ (z >> uint64(31))
+    _U_G = np.uint64(G)
 
     @cuda.jit(device=True)
     def _uniform_dev(seed, step):
-        h = _mix(_mix(uint64(seed) + _U_G) + uint64(step) * _U_G)
+        h = splitmix64(splitmix64(uint64(seed) + _U_G) + uint64(step) * _U_G)
         return float64(h >> uint64(11)) * float64(2.0 ** -53)
 else:
     @cuda.jit(device=True)
