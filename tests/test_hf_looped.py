@@ -518,3 +518,20 @@ def test_cli_converts_both_layouts(tmp_path):
         r = subprocess.run([sys.executable, "-m", "tinyloop", "convert", "--hf", src, "-o", out, "--loop-layers", "0:1"],
                            capture_output=True, text=True)
         assert r.returncode == 2 and "loop-layers" in r.stderr
+
+
+def test_cli_init_scale(tmp_path):
+    import subprocess
+    import sys
+    _, _, src = _checkpoint(tmp_path, "huginn", seed=14)
+    out = str(tmp_path / "r.tinyloop")
+    base = [sys.executable, "-m", "tinyloop", "convert", "-o", out, "--quant", "q8", "--group-size", "16"]
+    r = subprocess.run(base + ["--hf", src, "--init-scale", "1", "--init-seed", "5"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "seeded random state" in r.stdout
+    with open_model(out) as mf:
+        assert (mf.header.config.loop_init, mf.header.config.loop_init_seed) == ("random", 5)
+    for extra, match in ((["--hf", src, "--init-scale", "nan"], "init_scale=nan"),
+                         (["--checkpoint", src, "--config", "c.json", "--init-seed", "2"], "--init-seed apply to --hf")):
+        r = subprocess.run(base + extra, capture_output=True, text=True)
+        assert r.returncode == 2 and match in r.stderr, r.stderr
