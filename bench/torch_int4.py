@@ -29,7 +29,8 @@ import numpy as np
 GROUP = 128
 #: group sizes tinygemm supports, in order of preference (the bench's default is GROUP)
 GROUPS = (128, 64, 32, 256)
-INNER_K_TILES = 8
+#: tinygemm's packing factors, fastest first: K must be a multiple of 16 * inner_k_tiles
+INNER_K_TILES = (8, 4, 2)
 #: The largest max-abs error of a checked int4 matmul, relative to the reference's max-abs value,
 #: that the bench row accepts: against the matrix the kernel holds (bf16 rounding of the output
 #: only; a packing or layout mistake gives ~1) and against the logical weights (plus the
@@ -113,11 +114,20 @@ def rel_err(y: np.ndarray, ref: np.ndarray) -> float:
 
 
 # --------------------------------------------------------------------------- torch side
+def inner_k_tiles(K: int) -> int:
+    """The largest tinygemm inner_k_tiles the in_features K allows (8 for K % 128 == 0; Huginn's
+    d_model 5280 needs 2)."""
+    for t in INNER_K_TILES:
+        if K % (16 * t) == 0:
+            return t
+    raise ValueError(f"in_features {K} is not a multiple of {16 * INNER_K_TILES[-1]} (tinygemm's packing)")
+
+
 def to_tinygemm(codes, scales, zeros, device="cuda"):
     """The (packed weight, scales_and_zeros, group size) that ``_weight_int4pack_mm`` takes."""
     import torch
     u8 = torch.from_numpy(pack_nibbles(codes)).to(device)
-    packed = torch.ops.aten._convert_weight_to_int4pack(u8, INNER_K_TILES)
+    packed = torch.ops.aten._convert_weight_to_int4pack(u8, inner_k_tiles(codes.shape[1]))
     sz = torch.from_numpy(scales_and_zeros(scales, zeros)).to(device=device, dtype=torch.bfloat16)
     return packed, sz, codes.shape[1] // scales.shape[1]
 
