@@ -388,23 +388,10 @@ def same_bits(a, b) -> bool:
 
 
 # ----------------------------------------------------------------------------- timing
-def graph_us(stream, fn, n: int, replays: int = 3) -> float:
+def graph_us(stream, fn, n: int) -> float:
     """us per launch of `fn` (n launches on `stream`) replayed as one captured graph."""
-    from tinyloop.cuda.graphs import Graph
-    fn()
-    stream.synchronize()
-    g = Graph(stream, fn)
-    g.launch()
-    stream.synchronize()
-    best = float("inf")
-    for _ in range(replays):
-        e0, e1 = cuda.event(), cuda.event()
-        e0.record(stream)
-        g.launch()
-        e1.record(stream)
-        e1.synchronize()
-        best = min(best, cuda.event_elapsed_time(e0, e1))
-    return best * 1e3 / n
+    from bench.decode_bench import graph_time_ms
+    return graph_time_ms(stream, fn, n) * 1e3
 
 
 def torch_graph_us(fn, n: int, replays: int = 3) -> float:
