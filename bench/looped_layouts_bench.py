@@ -10,6 +10,11 @@ depth in the same process: tinyloop.torch_model's layout with every matrix on th
 kernel (bench/torch_int4.py: bf16 activations, the group size tinygemm allows for the shape),
 the decode step under torch.compile and captured in a CUDA graph (bench/decode_bench.py's
 per-layer-cache SDPA row). Prints a table, writes JSON (--json).
+
+Writing Huginn's 2.12 GB random file takes minutes; --model-dir DIR keeps each layout's file
+there and reuses it on the next run when its header is the one this bench would write (e.g.
+``--model-dir out/bench_models``, ignored by git, so one depth per call on a warm device machine
+reuses the first call's file).
 """
 
 from __future__ import annotations
@@ -78,6 +83,25 @@ def bench_layout(path: str, backend: str, prompt, new: int, depths, repeats: int
         tl.free_model(m)
 
 
+def _reusable(path: str, over: dict, group: int):
+    """The config of the model file at `path` when it is the one synth_model would write for this
+    layout (same config, q4 at `group` for the block matrices), else None."""
+    from tinyloop.errors import TinyLoopError
+    from tinyloop.model.arch import ModelConfig
+    from tinyloop.model.format import open_model
+    from tinyloop.model.presets import get_preset
+    if not os.path.exists(path):
+        return None
+    want = ModelConfig.from_dict({**get_preset("360m").config, **over})
+    try:
+        with open_model(path) as mf:
+            q = mf.header.quant["loop.0.wq"]
+            ok = mf.header.config == want and (q.type, q.group_size) == ("q4", group)
+    except (TinyLoopError, OSError, KeyError):
+        ok = False
+    return want if ok else None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="cuda", choices=("cuda", "cpu"))
@@ -88,6 +112,8 @@ def main(argv=None) -> int:
     ap.add_argument("--depths", default=None, help="comma-separated depths (default: each layout's own)")
     ap.add_argument("--torch", action="store_true", help="also the compiled INT4 PyTorch form at each depth")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--model-dir", default=None,
+                    help="keep the synthesized model files here and reuse matching ones (default: a temp dir)")
     args = ap.parse_args(argv)
     names = [n for n in args.layouts.split(",") if n]
     unknown = [n for n in names if n not in LAYOUTS]
@@ -95,21 +121,28 @@ def main(argv=None) -> int:
         ap.error(f"unknown layout(s) {unknown}; choose from {list(LAYOUTS)}")
     from tinyloop.cli.synth import synth_model
     rows = {}
+    if args.model_dir:
+        os.makedirs(args.model_dir, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             over, group, depths = LAYOUTS[name]
             if args.depths:
                 depths = tuple(int(v) for v in args.depths.split(","))
-            path = os.path.join(tmp, f"{name}.tinyloop")
-            t = time.perf_counter()
-            cfg = synth_model("360m", path, seed=0, quant="q4", group_size=group, **over)
-            log(f"{name}: wrote {os.path.getsize(path) / 1e9:.2f} GB in {time.perf_counter() - t:.1f} s")
+            path = os.path.join(args.model_dir or tmp, f"{name}.tinyloop")
+            cfg = _reusable(path, over, group) if args.model_dir else None
+            if cfg is None:
+                t = time.perf_counter()
+                cfg = synth_model("360m", path, seed=0, quant="q4", group_size=group, **over)
+                log(f"{name}: wrote {os.path.getsize(path) / 1e9:.2f} GB in {time.perf_counter() - t:.1f} s")
+            else:
+                log(f"{name}: reusing {path}")
             prompt = [int(i) for i in np.random.default_rng(0).integers(0, cfg.vocab_size, args.prompt_len)]
             rows[name] = bench_layout(path, args.backend, prompt, args.new_tokens, depths, args.repeats)
             rows[name]["group_size"] = group
             if args.torch:
                 rows[name]["torch"] = bench_torch(path, prompt, args.new_tokens, depths, args.repeats)
-            os.unlink(path)
+            if not args.model_dir:
+                os.unlink(path)
     print(f"{'layout':<14} {'L':>4} {'ms/token':>9} {'torch ms':>9} {'x torch':>8} {'prefill ms':>11} "
           f"{'weights GB':>11}")
     for name, r in rows.items():
