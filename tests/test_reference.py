@@ -121,5 +121,13 @@ def test_random_state_draw_properties():
     assert abs(big.mean()) < 0.01 and abs(big.std() - 1.0) < 0.01 and np.abs(big).max() <= 6.0
     assert len(np.unique(big)) > 0.99 * big.size
     assert not np.array_equal(random_state(1, 1.0, [5], d), random_state(2, 1.0, [5], d))
-    with pytest.raises(ValueError, match="positions"):
+    from tinyloop.errors import ConfigError
+    with pytest.raises(ConfigError, match="positions must be >= 0"):
         random_state(1, 1.0, [-1], d)
+    for args, match in (((1, 1.0, [1.5], d), "positions must be integers"), ((-1, 1.0, [0], d), "seed=-1"),
+                        ((2 ** 64, 1.0, [0], d), "seed="), ((True, 1.0, [0], d), "seed=True"),
+                        ((1, 0.0, [0], d), "scale=0.0"), ((1, float("nan"), [0], d), "scale=nan"),
+                        ((1, "1", [0], d), "scale='1'"), ((1, 1.0, [0], 0), "d_model=0")):
+        with pytest.raises(ConfigError, match=match):
+            random_state(*args)
+    assert random_state(1, 1.0, [], d).shape == (0, d)

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import ConfigError
+
 G = 0x9E3779B97F4A7C15
 C1 = 0xBF58476D1CE4E5B9
 C2 = 0x94D049BB133111EB
@@ -73,10 +75,21 @@ def _mix_np(z: np.ndarray) -> np.ndarray:
 
 def random_state(seed: int, scale: float, positions, d_model: int) -> np.ndarray:
     """float32 (len(positions), d_model): the initial state of the rows at these absolute
-    positions (non-negative integers), exactly as the module doc defines it."""
-    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+    positions (non-negative integers), exactly as the module doc defines it. ConfigError for a
+    seed outside [0, 2**64), a scale outside (0, 1e6), a d_model below 1 or positions that are
+    not non-negative integers."""
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 64:
+        raise ConfigError(f"random_state: seed={seed!r} must be an integer in [0, 2**64)")
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.floating)) or not 0 < scale < 1e6:
+        raise ConfigError(f"random_state: scale={scale!r} must be a finite number in (0, 1e6)")
+    if isinstance(d_model, (bool, np.bool_)) or not isinstance(d_model, (int, np.integer)) or d_model < 1:
+        raise ConfigError(f"random_state: d_model={d_model!r} must be an integer >= 1")
+    pos = np.asarray(positions).reshape(-1)
+    if pos.size and pos.dtype.kind not in "iu":
+        raise ConfigError(f"random_state: positions must be integers, got dtype {pos.dtype}")
+    pos = pos.astype(np.int64)
     if pos.size and int(pos.min()) < 0:
-        raise ValueError(f"random_state: positions must be >= 0, got {int(pos.min())}")
+        raise ConfigError(f"random_state: positions must be >= 0, got {int(pos.min())}")
     n = (pos.astype(np.uint64)[:, None] * np.uint64(d_model)
          + np.arange(d_model, dtype=np.uint64)[None, :])
     key = np.uint64(seed_key(seed))
