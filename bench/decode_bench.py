@@ -101,10 +101,19 @@ def bench_tinyloop(path: str, prompt: List[int], new: int, loops: int, sweep: Li
 
         main = measure(loops)
         out.update(main)
-        # seeded sampling (the logits come to the host, where the sampler runs)
+        # seeded sampling: drawn on the device (only the token id crosses, steps queued ahead),
+        # and on the host from the copied logits (TINYLOOP_DEVICE_SAMPLING=0), same tokens
         smp = dict(temperature=0.8, top_k=50, top_p=0.95, sample_seed=0)
         out["sampling"] = dict(measure(loops, **smp), **smp)
         log(f"tinyloop sampling L={loops}: {out['sampling']['decode_ms_per_token']:.3f} ms/token")
+        wide = dict(temperature=1.0, top_k=1024, top_p=1.0, sample_seed=0)
+        out["sampling_k1024"] = dict(measure(loops, **wide), **wide)
+        os.environ["TINYLOOP_DEVICE_SAMPLING"] = "0"
+        try:
+            out["sampling_host"] = dict(measure(loops, **smp), **smp)
+        finally:
+            del os.environ["TINYLOOP_DEVICE_SAMPLING"]
+        log(f"tinyloop host sampling L={loops}: {out['sampling_host']['decode_ms_per_token']:.3f} ms/token")
         out["graph_nodes_per_token"] = m.backend.step_nodes
         out["vram_bytes"] = tl.vram_usage_bytes(m)
         out["sweep"] = []
@@ -577,10 +586,12 @@ def run(args) -> int:
     print(f"{'engine':<34}{'prefill ms':>12}{'decode ms/tok':>15}{'tok/s':>10}")
     print(f"{'tinyloop (numba, graphs)':<34}{tlr['prefill_ms']:>12.2f}{tlr['decode_ms_per_token']:>15.3f}"
           f"{tlr['tokens_per_s']:>10.1f}")
-    if "sampling" in tlr:
-        smp = tlr["sampling"]
-        print(f"{'  sampling T0.8 k50 p0.95':<34}{smp['prefill_ms']:>12.2f}"
-              f"{smp['decode_ms_per_token']:>15.3f}{smp['tokens_per_s']:>10.1f}")
+    for key, label in (("sampling", "  sampling T0.8 k50 p0.95"), ("sampling_k1024", "  sampling T1 k1024"),
+                       ("sampling_host", "  same, drawn on the host")):
+        if key in tlr:
+            smp = tlr[key]
+            print(f"{label:<34}{smp['prefill_ms']:>12.2f}{smp['decode_ms_per_token']:>15.3f}"
+                  f"{smp['tokens_per_s']:>10.1f}  ({smp['decode_ms_per_token'] / tlr['decode_ms_per_token']:.3f}x greedy)")
     rows = torch_rows(res)
     for sec, k, label, _, ms in rows:
         pre = th["prefill_ms"] if (sec, k) == ("torch", "eager_decode_ms_per_token") else float("nan")

@@ -198,6 +198,56 @@ def test_sampling_same_seed_same_tokens_on_gpu(pair):
     assert a == tl.generate(gpu, PROMPTS[0], cfg)
 
 
+SAMPLING_KNOBS = [dict(temperature=0.9, top_k=20, top_p=0.9, sample_seed=11),
+                  dict(temperature=1.5, top_k=50, sample_seed=3),
+                  dict(temperature=3.0, top_k=1024, top_p=0.97, sample_seed=8),
+                  dict(temperature=0.5, top_k=1, sample_seed=2)]
+
+
+@pytest.mark.parametrize("knobs", SAMPLING_KNOBS)
+def test_device_sampling_equals_the_host_draw(pair, knobs, monkeypatch):
+    """The on-device draw (captured sampling steps queued ahead) gives the tokens of the host draw
+    from the same logits (TINYLOOP_DEVICE_SAMPLING=0) and, where the logits agree as closely as
+    greedy needs, the CPU backend's; graphs off, the uncached path and a second request give the
+    same; a processor (repetition penalty) keeps the host draw."""
+    monkeypatch.delenv("TINYLOOP_DEVICE_SAMPLING", raising=False)
+    _, cpu, gpu = pair
+    draws = []
+    launch = gpu.backend.launch_sample
+    monkeypatch.setattr(gpu.backend, "launch_sample", lambda *a: (draws.append(1), launch(*a)))
+    for p in PROMPTS:
+        cfg = tl.GenerateConfig(max_tokens=24, loops=3, **knobs)
+        got = tl.generate(gpu, p, cfg)
+        assert len(draws) == 24
+        monkeypatch.setenv("TINYLOOP_DEVICE_SAMPLING", "0")
+        assert tl.generate(gpu, p, cfg) == got and len(draws) == 24
+        monkeypatch.delenv("TINYLOOP_DEVICE_SAMPLING")
+        assert tl.generate(gpu, p, cfg) == got
+        assert tl.generate(cpu, p, cfg) == got
+        draws.clear()
+    cfg = tl.GenerateConfig(max_tokens=12, loops=3, **knobs)
+    want = tl.generate(cpu, PROMPTS[0], cfg)
+    monkeypatch.setenv("TINYLOOP_DISABLE_KV_CACHE", "1")
+    assert tl.generate(gpu, PROMPTS[0], cfg) == want
+    monkeypatch.delenv("TINYLOOP_DISABLE_KV_CACHE")
+    draws.clear()
+    pen = tl.GenerateConfig(max_tokens=12, loops=3, repetition_penalty=1.3, **knobs)
+    assert tl.generate(gpu, PROMPTS[0], pen) == tl.generate(cpu, PROMPTS[0], pen) and not draws
+    monkeypatch.setattr(gpu.backend, "use_graphs", False)
+    assert tl.generate(gpu, PROMPTS[0], cfg) == want and len(draws) == 12
+
+
+def test_device_sampling_stop_sequence_drops_the_queued_step(pair):
+    _, cpu, gpu = pair
+    cfg = tl.GenerateConfig(max_tokens=16, loops=2, temperature=1.2, top_k=40, sample_seed=5)
+    got = tl.generate(gpu, PROMPTS[0], cfg)
+    stop = tl.GenerateConfig(max_tokens=16, loops=2, temperature=1.2, top_k=40, sample_seed=5,
+                             stop_sequences=[[got[5]]])
+    cut = got[:got.index(got[5]) + 1]
+    assert tl.generate(gpu, PROMPTS[0], stop) == cut == tl.generate(cpu, PROMPTS[0], stop)
+    assert tl.generate(gpu, PROMPTS[0], cfg) == got
+
+
 def test_vram_usage_counts_weights_pool_and_cache(pair):
     _, _, gpu = pair
     held = tl.vram_usage_bytes(gpu)

@@ -163,7 +163,7 @@ def test_top_order_equals_full_sort(vals, k):
 
 
 def _definition_filtered(logits, temperature, top_k, top_p):
-    """Steps 1-4 of tinyloop.runtime.sampling written plainly: sort every id, cut, renormalise."""
+    """sampling_probs' steps written plainly: sort every id, cut, renormalise."""
     z = np.asarray(logits, np.float64) / temperature
     order = np.lexsort((np.arange(z.size), -z))[:min(top_k, z.size)]
     p = np.exp(z[order] - z[order[0]])
@@ -175,23 +175,38 @@ def _definition_filtered(logits, temperature, top_k, top_p):
     return order, p
 
 
+def _definition_draw(logits, temperature, top_k, top_p, u):
+    """sample_token's steps 1-5 (tinyloop.runtime.sampling) written plainly, loop by loop."""
+    z = np.asarray(logits, np.float64) / temperature
+    order = np.lexsort((np.arange(z.size), -z))[:min(top_k, z.size)]
+    c, run = [], 0.0
+    for j in order:
+        run += float(np.exp(z[j] - z[order[0]]))
+        c.append(run)
+    n = len(c)
+    if top_p < 1.0:
+        n = next((j + 1 for j in range(len(c)) if c[j] >= top_p * c[-1]), len(c))
+    r = u * c[n - 1]
+    return int(order[next((j for j in range(n) if c[j] > r), n - 1)])
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from([-np.inf, -2.0, -1.0, 0.0, 0.5, 1.0, 3.0]), min_size=1, max_size=40)
        .filter(lambda v: max(v) > -np.inf),
        st.integers(1, 45), st.sampled_from([1.0, 0.95, 0.5, 0.1]), st.floats(0.0, 0.999999),
        st.sampled_from([0.7, 1.0, 1.3]))
 def test_sampler_equals_its_definition(vals, k, top_p, u, temperature):
-    """sample_token and sampling_probs (top-k by partition, ids ranked only as far as needed)
-    give the same token and the same probabilities, bit for bit, as the plain full sort."""
+    """sample_token (top-k by partition, ids ranked only as far as needed) gives the token of the
+    plain definition, and sampling_probs its probabilities bit for bit; the two agree on the
+    kept set."""
     from tinyloop.runtime.sampling import sample_token, sampling_probs
     logits = np.array(vals, np.float32)
+    assert sample_token(logits, temperature, k, top_p, u) == _definition_draw(logits, temperature, k, top_p, u)
     order, p = _definition_filtered(logits, temperature, k, top_p)
-    c = np.cumsum(p)
-    want = int(order[min(int(np.searchsorted(c, u * c[-1], side="right")), len(order) - 1)])
-    assert sample_token(logits, temperature, k, top_p, u) == want
     probs = np.zeros(logits.size)
     probs[order] = p
     assert np.array_equal(sampling_probs(logits, temperature, k, top_p), probs)
+    assert probs[sample_token(logits, temperature, k, top_p, u)] > 0
 
 
 def test_repetition_penalty_hf_convention(tiny_model, prompt):

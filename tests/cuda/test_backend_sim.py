@@ -213,6 +213,32 @@ def test_greedy_lookahead_matches_plain_greedy(small_path, monkeypatch):
         tl.free_model(m)
 
 
+def test_sampling_draws_on_the_device(small_path, monkeypatch):
+    """Sampling on the CUDA backend draws where the logits live (load_sampler once, then one draw
+    per forward, the steps queued ahead like greedy ones): the tokens equal the same backend's
+    host draw (TINYLOOP_DEVICE_SAMPLING=0: the same logits) and the CPU backend's. (More knobs,
+    seeds, stops and processors: tests/test_cuda_backend.py on a GPU; the simulator is slow.)"""
+    monkeypatch.delenv("TINYLOOP_LOOKAHEAD", raising=False)
+    monkeypatch.delenv("TINYLOOP_DEVICE_SAMPLING", raising=False)
+    cpu = tl.load_model(str(small_path), max_seq_len=8, backend="cpu")
+    m = tl.load_model(str(small_path), max_seq_len=8, backend="cuda")
+    try:
+        loads, draws, ahead = [], [], []
+        load, draw, begin = m.backend.load_sampler, m.backend.launch_sample, m.backend.begin_read_argmax
+        monkeypatch.setattr(m.backend, "load_sampler", lambda *a: (loads.append(a[4].shape[0]), load(*a)))
+        monkeypatch.setattr(m.backend, "launch_sample", lambda *a: (draws.append(1), draw(*a)))
+        monkeypatch.setattr(m.backend, "begin_read_argmax", lambda ws: (ahead.append(1), begin(ws)))
+        cfg = tl.GenerateConfig(max_tokens=3, loops=1, temperature=2.5, top_k=24, top_p=0.9, sample_seed=4)
+        got = tl.generate(m, [3, 7], cfg)
+        assert loads == [3] and len(draws) == 3 and len(ahead) == 2   # the last token not ahead
+        monkeypatch.setenv("TINYLOOP_DEVICE_SAMPLING", "0")
+        assert tl.generate(m, [3, 7], cfg) == got and len(draws) == 3
+        assert tl.generate(cpu, [3, 7], cfg) == got
+    finally:
+        tl.free_model(m)
+        tl.free_model(cpu)
+
+
 class NoMultipleOfLast(tl.LogitProcessor):
     """A stateful mask (as a grammar is): after token t, tokens u with (u + t) % 3 == 0 are
     forbidden. ``mask_only``: greedy paths apply allowed_words where the logits live."""

@@ -305,23 +305,36 @@ def test_argmax_sample_large_vocab_gpu():
         argmax.argmax(out, D(logits), work=work)
         assert host(out).tolist() == want
     assert not host(work[2]).any()
+    from tinyloop.runtime.sampling import sample_token
     row = logits[0]
-    for temp, k, p in [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 50, 1.0), (1.0, 0, 0.9),
-                       (0.8, 40, 0.95), (2.0, 2000, 1.0)]:
-        for step in range(3):
+    utab = rng.random(4)
+    work = sample_work()
+    for temp, k, p in [(1.0, 50, 1.0), (0.7, 1, 1.0), (1.0, 1024, 0.9), (0.8, 40, 0.95), (2.0, 1000, 1.0),
+                       (0.3, 200, 0.5)]:
+        for i in range(4):
             o = D(np.full(1, -1, np.int32))
-            u = D(np.zeros(1))
-            sample.sample(o, D(row), D(np.array([temp, k, p], np.float32)),
-                          D(np.array([11, step], np.int64)), u_out=u)
-            uu = float(host(u)[0])
-            assert uu == sample.uniform(11, step)
-            assert int(host(o)[0]) == sample.reference_sample(row, temp, k, p, uu), (temp, k, p)
+            sample.sample(o, D(row), D(np.array([temp, p], np.float64)), D(np.array([k, 10], np.int32)),
+                          D(utab), D(np.array([9 + i], np.int32)), 1, work)
+            assert int(host(o)[0]) == sample_token(row, temp, k, p, utab[i]), (temp, k, p, i)
+    # many equal logits: more than CAP keys at the threshold's bin, the exact select
+    flat = np.ones(Vv, np.float32)
+    flat[::3] = np.float32(1.0 + 2 ** -20)
+    for k in (7, 1024):
+        o = D(np.full(1, -1, np.int32))
+        sample.sample(o, D(flat), D(np.array([1.0, 1.0], np.float64)), D(np.array([k, 0], np.int32)),
+                      D(utab), D(np.array([0], np.int32)), 1, work)
+        assert int(host(o)[0]) == sample_token(flat, 1.0, k, 1.0, utab[1]), k
+    assert not host(work[0]).any() and host(work[1])[0] == 0
+
+
+def sample_work():
+    return tuple(D(np.zeros(n, np.int32)) for (n,) in sample.work_shapes())
 
 
 # =============================================================================== graph capture
 def test_graph_capture_replay():
-    """A decode step captured once replays correctly while pos and the RNG step advance on the
-    device (nothing but device arrays changes between replays)."""
+    """A decode step captured once replays correctly while pos changes on the device (nothing but
+    device arrays changes between replays; the draw's uniform number follows pos)."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("PyTorch without CUDA")
@@ -339,21 +352,23 @@ def test_graph_capture_replay():
     out = D(np.zeros((1, H * hd), np.float32))
     pos = D(np.array([0], np.int32))
     logits = D(rng.standard_normal(1000).astype(np.float32))
-    params = D(np.array([1.0, 0, 1.0], np.float32))
-    state = D(np.array([5, 0], np.int64))
+    params = D(np.array([1.0, 1.0], np.float64))
+    iparams = D(np.array([50, 0], np.int32))
+    utab = rng.random(3)
+    swork = sample_work()
     tok = D(np.zeros(1, np.int32))
     work, cnt = att_ws(1, H, hd)
+    D_utab = D(utab)
 
     def step(stream):
         matmul.matmul(q, x, wq["w"], wq["scales"], wq["zeros"], stream=stream)
         rope.rope_kv_append(q, kb, vb, kc, vc, 0, pos, cs, stream=stream)
         attention.attention(out, q, kc, vc, 0, pos, work, cnt, stream=stream)
-        sample.sample(tok, logits, params, state, advance=True, stream=stream)
+        sample.sample(tok, logits, params, iparams, D_utab, pos, 1, swork, stream=stream)
 
     step(0)  # compile and load every kernel before capture
     cuda.synchronize()
     pos.copy_to_device(np.array([0], np.int32))
-    state.copy_to_device(np.array([5, 0], np.int64))
     kc.copy_to_device(np.zeros((L, S, Hk, hd), np.float16))
     s = torch.cuda.Stream()
     g = torch.cuda.CUDAGraph()
@@ -366,15 +381,15 @@ def test_graph_capture_replay():
         g.replay()
         torch.cuda.synchronize()
         tokens.append(int(host(tok)[0]))
-        assert host(state)[1] == p + 1
         assert not np.isnan(host(out)).any()
         assert np.abs(host(kc)[0, p]).sum() > 0
         # the replayed attention (split counters reset by the previous replay) == an eager launch
         o2, (w2, c2) = D(np.zeros((1, H * hd), np.float32)), att_ws(1, H, hd)
         attention.attention(o2, q, kc, vc, 0, pos, w2, c2)
         assert np.array_equal(host(o2), host(out))
-    assert tokens == [sample.reference_sample(host(logits), 1.0, 0, 1.0, sample.uniform(5, p))
-                      for p in range(3)]
+    # the draw reads uniform pos + 1 - 0, clamped into the 3-entry table
+    from tinyloop.runtime.sampling import sample_token
+    assert tokens == [sample_token(host(logits), 1.0, 50, 1.0, utab[min(p + 1, 2)]) for p in range(3)]
 
 
 # =============================================================================== benchmark
@@ -444,14 +459,14 @@ def test_bench_other_kernels():
     lg = D(rng.standard_normal(151936).astype(np.float32))
     lg2 = D(rng.standard_normal((1, 151936)).astype(np.float32))
     tok = D(np.zeros(1, np.int32))
-    st_ = D(np.array([1, 0], np.int64))
     res.append(("argmax V=151936", _time_us(lambda st: argmax.argmax(tok, lg2, stream=st), 50)))
     aw = argmax_ws(1)
     res.append(("argmax split V=151936", _time_us(lambda st: argmax.argmax(tok, lg2, stream=st, work=aw), 50)))
-    for name, pr in (("sample full", [1.0, 0, 1.0]), ("sample top-k 50", [1.0, 50, 1.0]),
-                     ("sample top-p 0.9", [1.0, 0, 0.9])):
-        p = D(np.array(pr, np.float32))
-        res.append((name, _time_us(lambda st: sample.sample(tok, lg, p, st_, stream=st), 20)))
+    sw, ut, ps = sample_work(), D(rng.random(8)), D(np.zeros(1, np.int32))
+    for name, temp, k, p in (("sample top-k 50", 1.0, 50, 1.0), ("sample top-k 50 top-p 0.95", 0.8, 50, 0.95),
+                             ("sample top-k 1024", 1.0, 1024, 1.0)):
+        pf, pi = D(np.array([temp, p], np.float64)), D(np.array([k, 0], np.int32))
+        res.append((name, _time_us(lambda st: sample.sample(tok, lg, pf, pi, ut, ps, 1, sw, stream=st), 20)))
     print()
     for name, us in res:
         print(f"{name:28s} {us:9.2f} us", flush=True)

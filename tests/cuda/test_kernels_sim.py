@@ -1120,47 +1120,99 @@ def test_split_argmax_argument_errors():
 
 
 # =============================================================================== sample
+def sample_work():
+    return tuple(D(np.zeros(n, np.int32)) for (n,) in sample.work_shapes())
+
+
+def device_sample(logits, temp, top_k, top_p, utab, pos, T, base, work=None):
+    """The device sampler's token for one row (fresh work arrays unless given)."""
+    work = work or sample_work()
+    out = D(np.full(1, -1, np.int32))
+    sample.sample(out, D(np.asarray(logits, np.float32)), D(np.array([temp, top_p], np.float64)),
+                  D(np.array([top_k, base], np.int32)), D(np.asarray(utab, np.float64)),
+                  D(np.array([pos], np.int32)), T, work)
+    return int(host(out)[0])
+
+
 SAMPLE_CASES = [
-    # temperature, top_k, top_p, seed, step
-    (0.0, 0, 1.0, 1, 0),        # greedy
-    (0.8, 0, 1.0, 2, 3),        # full vocabulary
-    (1.3, 400, 1.0, 3, 9),      # top_k >= V: full vocabulary
-    (0.7, 5, 1.0, 4, 1),        # top-k with ties at the threshold
-    (1.0, 0, 0.6, 5, 2),        # top-p alone (candidate cap)
-    (0.9, 12, 0.8, 6, 7),       # top-k then top-p
-    (1.0, 1, 1.0, 7, 0),        # top-k 1 = greedy on z
-    (1.0, 3, 0.0, 8, 4),        # top-p 0 keeps one
+    # temperature, top_k, top_p, V, logits kind
+    (0.8, 50, 1.0, 300, "normal"),
+    (1.3, 300, 1.0, 300, "normal"),      # top_k = V: every token a candidate
+    (0.7, 5, 1.0, 300, "ties"),          # ties at the top and at the threshold
+    (1.0, 40, 0.6, 300, "normal"),       # top-k then top-p
+    (0.9, 12, 0.8, 300, "specials"),     # -inf, NaN, -0.0 / +0.0
+    (1.0, 1, 1.0, 300, "normal"),        # top-k 1 = greedy on z
+    (1.0, 3, 0.01, 300, "normal"),       # top-p small keeps one
+    (0.6, 20, 0.95, 1500, "flat"),       # > CAP keys in the threshold bin: the exact select
+    (1.1, 1024, 1.0, 1500, "normal"),    # KMAX candidates
 ]
 
 
-@pytest.mark.parametrize("temp,top_k,top_p,seed,step", SAMPLE_CASES)
-def test_sample_matches_reference(temp, top_k, top_p, seed, step):
-    rng = np.random.default_rng(seed)
-    Vv = 300
-    logits = (rng.standard_normal(Vv) * 2).astype(np.float32)
-    logits[[10, 20, 30, 40]] = logits.max() + 1.0   # four-way tie at the top
-    logits[[50, 60]] = -np.inf
-    logits[70] = np.nan
-    out = D(np.full(1, -1, np.int32))
-    u_out = D(np.full(1, -1.0))
-    state = D(np.array([seed, step], np.int64))
-    params = D(np.array([temp, top_k, top_p], np.float32))
-    sample.sample(out, D(logits), params, state, u_out=u_out, advance=True)
-    u = float(host(u_out)[0])
-    assert u == sample.uniform(seed, step) and 0.0 <= u < 1.0
-    assert int(host(out)[0]) == sample.reference_sample(logits, temp, top_k, top_p, u)
-    assert host(state).tolist() == [seed, step + 1]
-    # Deterministic for (seed, step): same draw again without advancing, no u_out.
-    out2 = D(np.full(1, -1, np.int32))
-    sample.sample(out2, D(logits), params, D(np.array([seed, step], np.int64)))
-    assert int(host(out2)[0]) == int(host(out)[0])
+def _sample_logits(kind, V, rng):
+    logits = (rng.standard_normal(V) * 2).astype(np.float32)
+    if kind == "ties":
+        logits[[10, 20, 30, 40]] = logits.max() + 1.0       # four-way tie at the top
+        logits[100:140] = np.float32(0.25)                   # a tie straddling the k-th place
+    elif kind == "specials":
+        # the largest logits are zeros of both signs (equal: ties by index), then -inf and NaN
+        logits = (-np.abs(logits) - 0.5).astype(np.float32)
+        logits[:12] = np.float32(-0.0)
+        logits[80], logits[81] = np.float32(0.0), np.float32(-0.0)
+        logits[[50, 60]] = -np.inf
+        logits[70] = np.nan
+    elif kind == "flat":
+        logits[:] = np.float32(1.0)
+        logits[::7] = np.float32(1.0 + 2 ** -20)            # same top-12-bit bin, distinct keys
+    return logits
 
 
-def test_sample_uniform_reference_values():
-    us = [sample.uniform(42, s) for s in range(2000)]
-    assert len(set(us)) == 2000 and min(us) >= 0.0 and max(us) < 1.0
-    assert abs(np.mean(us) - 0.5) < 0.03
-    assert sample.uniform(42, 5) == sample.uniform(42, 5) != sample.uniform(43, 5)
+@pytest.mark.parametrize("temp,top_k,top_p,V,kind", SAMPLE_CASES)
+def test_sample_equals_host_sampler(temp, top_k, top_p, V, kind):
+    """The device draw is sample_token's for the uniform number at pos + T - base."""
+    from tinyloop.runtime.sampling import sample_token
+    rng = np.random.default_rng(V + top_k)
+    logits = _sample_logits(kind, V, rng)
+    host_logits = np.where(np.isnan(logits), -np.inf, logits).astype(np.float32)
+    utab = rng.random(8)
+    work = sample_work()
+    for pos, T, base in ((9, 1, 7), (4, 3, 5), (0, 1, 1)):           # index 3, 2, 0
+        idx = pos + T - base
+        got = device_sample(logits, temp, top_k, top_p, utab, pos, T, base, work=work)
+        # NaN ranks below -inf on the device as in numpy's sort; with fewer than k finite
+        # logits the hosts' NaN arithmetic differs, so compare where NaN cannot be drawn
+        want = sample_token(host_logits if kind == "specials" else logits, temp, top_k, top_p, utab[idx])
+        assert got == want, (pos, T, base)
+        # the launch left the histogram and the ticket zero for the next one
+        assert not host(work[0]).any() and host(work[1])[0] == 0
+
+
+def test_sample_many_draws_follow_the_host():
+    """Over many uniforms and rows, every device token equals the host sampler's."""
+    from tinyloop.runtime.sampling import sample_token
+    rng = np.random.default_rng(3)
+    work = sample_work()
+    for r in range(6):
+        logits = (rng.standard_normal(400) * 3).astype(np.float32)
+        utab = rng.random(5)
+        for i in range(5):
+            assert device_sample(logits, 0.9, 30, 0.9, utab, i, 1, 1, work=work) == \
+                sample_token(logits, 0.9, 30, 0.9, utab[i]), (r, i)
+
+
+def test_sample_launcher_rejects_bad_arguments():
+    logits = D(np.zeros(16, np.float32))
+    good = dict(out=D(np.zeros(1, np.int32)), logits=logits, params=D(np.array([1.0, 1.0])),
+                iparams=D(np.array([4, 0], np.int32)), utab=D(np.zeros(3)), pos=D(np.zeros(1, np.int32)),
+                T=1, work=sample_work())
+    for key, bad, match in (("params", D(np.ones(2, np.float32)), "params has dtype"),
+                            ("iparams", D(np.zeros(3, np.int32)), "iparams has shape"),
+                            ("utab", D(np.zeros(0)), "no uniform"),
+                            ("T", 0, "T=0"), ("T", True, "T=True"),
+                            ("work", (1, 2), "work must be"),
+                            ("logits", D(np.zeros(0, np.float32)), "empty vocabulary"),
+                            ("out", np.zeros(1, np.int32), "device array")):
+        with pytest.raises(BackendError, match=match):
+            sample.sample(**{**good, key: bad})
 
 
 # =============================================================================== KV codecs and rings

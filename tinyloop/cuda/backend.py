@@ -61,7 +61,7 @@ from numba.cuda.cudadrv.driver import device_memset
 
 from dataclasses import dataclass
 
-from ..runtime.backend import (Backend, CacheReuse, DeviceChaining, GuardedSteps, KVLayerCopy, LaneOps,
+from ..runtime.backend import (Backend, CacheReuse, DeviceChaining, DeviceSampling, GuardedSteps, KVLayerCopy, LaneOps,
                                ModelWeights, TokenMasks, TreeOps, TreeRows, Workspace, fill_lane_paths, lane_tables)
 from ..model.arch import is_matrix
 from ..runtime.cache import CacheSpec, SlotMap, shared_layers
@@ -73,6 +73,7 @@ from .kernels._common import no_tree
 from .kernels import _pdl as k_pdl
 from .kernels import add as k_add
 from .kernels import argmax as k_argmax
+from .kernels import sample as k_sample
 from .kernels import attention as k_attention
 from .kernels import bias as k_bias
 from .kernels import norm_add as k_norm_add
@@ -261,11 +262,13 @@ class CUDAWorkspace(Workspace):
     exit_host: Any = None
 
 
-class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLayerCopy, GuardedSteps, LaneOps):
+class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLayerCopy, GuardedSteps, LaneOps,
+                  DeviceSampling):
     """numba-cuda implementation of the backend ops, with graph-captured decode steps."""
 
     name = "cuda"
     codec_key = "cuda"
+    sample_kmax = k_sample.KMAX
 
     def __init__(self, cfg, max_seq_len: int):
         super().__init__(cfg)
@@ -306,6 +309,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
                                and k_exit_probe.DEVRT is not None and conditional_nodes_supported())
         self._guard = None                 # the GuardedGraph being captured (its handles)
         self._no_conts = cuda.to_device(np.zeros(1, np.uint64))     # no handles: eager probes
+        self._sampler = None               # load_sampler's device arrays (made at its first call)
 
     # ------------------------------------------------------------------ memory
     def _to_device(self, a: np.ndarray):
@@ -649,6 +653,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
         self._graphs.clear()
         self._tree_layouts.clear()
         self._spares = []
+        self._sampler = None
         self._held = 0
         if not numba.config.ENABLE_CUDASIM:
             cuda.current_context().deallocations.clear()
@@ -723,6 +728,33 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
 
     def launch_argmax(self, ws: Workspace) -> None:
         k_argmax.argmax(ws.tok, ws.logits[:1], stream=self.stream, work=ws.amax_work)
+        self._tok_value = None
+
+    def load_sampler(self, ws: Workspace, temperature: float, top_k: int, top_p: float, uniforms,
+                     base: int) -> None:
+        u = np.ascontiguousarray(uniforms, np.float64).reshape(-1)
+        cap = max(1, self.max_seq_len)
+        if not 0 < u.shape[0] <= cap:
+            raise BackendError(f"load_sampler: {u.shape[0]} uniform numbers; the table holds 1 .. {cap} "
+                               f"(max_seq_len)")
+        if self._sampler is None:
+            # params, iparams, the uniform table and the kernels' work arrays, kept for the
+            # backend's life so captured sampling steps stay valid across requests
+            arrays = [self._to_device(np.zeros(2, np.float64)), self._to_device(np.zeros(2, np.int32)),
+                      self._to_device(np.zeros(cap, np.float64))]
+            arrays.append(tuple(self._to_device(np.zeros(n, np.int32)) for (n,) in k_sample.work_shapes()))
+            self._sampler = arrays
+        params, iparams, utab, _ = self._sampler
+        # pageable sources: each copy has left the host array when it returns
+        params.copy_to_device(np.array([temperature, top_p], np.float64), stream=self.stream)
+        iparams.copy_to_device(np.array([top_k, base], np.int32), stream=self.stream)
+        utab[:u.shape[0]].copy_to_device(u, stream=self.stream)
+
+    def launch_sample(self, ws: Workspace, pos, T: int) -> None:
+        if self._sampler is None:
+            raise BackendError("launch_sample before load_sampler")
+        params, iparams, utab, work = self._sampler
+        k_sample.sample(ws.tok, ws.logits[0], params, iparams, utab, pos, T, work, stream=self.stream)
         self._tok_value = None
 
     def launch_masked_argmax(self, ws: Workspace, words) -> None:

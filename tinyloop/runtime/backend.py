@@ -19,10 +19,10 @@ launches or passes over memory. The forward only calls composites and the few pr
 
 Optional capabilities (:data:`CAPABILITIES`) are mixin classes a backend inherits:
 :class:`TreeOps`, :class:`DeviceChaining`, :class:`CacheReuse`, :class:`TokenMasks`,
-:class:`KVLayerCopy`, :class:`GuardedSteps` and :class:`LaneOps`. Callers ask :meth:`Backend.supports` and fall back;
-a decoder that cannot declares ``Decoder.requires``. Backends are registered as
-:class:`BackendEntry` classes through the ``tinyloop_backends`` hook (one registry for every name
-check).
+:class:`KVLayerCopy`, :class:`GuardedSteps`, :class:`LaneOps` and :class:`DeviceSampling`.
+Callers ask :meth:`Backend.supports` and fall back; a decoder that cannot declares
+``Decoder.requires``. Backends are registered as :class:`BackendEntry` classes through the
+``tinyloop_backends`` hook (one registry for every name check).
 """
 
 from __future__ import annotations
@@ -616,6 +616,32 @@ class GuardedSteps(ABC):
         tail()
 
 
+class DeviceSampling(ABC):
+    """Capability ``device_sampling``: the draw of tinyloop.runtime.sampling.sample_token run where
+    the logits live, so a sampling step, like a greedy one, sends only a token id to the host and
+    can be queued before the previous token is read (DeviceChaining's reads and device_token see
+    the drawn token). The session uses it for requests with no logit processors, no early exit
+    and top_k <= :attr:`sample_kmax`; the others sample on the host (the same tokens)."""
+
+    #: The largest top_k (candidates) the device draw takes.
+    sample_kmax: int = 0
+
+    @abstractmethod
+    def load_sampler(self, ws: Workspace, temperature: float, top_k: int, top_p: float, uniforms,
+                     base: int) -> None:
+        """Hold one request's sampling knobs and its uniform numbers (`uniforms`, float64: the
+        draw of generated token i uses ``uniforms[i]``; at most the backend's max_seq_len of
+        them) where the draws read them; `base` is the prompt's length. Replaces the previous
+        request's (captured steps read them where they live)."""
+
+    @abstractmethod
+    def launch_sample(self, ws: Workspace, pos, T: int) -> None:
+        """Queue: the token sample_token draws from ws.logits row 0 with the loaded knobs and the
+        uniform ``uniforms[p + T - base]`` (p the value of the position handle `pos` of the
+        launch of T rows whose last row those logits are) into the slot read_argmax reads. Part
+        of a replayable step; only the token is written."""
+
+
 class LaneOps(ABC):
     """Capability ``lanes``: launches whose rows belong to different sequences (batch lanes of a
     lockstep batch, tinyloop.runtime.lockstep), each with its own position and its own region of
@@ -681,7 +707,7 @@ def fill_lane_paths(path, held, lane_of, lane_slots: int):
 CAPABILITIES: Dict[str, type] = {"tree": TreeOps, "device_chaining": DeviceChaining,
                                  "cache_reuse": CacheReuse, "token_masks": TokenMasks,
                                  "kv_layer_copy": KVLayerCopy, "guarded_steps": GuardedSteps,
-                                 "lanes": LaneOps}
+                                 "lanes": LaneOps, "device_sampling": DeviceSampling}
 
 
 # =============================================================================== registry

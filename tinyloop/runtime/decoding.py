@@ -91,6 +91,12 @@ class DecodeSession(Protocol):
         the next call is ``advance(that token)`` (or nothing): the engine may then queue that
         token's decode step before the token reaches the host."""
 
+    def sample(self, lane: int = 0, ahead: bool = False) -> int:
+        """The token tinyloop.runtime.sampling.sample_token draws from the processed pending logits
+        with the request's temperature / top_k / top_p and the uniform number of this generated
+        token in the request's stream (``sampling.uniforms(sample_seed, max_tokens)``); on a
+        backend with device_sampling the draw runs where the logits live. ``ahead`` as greedy()."""
+
     def advance(self, token: int, lane: int = 0) -> None:
         """Append `token` at the next position and run the decode forward."""
 

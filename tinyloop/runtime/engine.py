@@ -48,6 +48,7 @@ from .early_exit import ExitStep, resolve_exit
 from .lockstep import LockstepBatch, lane_seed
 from .plugins import get_plugin_manager
 from .processors import ProcessorChain
+from .sampling import sample_token, uniforms
 from .stopping import CallbackStopper, Stopper, StopperChain, StopRequest
 
 DEFAULT_PREFILL_CHUNK = 512
@@ -433,6 +434,10 @@ class Session:
         # greedy(ahead=True): the token returned whose decode step already runs (None: none)
         self._ahead: Optional[int] = None
         self._lookahead = env_switch("TINYLOOP_LOOKAHEAD")
+        # sample(): the request's uniform numbers (made at the first draw), and whether the token
+        # slot behind each forward holds the device's draw instead of the argmax
+        self._uniforms: Optional[np.ndarray] = None
+        self._device_draw = False
         #: early exit: the step runner, the depth each decoded position ran (position -> depth,
         #: replayed by the uncached path) and the depth behind the pending logits
         self._exit = ExitStep(self, plan.exit) if getattr(plan, "exit", None) is not None else None
@@ -539,7 +544,7 @@ class Session:
                 fwd.forward(ids, pos, T, self.cache, self.loops)
                 if last:
                     fwd.logits(T - 1, 1)
-                    be.launch_argmax(ws)
+                    self._launch_pick(pos, T)
             self.stats.loop_iters_run += self.loops
             self.logits_depth = self.loops
         for p in range(plain, stop):
@@ -551,17 +556,27 @@ class Session:
             self.logits_depth = depth
         self.position = stop
 
+    def _launch_pick(self, pos, T: int) -> None:
+        """Queue the token choice behind the pending logits (row 0 of a T-row launch at `pos`):
+        the argmax, or the device's draw once sample() turned it on."""
+        be = self.model.backend
+        if self._device_draw:
+            be.launch_sample(self.model.ws, pos, T)
+        else:
+            be.launch_argmax(self.model.ws)
+
     def _one_token_step(self, ids, pos) -> None:
         """The decode step of one token (ids and pos: backend buffers), captured once per (loops,
-        cache) and replayed: forward, logits, argmax started, position advanced on the device."""
-        be, fwd, ws = self.model.backend, self.model.fwd, self.model.ws
+        cache, token choice) and replayed: forward, logits, argmax (or draw) started, position
+        advanced on the device."""
+        be, fwd = self.model.backend, self.model.fwd
 
         def one_token_step(ids=ids, pos=pos):
             fwd.forward(ids, pos, 1, self.cache, self.loops)
             fwd.logits(0, 1)
-            be.launch_argmax(ws)
+            self._launch_pick(pos, 1)
             be.advance_position(pos)
-        be.replay(("step", self.loops, self.cache), one_token_step)
+        be.replay(("sample_step" if self._device_draw else "step", self.loops, self.cache), one_token_step)
 
     def _settle(self) -> None:
         """Drop a look-ahead step nobody advanced into: its K/V sit past `position` (overwritten
@@ -632,6 +647,49 @@ class Session:
             # only masks change the argmax: apply them where the logits live (a StopRequest from
             # a mask comes before anything is queued)
             be.launch_masked_argmax(ws, self.chain.allowed_words())
+        elif self._device_draw:
+            # the token slot holds the device's draw: take the argmax now, and queue no sampling
+            # step ahead of it
+            be.launch_argmax(ws)
+            ahead = False
+        return self._take_token(lane, ahead)
+
+    def sample(self, lane: int = 0, ahead: bool = False) -> int:
+        """The token tinyloop.runtime.sampling.sample_token draws from the processed pending logits
+        with the request's temperature, top_k and top_p and uniform number i of the request's
+        stream (``sampling.uniforms(sample_seed, max_tokens)``) for its i-th generated token.
+        Where the backend has device_sampling, the chain is empty, early exit is off and top_k
+        fits the device draw, the draw runs where the logits live and only the token crosses
+        (``TINYLOOP_DEVICE_SAMPLING=0``: always on the host); `ahead` then means what it means for
+        greedy(): the next step is queued before the token is read."""
+        if self._ahead is not None and lane == self._lane:
+            return self._ahead
+        self._check_pending(lane)
+        c = self.config
+        if self._uniforms is None:
+            self._uniforms = uniforms(c.sample_seed, max(1, c.max_tokens))
+        i = min(len(self.tokens) - self._prompt_len, self._uniforms.shape[0] - 1)
+        be, ws = self.model.backend, self.model.ws
+        if not (self._device_draw or self._device_draw_ok(lane)):
+            return sample_token(self.logits(lane), c.temperature, c.top_k, c.top_p, float(self._uniforms[i]))
+        if not self._device_draw:
+            # the first device draw of the request: load it, then draw for the pending logits,
+            # which were computed with their argmax; every later forward draws as it finishes
+            be.load_sampler(ws, c.temperature, c.top_k, c.top_p, self._uniforms, self._prompt_len)
+            self._device_draw = True
+            be.launch_sample(ws, be.positions(len(self.tokens) - 1), 1)
+        return self._take_token(lane, ahead)
+
+    def _device_draw_ok(self, lane: int) -> bool:
+        be, c = self.model.backend, self.config
+        return (be.supports("device_sampling") and env_switch("TINYLOOP_DEVICE_SAMPLING") and len(self.chain) == 0
+                and self._exit is None and self.lanes == 1 and lane == self._lane
+                and min(c.top_k, self.vocab_size) <= be.sample_kmax and 0.0 < c.temperature <= 1e200)
+
+    def _take_token(self, lane: int, ahead: bool) -> int:
+        """Read the token the device chose for the pending logits (argmax or draw); with `ahead`
+        (and a backend that chains on the device) queue its decode step first."""
+        be, ws = self.model.backend, self.model.ws
         generated = len(self.tokens) - self._prompt_len + 1      # counting the token read now
         exit_ = self._exit
         if not (ahead and self._lookahead and be.supports("device_chaining") and not self.uncached

@@ -1,14 +1,20 @@
 """The sampling algorithm, written once for every backend.
 
-Order: temperature -> top-k -> top-p -> draw.
+Order: temperature -> top-k -> top-p -> draw. `sample_token`, exactly (the CUDA backend's
+on-device sampler, tinyloop/cuda/kernels/sample.py, runs the same operations):
 
-1. z = logits / temperature (float64).
-2. top-k: keep the k largest z; ties at the k-th value are broken by lower token id.
-3. softmax over the kept tokens (max-subtracted).
-4. top-p: walk the kept tokens by descending probability (ties by lower id) and keep the shortest
-   prefix whose cumulative probability reaches top_p (at least one token); renormalise.
-5. draw: with u uniform in [0, 1), the first token in that order whose cumulative probability
-   exceeds u * total.
+1. z = float64(logits) / temperature (float64 division).
+2. top-k: keep the k = min(top_k, vocab) largest z, ordered by descending z and, among equal
+   values, ascending token id (a strict total order).
+3. weights w_j = exp(z_j - z_0) (z_0 the largest) and their running sums c_j = w_0 + ... + w_j,
+   accumulated sequentially in float64 in that order (``np.cumsum``).
+4. top-p: if top_p < 1, keep the first n candidates, n = 1 + the first j with
+   c_j >= top_p * c_(k-1) (k if none); otherwise n = k.
+5. draw: with u uniform in [0, 1), the first candidate j < n with c_j > u * c_(n-1) (n - 1 if
+   rounding leaves none).
+
+`sampling_probs` gives the same distribution as explicit probabilities (softmax over the kept
+tokens, renormalised after the top-p cut), for the speculative decoders' accept / reject tests.
 """
 
 from __future__ import annotations
@@ -31,22 +37,25 @@ def top_order(z: np.ndarray, k: int) -> np.ndarray:
     return kept[np.lexsort((kept, -z[kept]))]
 
 
-def _kept(logits: np.ndarray, temperature: float, top_k: int, top_p: float):
-    """Steps 1-4: (z, zmax, norms, order, p) with z = logits / temperature (float64), p the kept
-    tokens' renormalised probabilities in descending order, ``p = exp(z - zmax) / norms[0]
-    (/ norms[1] after a top-p cut)``, and order their ids when a top-k cut ranked them (None
-    when every token is ranked: the ids are then found only as far as a caller needs them, see
-    `_ids`). Without a top-k cut the values alone are sorted, which gives the same p, bit for
-    bit, as sorting the ids would: tied ids have equal values."""
+def _ranked(logits: np.ndarray, temperature: float, top_k: int):
+    """Steps 1-2: (z, order, zs) with z = logits / temperature (float64), zs the kept values in
+    descending order and order their ids when a top-k cut ranked them (None when every token is
+    kept: the values alone are sorted, and the ids are found only as far as a caller needs them,
+    see `_ids`; tied ids have equal values, so nothing computed from zs depends on it)."""
     z = np.asarray(logits, dtype=np.float64) / temperature
     n = z.shape[0]
     k = min(int(top_k), n)
     if k < n:
         order = top_order(z, k)
-        zs = z[order]
-    else:
-        order = None
-        zs = -np.sort(-z)
+        return z, order, z[order]
+    return z, None, -np.sort(-z)
+
+
+def _kept(logits: np.ndarray, temperature: float, top_k: int, top_p: float):
+    """sampling_probs' steps: (z, zmax, norms, order, p) with z, order as `_ranked` gives them
+    and p the kept tokens' renormalised probabilities in descending order,
+    ``p = exp(z - zmax) / norms[0] (/ norms[1] after a top-p cut)``."""
+    z, order, zs = _ranked(logits, temperature, top_k)
     p = np.exp(zs - zs[0])
     norms = [p.sum()]
     p /= norms[0]
@@ -66,10 +75,15 @@ def _ids(z: np.ndarray, order, m: int) -> np.ndarray:
 
 
 def sample_token(logits: np.ndarray, temperature: float, top_k: int, top_p: float, u: float) -> int:
-    """One token from `logits` by the algorithm above, given the uniform draw `u`."""
-    z, _, _, order, p = _kept(logits, temperature, top_k, top_p)
-    c = np.cumsum(p)
-    i = min(int(np.searchsorted(c, u * c[-1], side="right")), len(p) - 1)
+    """One token from `logits` by the algorithm above (steps 1-5), given the uniform draw `u`.
+    Without a top-k cut (top_k >= vocab) the values alone are sorted and ids are ranked only as
+    far as the draw reaches (`_ids`): tied ids have equal values, so the weights are the same."""
+    z, order, zs = _ranked(logits, temperature, top_k)
+    c = np.cumsum(np.exp(zs - zs[0]))
+    m = c.shape[0]
+    if top_p < 1.0:
+        m = min(int(np.searchsorted(c, top_p * c[-1], side="left")) + 1, m)
+    i = min(int(np.searchsorted(c[:m], u * c[m - 1], side="right")), m - 1)
     return int(_ids(z, order, i + 1)[i])
 
 
@@ -98,3 +112,10 @@ def draw(probs: np.ndarray, u: float) -> int:
 def uniform(rng: np.random.Generator) -> float:
     """The uniform draw of one sampling step."""
     return float(rng.random())
+
+
+def uniforms(seed: int, n: int) -> np.ndarray:
+    """A sampling request's uniform numbers: generated token i is drawn with entry i (float64,
+    the first n numbers of PCG64(seed); the same as n successive `uniform` calls on
+    ``np.random.Generator(np.random.PCG64(seed))``)."""
+    return np.random.Generator(np.random.PCG64(seed)).random(n)

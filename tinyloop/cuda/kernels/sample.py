@@ -1,50 +1,49 @@
-"""On-device sampling of one token from one logits row: temperature -> top-k -> top-p -> draw,
-with a counter-based random number, so a given (seed, step) always gives the same token.
+"""On-device sampling of one token from one logits row: the draw of
+tinyloop.runtime.sampling.sample_token (temperature -> top-k -> top-p -> draw), with the uniform
+number read from a per-request table on the device, so only the token id crosses to the host.
 
 Shapes::
 
     logits  float32 (V,)
-    params  float32 (3,)   [temperature, top_k, top_p]      read on the device
-    rng     int64 (2,)     [seed, step]                     read (and optionally advanced)
+    params  float64 (2,)   [temperature, top_p]                          read on the device
+    iparams int32 (2,)     [top_k, base]                                 read on the device
+    utab    float64 (n,)   the request's uniform numbers, token i uses utab[i]
+    pos     int32 (1,)     the position handle of the launch that computed the logits
     out     int32 (1,)     the token
-    u_out   float64 (1,)   optional: the uniform number the draw used
+    work    (hist int32 (BINS,), ticket int32 (1,), plan int32 (3,))  zero before the first
+            launch; every launch leaves hist and ticket zero
 
-Everything that may change between decode steps lives in device arrays, so a captured CUDA graph
-replays unchanged; with ``advance=True`` the kernel itself stores step + 1 into rng[1] after the
-draw, so successive replays use successive steps with no host work.
+The uniform number of a launch is ``utab[pos[0] + T - base]`` (clamped into the table): with
+base = the prompt's length and T the rows of the launch whose last row's logits are sampled, that
+is the index of the token being drawn among the generated ones, so a replayed decode step (T = 1)
+draws its own number with no host work, and a step that is run again at the same position draws
+the same one.
 
-The algorithm, exactly (`reference_sample` below is the same algorithm in numpy):
+The algorithm is sample_token's, operation for operation (its module doc): candidates are the
+k = min(top_k, V) largest logits, ordered by (logit descending, index ascending) -- the order of
+z = float64(logit) / temperature for temperature > 0, with -0.0 read as +0.0 and NaN below -inf
+(as numpy's sort puts NaN last); ``w_j = exp(float64(l_j) / t - float64(l_0) / t)``, running sums
+c_j in float64 by one thread in candidate order; top-p and the draw as steps 4-5. The only
+difference from the host: float64 ``exp`` (libdevice here, numpy or libm there) may differ in the
+last bit, which changes the token only when u * c lands within a few ulps of a running sum
+(probability ~1e-15 per token). Requires 1 <= k <= KMAX (the host sampler serves the rest).
 
-0. ``u = uniform(seed, step)``: ``h = mix(mix(seed + G) + step * G)`` in uint64 arithmetic, with
-   G = 0x9E3779B97F4A7C15 and ``mix`` the splitmix64 finalizer; ``u = (h >> 11) * 2^-53``, a float64
-   in [0, 1). `uniform` computes it on the host, bit for bit.
-1. If not (temperature > 0) (zero, negative or NaN): greedy, the lowest index of the largest logit
-   (same rule as `argmax`). Otherwise ``z_i = float32(logits_i / temperature)``; NaN z count
-   as -inf.
-   Logits must not be +inf.
-2. top-k: k = top_k if 0 < top_k < V, else V (no top-k). Candidates are ordered by
-   (z descending, index ascending), a strict total order.
-3. Full path, when k == V and not (top_p < 1): ``m = max z``, ``p_i = exp(f64(z_i) - f64(m))``
-   (float64), ``r = u * sum_i p_i``, token = the smallest index i with p_i > 0 and
-   ``sum_{j <= i} p_j > r`` (cumulative over indices in increasing order); if rounding leaves no
-   such i, the largest index with p_i > 0 (0 when no p_i is positive, i.e. every z is -inf).
-4. Candidate path otherwise: kc = min(k, KMAX) candidates, the first kc in the order of step 2
-   (**cap**: when top-k is off or top_k > KMAX = 1024, top-p works within the 1024 most likely
-   tokens). With z_0 the largest, ``p_j = exp(f64(z_j) - f64(z_0))`` and ``c_j = p_0 + ... + p_j``
-   summed sequentially in float64 in candidate order.
-   top-p: if top_p < 1, n = 1 + (the first j with ``c_j >= f64(top_p) * c_{kc-1}``), or kc if none;
-   else n = kc. Draw: ``r = u * c_{n-1}``; token = candidate j* = the first j < n with c_j > r
-   (n - 1 if none).
+Two kernels (`sample` launches both):
 
-Thread mapping: one block of NT threads (512; 64 under the simulator, where each thread is a
-Python thread). Maxima and counts are exact, so their reduction order is irrelevant; float64
-sums use fixed trees (`_common.block_sum`) or one thread's sequential loop, so the result is
-deterministic. The full path uses contiguous per-thread index segments (sequential sums within a
-segment, then a fixed-order scan of the NT segment sums) so the draw needs one pass over the vocab
-after the sum. The candidate path finds the kc-th largest key by a 4 x 8-bit radix select
-(shared-memory histograms with atomic counts, exact), gathers the candidates with a scan of
-per-segment counts, and sorts them with a bitonic sort in shared memory.
-Sampling one row is not a batched op, so batch invariance does not apply.
+1. ``hist``: ceil(V / CHUNK) blocks histogram the top 12 bits of each logit's order-preserving key
+   (shared-memory atomics, then one global atomic per non-empty bin and block); the block that
+   arrives last (fence + ticket, the "last block" pattern of argmax.py) finds the bin holding the
+   k-th largest key, stores [bin, keys above it, keys at or above it] in ``plan`` and zeroes the
+   histogram and the ticket for the next launch.
+2. ``pick``: one block gathers the keys at or above that bin (at most CAP; typically a few
+   hundred) with their indices into shared memory, bitonic-sorts them by (key desc, index asc) and
+   takes the first k. When more than CAP keys fall at or above the bin (many equal or nearly
+   equal logits) it selects exactly instead: a 4 x 8-bit radix select of the k-th largest key over
+   the whole row, a gather of the keys above it and the first of those equal to it by index, a
+   bitonic sort. Then the weights, the running sums and the draw.
+
+Every selection is exact (counts and order-preserving keys), so the candidates do not depend on
+the launch shape. Sampling one row is not a batched op: batch invariance does not apply.
 """
 
 from __future__ import annotations
@@ -52,351 +51,308 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32, float64, int32, int64, uint32, uint64
+from numba import cuda, float64, int32, int64, uint32, uint64
 
 from ...errors import BackendError
-from ...model.init_state import MASK64, G, mix
-from ._common import NEG_INF, SIM, as_bits, block_max, check_array, splitmix64
+from ._common import SIM, as_bits, cdiv, check_array, check_workspace
 from ._pdl import grid_dep_wait
 
+#: Threads of the pick kernel (a power of two); of the histogram kernel.
 NT = 64 if SIM else 512
+HIST_NT = 64 if SIM else 256
+#: Logits per histogram block.
+CHUNK = HIST_NT * 8
+#: Histogram bins: the top BITS bits of the 32-bit key.
+BITS = 12
+BINS = 1 << BITS
+#: Gathered keys the pick kernel sorts (a power of two, >= KMAX); more fall back to the exact select.
+CAP = 1024 if SIM else 4096
+#: Most candidates (top_k) the device sampler takes.
+KMAX = 1024
 #: 512 threads x 128 registers fill the register file; without the cap the compiler may use more
 #: and the launch fails with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES.
 _JIT_OPTS = {} if SIM else {"max_registers": 128}
-NW = NT // 32
-KMAX = 1024
-_BIG = 2 ** 31 - 1
-
-# ----------------------------------------------------------------------------- random numbers
-def uniform(seed: int, step: int) -> float:
-    """The uniform number in [0, 1) the sampler draws for (seed, step) (seed, step as int64)."""
-    s = int(seed) & MASK64
-    t = int(step) & MASK64
-    h = mix((mix((s + G) & MASK64) + t * G) & MASK64)
-    return float(h >> 11) * 2.0 ** -53
-
-
-if not SIM:
-    _U_G = np.uint64(G)
-
-    @cuda.jit(device=True)
-    def _uniform_dev(seed, step):
-        h = splitmix64(splitmix64(uint64(seed) + _U_G) + uint64(step) * _U_G)
-        return float64(h >> uint64(11)) * float64(2.0 ** -53)
-else:
-    @cuda.jit(device=True)
-    def _uniform_dev(seed, step):
-        # numpy warns on uint64 wrap-around; Python integers give the same bits.
-        return uniform(int(seed), int(step))
+_LOW32 = 0xFFFFFFFF
 
 
 # ----------------------------------------------------------------------------- device helpers
 @cuda.jit(device=True)
-def _z(logits, i, temp):
-    z = logits[i] / temp
-    if z != z:
-        z = NEG_INF
-    if z == float32(0.0):
-        z = float32(0.0)  # -0 -> +0: equal floats must get equal sort keys
-    return z
-
-
-@cuda.jit(device=True)
-def _key(z):
-    """Order-preserving map of a float32 to uint32 (larger float -> larger key)."""
-    b = uint32(as_bits(z))
+def _key(v):
+    """Order-preserving map of a float32 logit to uint32 (larger value -> larger key; -0.0 as
+    +0.0; NaN -> 0, below -inf)."""
+    if v != v:
+        return uint32(0)
+    if v == 0:
+        return uint32(0x80000000)
+    b = uint32(as_bits(v))
     if b & uint32(0x80000000):
         return ~b
     return b | uint32(0x80000000)
 
 
 @cuda.jit(device=True)
-def _better(v, i, bv, bi):
-    return v > bv or (v == bv and i < bi)
+def _comp(key, i):
+    """Sort key of candidate i: larger key first, then smaller index."""
+    return (uint64(key) << uint64(32)) | uint64(_LOW32 - i)
 
 
-def _make_sample_kernel(write_u):
-    @cuda.jit(**_JIT_OPTS)
-    def kernel(out, logits, params, rng, u_out, advance):
-        grid_dep_wait()
-        V = logits.shape[0]
-        tid = cuda.threadIdx.x
-        warp = tid // 32
-        lane = tid % 32
-        scratch = cuda.shared.array((NW, 32), float32)
-        part = cuda.shared.array(NW, float32)
-        seg64 = cuda.shared.array(NT, float64)     # per-thread segment sums / prefix
-        segi = cuda.shared.array(NT, int64)        # packed per-thread counts / prefix
-        comp = cuda.shared.array(KMAX, uint64)     # candidate sort keys
-        cum = cuda.shared.array(KMAX, float64)     # candidate probabilities, then prefix sums
-        hist = cuda.shared.array(256, int32)
-        sv = cuda.shared.array(NT, float32)
-        si = cuda.shared.array(NT, int32)
-        bc = cuda.shared.array(4, int32)           # broadcast slots
+@cuda.jit(device=True)
+def _index(c):
+    return int32(int64(_LOW32) - int64(c & uint64(_LOW32)))
 
-        seed = rng[0]
-        step = rng[1]
-        u = _uniform_dev(seed, step)
-        temp = params[0]
-        top_k = int32(params[1]) if params[1] == params[1] else int32(0)
-        top_p = params[2]
-        token = int32(0)
 
-        if not (temp > float32(0.0)):
-            # Greedy: argmax over the raw logits, ties to the lowest index (exact tree).
-            bv = NEG_INF
-            bi = int32(_BIG)
-            for i in range(tid, V, NT):
-                v = logits[i]
-                if _better(v, i, bv, bi):
-                    bv = v
-                    bi = int32(i)
-            sv[tid] = bv
-            si[tid] = bi
-            # All candidates must be stored before the tree reads them.
+@cuda.jit(device=True)
+def _bitonic_desc(comp, n2, tid):
+    """Sort comp[0:n2] (n2 a power of two) descending; every thread calls it after a barrier
+    that published the entries; sorted when it returns."""
+    size = 2
+    while size <= n2:
+        stride = size // 2
+        while stride > 0:
+            for e in range(tid, n2 // 2, NT):
+                i = 2 * stride * (e // stride) + (e % stride)
+                j = i + stride
+                a = comp[i]
+                b = comp[j]
+                if (i & size) == 0:
+                    if a < b:
+                        comp[i] = b
+                        comp[j] = a
+                else:
+                    if a > b:
+                        comp[i] = b
+                        comp[j] = a
+            # This stage's swaps must land before the next stage compares.
             cuda.syncthreads()
-            st = NT // 2
-            while st > 0:
-                if tid < st and _better(sv[tid + st], si[tid + st], sv[tid], si[tid]):
-                    sv[tid] = sv[tid + st]
-                    si[tid] = si[tid + st]
-                # This level's merges must land before the next level reads them.
-                cuda.syncthreads()
-                st //= 2
-            token = si[0]
-            if token == _BIG:
-                token = int32(0)
-        else:
-            k = V
-            if 0 < top_k < V:
-                k = top_k
-            if k == V and not (top_p < float32(1.0)):
-                # ---------------- full path: inverse CDF over the whole vocabulary
-                m = NEG_INF
-                for i in range(tid, V, NT):
-                    m = max(m, _z(logits, i, temp))
-                m = block_max(m, scratch, part, warp, lane, NW)
-                m64 = float64(m)
-                seg = (V + NT - 1) // NT
-                lo = tid * seg
-                hi = min(V, lo + seg)
-                s = float64(0.0)
-                for i in range(lo, hi):
-                    s += math.exp(float64(_z(logits, i, temp)) - m64)
-                seg64[tid] = s
-                # Segment sums must be stored before thread 0 scans them.
-                cuda.syncthreads()
-                if tid == 0:
-                    run = float64(0.0)
-                    for i in range(NT):
-                        sg = seg64[i]
-                        seg64[i] = run       # exclusive prefix
-                        run += sg
-                    cum[0] = run             # total
-                # The prefixes and the total must be visible before the walk.
-                cuda.syncthreads()
-                r = u * cum[0]
-                start = seg64[tid]
-                first = int32(_BIG)
-                last = int32(-1)
-                if start <= r and m > NEG_INF:
-                    c = start
-                    for i in range(lo, hi):
-                        p = math.exp(float64(_z(logits, i, temp)) - m64)
-                        c += p
-                        if p > 0.0:
-                            if c > r:
-                                first = int32(i)
-                                break
-                            last = int32(i)
-                si[tid] = first
-                # Every thread's crossing must be stored before the minimum is taken.
-                cuda.syncthreads()
-                if tid == 0:
-                    f = int32(_BIG)
-                    for i in range(NT):
-                        f = min(f, si[i])
-                    bc[0] = f
-                # bc[0] must be read by everyone before si is reused below.
-                cuda.syncthreads()
-                token = bc[0]
-                if token == _BIG:
-                    # Rounding left r at or past the total: take the last positive-probability
-                    # index reached below r (index 0 when nothing has positive probability).
-                    si[tid] = last
-                    # Every thread's fallback must be stored before the maximum is taken.
-                    cuda.syncthreads()
-                    if tid == 0:
-                        f = int32(-1)
-                        for i in range(NT):
-                            f = max(f, si[i])
-                        bc[1] = max(f, int32(0))
-                    # bc[1] must be written before everyone reads it.
-                    cuda.syncthreads()
-                    token = bc[1]
-            else:
-                # ---------------- candidate path
-                kc = min(k, KMAX)
-                # Radix select: find the kc-th largest key, 8 bits at a time from the top.
-                prefix = uint32(0)
-                pmask = uint32(0)
-                remaining = kc
-                for sh in (24, 16, 8, 0):
-                    for b in range(tid, 256, NT):
-                        hist[b] = 0
-                    # The histogram must be cleared before anyone counts into it.
-                    cuda.syncthreads()
-                    for i in range(tid, V, NT):
-                        key = _key(_z(logits, i, temp))
-                        if key & pmask == prefix:
-                            cuda.atomic.add(hist, int32((key >> uint32(sh)) & uint32(0xFF)), 1)
-                    # All counts must be in before thread 0 walks the histogram.
-                    cuda.syncthreads()
-                    if tid == 0:
-                        acc = 0
-                        sel = 0
-                        for b in range(255, -1, -1):
-                            if acc + hist[b] >= remaining:
-                                sel = b
-                                break
-                            acc += hist[b]
-                        bc[0] = sel
-                        bc[1] = remaining - acc
-                    # The chosen digit must be visible before everyone reads it.
-                    cuda.syncthreads()
-                    prefix = prefix | (uint32(bc[0]) << uint32(sh))
-                    pmask = pmask | (uint32(0xFF) << uint32(sh))
-                    remaining = bc[1]
-                    # bc must be read by everyone before thread 0 rewrites it next pass.
-                    cuda.syncthreads()
-                tau = prefix
-                need_eq = remaining
-                n_gt = kc - need_eq
-                # Gather: keys > tau (all of them) and the first need_eq keys == tau by index.
-                seg = (V + NT - 1) // NT
-                lo = tid * seg
-                hi = min(V, lo + seg)
-                ngt = 0
-                neq = 0
-                for i in range(lo, hi):
-                    key = _key(_z(logits, i, temp))
-                    if key > tau:
-                        ngt += 1
-                    elif key == tau:
-                        neq += 1
-                segi[tid] = (int64(ngt) << 32) | int64(neq)
-                # Counts must be stored before thread 0 turns them into offsets.
-                cuda.syncthreads()
-                if tid == 0:
-                    run = int64(0)
-                    for i in range(NT):
-                        c = segi[i]
-                        segi[i] = run
-                        run += c
-                # Offsets must be visible before the gather writes.
-                cuda.syncthreads()
-                og = segi[tid] >> 32
-                oe = segi[tid] & int64(0xFFFFFFFF)
-                for i in range(lo, hi):
-                    key = _key(_z(logits, i, temp))
-                    slot = -1
-                    if key > tau:
-                        slot = og
-                        og += 1
-                    elif key == tau:
-                        if oe < need_eq:
-                            slot = n_gt + oe
-                        oe += 1
-                    if slot >= 0:
-                        comp[slot] = (uint64(key) << uint64(32)) | uint64(0xFFFFFFFF - i)
-                n2 = 1
-                while n2 < kc:
-                    n2 *= 2
-                for j in range(kc + tid, n2, NT):
-                    comp[j] = uint64(0)
-                # Every candidate must be in place before sorting.
-                cuda.syncthreads()
-                # Bitonic sort of comp[0:n2], descending.
-                size = 2
-                while size <= n2:
-                    stride = size // 2
-                    while stride > 0:
-                        for e in range(tid, n2 // 2, NT):
-                            i = 2 * stride * (e // stride) + (e % stride)
-                            j = i + stride
-                            a = comp[i]
-                            b = comp[j]
-                            if (i & size) == 0:
-                                if a < b:
-                                    comp[i] = b
-                                    comp[j] = a
-                            else:
-                                if a > b:
-                                    comp[i] = b
-                                    comp[j] = a
-                        # This stage's swaps must land before the next stage compares.
-                        cuda.syncthreads()
-                        stride //= 2
-                    size *= 2
-                # Probabilities relative to the top candidate.
-                i0 = int64(0xFFFFFFFF) - int64(comp[0] & uint64(0xFFFFFFFF))
-                z0 = float64(_z(logits, i0, temp))
-                for j in range(tid, kc, NT):
-                    ij = int64(0xFFFFFFFF) - int64(comp[j] & uint64(0xFFFFFFFF))
-                    cum[j] = math.exp(float64(_z(logits, ij, temp)) - z0)
-                # Every probability must be stored before thread 0 accumulates them.
-                cuda.syncthreads()
-                if tid == 0:
-                    run = float64(0.0)
-                    for j in range(kc):
-                        run += cum[j]
-                        cum[j] = run
-                    n = kc
-                    if top_p < float32(1.0):
-                        thr = float64(top_p) * cum[kc - 1]
-                        for j in range(kc):
-                            if cum[j] >= thr:
-                                n = j + 1
-                                break
-                    r = u * cum[n - 1]
-                    js = n - 1
-                    for j in range(n):
-                        if cum[j] > r:
-                            js = j
-                            break
-                    bc[2] = int32(0xFFFFFFFF - int64(comp[js] & uint64(0xFFFFFFFF)))
-                # The chosen token must be visible before everyone reads it.
-                cuda.syncthreads()
-                token = bc[2]
+            stride //= 2
+        size *= 2
 
-        # Every thread has read rng above; the barriers since make the update below safe, and
-        # this one also orders it after the last reads of shared state.
+
+@cuda.jit(device=True)
+def _pad_sort(comp, m, tid):
+    """Pad comp[m:] to a power of two with zeros (below every real entry) and sort it."""
+    n2 = 1
+    while n2 < m:
+        n2 *= 2
+    for j in range(m + tid, n2, NT):
+        comp[j] = uint64(0)
+    # The padding must be in place before the sort reads it.
+    cuda.syncthreads()
+    _bitonic_desc(comp, n2, tid)
+
+
+@cuda.jit(device=True)
+def _select_exact(logits, V, kc, comp, hist, segi, bc, tid):
+    """comp[0:kc] := the kc best candidates of the whole row, sorted (the fallback: radix select
+    of the kc-th largest key 8 bits at a time, gather by per-thread segments, sort)."""
+    prefix = uint32(0)
+    pmask = uint32(0)
+    remaining = kc
+    for sh in (24, 16, 8, 0):
+        for b in range(tid, 256, NT):
+            hist[b] = 0
+        # The histogram must be cleared before anyone counts into it.
+        cuda.syncthreads()
+        for i in range(tid, V, NT):
+            key = _key(logits[i])
+            if key & pmask == prefix:
+                cuda.atomic.add(hist, int32((key >> uint32(sh)) & uint32(0xFF)), 1)
+        # All counts must be in before thread 0 walks the histogram.
         cuda.syncthreads()
         if tid == 0:
-            out[0] = token
-            if write_u:
-                u_out[0] = u
-            if advance:
-                rng[1] = step + 1
+            acc = 0
+            sel = 0
+            for b in range(255, -1, -1):
+                if acc + hist[b] >= remaining:
+                    sel = b
+                    break
+                acc += hist[b]
+            bc[0] = sel
+            bc[1] = remaining - acc
+        # The chosen digit must be visible before everyone reads it.
+        cuda.syncthreads()
+        prefix = prefix | (uint32(bc[0]) << uint32(sh))
+        pmask = pmask | (uint32(0xFF) << uint32(sh))
+        remaining = bc[1]
+        # bc must be read by everyone before thread 0 rewrites it next pass.
+        cuda.syncthreads()
+    tau = prefix
+    need_eq = remaining
+    n_gt = kc - need_eq
+    seg = (V + NT - 1) // NT
+    lo = tid * seg
+    hi = min(V, lo + seg)
+    ngt = 0
+    neq = 0
+    for i in range(lo, hi):
+        key = _key(logits[i])
+        if key > tau:
+            ngt += 1
+        elif key == tau:
+            neq += 1
+    segi[tid] = (int64(ngt) << 32) | int64(neq)
+    # Counts must be stored before thread 0 turns them into offsets.
+    cuda.syncthreads()
+    if tid == 0:
+        run = int64(0)
+        for i in range(NT):
+            c = segi[i]
+            segi[i] = run
+            run += c
+    # Offsets must be visible before the gather writes.
+    cuda.syncthreads()
+    og = segi[tid] >> 32
+    oe = segi[tid] & int64(_LOW32)
+    for i in range(lo, hi):
+        key = _key(logits[i])
+        slot = -1
+        if key > tau:
+            slot = og
+            og += 1
+        elif key == tau:
+            if oe < need_eq:
+                slot = n_gt + oe
+            oe += 1
+        if slot >= 0:
+            comp[slot] = _comp(key, i)
+    # Every candidate must be in place before the sort.
+    cuda.syncthreads()
+    _pad_sort(comp, kc, tid)
 
-    return kernel
+
+# ----------------------------------------------------------------------------- kernels
+@cuda.jit
+def _hist_kernel(logits, iparams, hist, ticket, plan):
+    grid_dep_wait()
+    V = logits.shape[0]
+    tid = cuda.threadIdx.x
+    sh = cuda.shared.array(BINS, int32)
+    part = cuda.shared.array(HIST_NT, int32)
+    flag = cuda.shared.array(1, int32)
+    for j in range(tid, BINS, HIST_NT):
+        sh[j] = 0
+    # The bins must be cleared before anyone counts into them.
+    cuda.syncthreads()
+    lo = cuda.blockIdx.x * CHUNK
+    hi = min(V, lo + CHUNK)
+    for i in range(lo + tid, hi, HIST_NT):
+        cuda.atomic.add(sh, int32(_key(logits[i]) >> uint32(32 - BITS)), 1)
+    # Every count must be in before the block's bins are added to the global histogram.
+    cuda.syncthreads()
+    for j in range(tid, BINS, HIST_NT):
+        c = sh[j]
+        if c != 0:
+            cuda.atomic.add(hist, j, c)
+    # Release: this thread's bins are visible device-wide before the block's arrival is counted.
+    cuda.threadfence()
+    # Every thread's bins must be added (and fenced) before thread 0 counts the arrival.
+    cuda.syncthreads()
+    if tid == 0:
+        last = cuda.atomic.add(ticket, 0, 1) == cuda.gridDim.x - 1
+        if last:
+            cuda.threadfence()   # acquire: the other blocks' bins after their arrivals
+        flag[0] = 1 if last else 0
+    # flag must be stored before the block reads it.
+    cuda.syncthreads()
+    if flag[0] == 0:
+        return
+    cuda.threadfence()
+    kc = min(max(iparams[0], 1), V)
+    per = BINS // HIST_NT
+    s = 0
+    for j in range(tid * per, (tid + 1) * per):
+        s += hist[j]
+    part[tid] = s
+    # The per-thread sums must be stored before thread 0 walks them.
+    cuda.syncthreads()
+    if tid == 0:
+        acc = 0
+        g = HIST_NT - 1
+        while g > 0 and acc + part[g] < kc:
+            acc += part[g]
+            g -= 1
+        b = (g + 1) * per - 1
+        while b > g * per and acc + hist[b] < kc:
+            acc += hist[b]
+            b -= 1
+        plan[0] = b
+        plan[1] = acc
+        plan[2] = acc + hist[b]
+    # Every thread has read the histogram before it is cleared.
+    cuda.syncthreads()
+    for j in range(tid * per, (tid + 1) * per):
+        hist[j] = 0
+    if tid == 0:
+        ticket[0] = 0
 
 
-_kernels = {}
+@cuda.jit(**_JIT_OPTS)
+def _pick_kernel(out, logits, params, iparams, utab, pos, T, plan):
+    grid_dep_wait()
+    V = logits.shape[0]
+    tid = cuda.threadIdx.x
+    comp = cuda.shared.array(CAP, uint64)      # candidate sort keys
+    cum = cuda.shared.array(KMAX, float64)     # weights, then running sums
+    hist = cuda.shared.array(256, int32)
+    segi = cuda.shared.array(NT, int64)
+    bc = cuda.shared.array(4, int32)           # broadcast slots / the gather counter
+    kc = min(max(iparams[0], 1), V, KMAX)
+    bstar = uint32(plan[0])
+    n_ge = plan[2]
+    if n_ge <= CAP:
+        if tid == 0:
+            bc[3] = 0
+        # The counter must be zero before anyone gathers.
+        cuda.syncthreads()
+        for i in range(tid, V, NT):
+            key = _key(logits[i])
+            if (key >> uint32(32 - BITS)) >= bstar:
+                comp[cuda.atomic.add(bc, 3, 1)] = _comp(key, i)
+        # Every gathered key must be in place before the sort.
+        cuda.syncthreads()
+        _pad_sort(comp, bc[3], tid)
+    else:
+        _select_exact(logits, V, kc, comp, hist, segi, bc, tid)
+    temp = params[0]
+    z0 = float64(logits[_index(comp[0])]) / temp
+    for j in range(tid, kc, NT):
+        cum[j] = math.exp(float64(logits[_index(comp[j])]) / temp - z0)
+    # Every weight must be stored before thread 0 accumulates them.
+    cuda.syncthreads()
+    if tid == 0:
+        run = float64(0.0)
+        for j in range(kc):
+            run += cum[j]
+            cum[j] = run
+        n = kc
+        top_p = params[1]
+        if top_p < 1.0:
+            thr = top_p * cum[kc - 1]
+            for j in range(kc):
+                if cum[j] >= thr:
+                    n = j + 1
+                    break
+        idx = int64(pos[0]) + T - iparams[1]
+        idx = min(max(idx, int64(0)), int64(utab.shape[0] - 1))
+        r = utab[idx] * cum[n - 1]
+        js = n - 1
+        for j in range(n):
+            if cum[j] > r:
+                js = j
+                break
+        out[0] = _index(comp[js])
 
 
-def _kernel(write_u):
-    if write_u not in _kernels:
-        _kernels[write_u] = _make_sample_kernel(write_u)
-    return _kernels[write_u]
+# ----------------------------------------------------------------------------- launcher
+def work_shapes() -> tuple:
+    """Shapes of (hist int32, ticket int32, plan int32); allocate hist and ticket zeroed, once."""
+    return (BINS,), (1,), (3,)
 
 
-def sample(out, logits, params, rng, u_out=None, advance=False, stream=0):
-    """Sample one token from `logits` (float32 (V,)) into out (int32 (1,)) with
-    params = [temperature, top_k, top_p] (float32 (3,)) and rng = [seed, step] (int64 (2,)), all
-    device arrays; see the module doc for the exact algorithm. With `u_out` (float64 (1,)) the
-    uniform number used is stored there; with advance=True rng[1] is incremented on the device
-    after the draw."""
+def sample(out, logits, params, iparams, utab, pos, T: int, work, stream=0):
+    """Draw one token from `logits` into `out` (module doc: shapes, the uniform number's index
+    ``pos[0] + T - base``, the algorithm); all arrays on the device, read there, so the two
+    launches can be captured in a graph and replayed."""
     op = "sample"
     check_array(op, "logits", logits, np.float32, 1)
     V = logits.shape[0]
@@ -405,69 +361,28 @@ def sample(out, logits, params, rng, u_out=None, advance=False, stream=0):
     if V >= 2 ** 31 - 1:
         raise BackendError(f"{op}: vocabulary of {V} is too large")
     check_array(op, "out", out, np.int32, 1, (1,))
-    check_array(op, "params", params, np.float32, 1, (3,))
-    check_array(op, "rng", rng, np.int64, 1, (2,))
-    if u_out is not None:
-        check_array(op, "u_out", u_out, np.float64, 1, (1,))
-        _kernel(True)[1, NT, stream](out, logits, params, rng, u_out, 1 if advance else 0)
-    else:
-        # The kernel variant without u_out never touches its u_out argument.
-        _kernel(False)[1, NT, stream](out, logits, params, rng, params, 1 if advance else 0)
-
-
-# ----------------------------------------------------------------------------- reference
-def reference_sample(logits, temperature, top_k, top_p, u):
-    """numpy implementation of the algorithm in the module doc, for a given uniform u."""
-    logits = np.asarray(logits, dtype=np.float32)
-    V = logits.shape[0]
-    temperature = np.float32(temperature)
-    if not temperature > 0:
-        m = np.max(logits[~np.isnan(logits)]) if np.any(~np.isnan(logits)) else None
-        if m is None:
-            return 0
-        return int(np.flatnonzero(logits == m)[0])
-    with np.errstate(all="ignore"):
-        z = (logits / temperature).astype(np.float32)
-    z[np.isnan(z)] = -np.inf
-    k = V
-    tk = int(np.float32(top_k)) if np.float32(top_k) == np.float32(top_k) else 0
-    if 0 < tk < V:
-        k = tk
-    top_p = np.float32(top_p)
-    if k == V and not top_p < 1:
-        m = np.max(z)
-        if m == -np.inf:
-            return 0
-        p = np.exp(z.astype(np.float64) - np.float64(m))
-        r = u * p.sum()
-        c = np.cumsum(p)
-        hit = np.flatnonzero((p > 0) & (c > r))
-        if hit.size:
-            return int(hit[0])
-        ok = np.flatnonzero(p > 0)
-        return int(ok[-1]) if ok.size else 0
-    kc = min(k, KMAX)
-    order = np.lexsort((np.arange(V), -z.astype(np.float64)))[:kc]
-    zc = z[order].astype(np.float64)
-    p = np.exp(zc - zc[0])
-    c = np.zeros(kc)
-    run = 0.0
-    for j in range(kc):
-        run += p[j]
-        c[j] = run
-    n = kc
-    if top_p < 1:
-        thr = np.float64(top_p) * c[kc - 1]
-        hit = np.flatnonzero(c >= thr)
-        if hit.size:
-            n = int(hit[0]) + 1
-    r = u * c[n - 1]
-    hit = np.flatnonzero(c[:n] > r)
-    js = int(hit[0]) if hit.size else n - 1
-    return int(order[js])
+    check_array(op, "params", params, np.float64, 1, (2,))
+    check_array(op, "iparams", iparams, np.int32, 1, (2,))
+    check_array(op, "utab", utab, np.float64, 1)
+    if utab.shape[0] == 0:
+        raise BackendError(f"{op}: utab holds no uniform numbers")
+    check_array(op, "pos", pos, np.int32, 1)
+    if pos.shape[0] < 1:
+        raise BackendError(f"{op}: pos is empty")
+    if isinstance(T, bool) or not isinstance(T, (int, np.integer)) or T < 1:
+        raise BackendError(f"{op}: T={T!r} must be an integer >= 1")
+    if not isinstance(work, (tuple, list)) or len(work) != 3:
+        raise BackendError(f"{op}: work must be a (hist, ticket, plan) tuple, got {type(work).__name__}")
+    for name, a, shape in zip(("hist", "ticket", "plan"), work, work_shapes()):
+        check_workspace(op, name, a, np.int32, shape[0], "the sampler (work_shapes)")
+    hist, ticket, plan = work
+    _hist_kernel[cdiv(V, CHUNK), HIST_NT, stream](logits, iparams, hist, ticket, plan)
+    _pick_kernel[1, NT, stream](out, logits, params, iparams, utab, pos, int(T), plan)
 
 
 def ptx_signatures():
-    base = "int32[::1], float32[::1], float32[::1], int64[::1]"
-    return [("sample_u", _kernel(True).py_func, f"void({base}, float64[::1], int64)"),
-            ("sample", _kernel(False).py_func, f"void({base}, float32[::1], int64)")]
+    return [("sample_hist", _hist_kernel.py_func,
+             "void(float32[::1], int32[::1], int32[::1], int32[::1], int32[::1])"),
+            ("sample_pick", _pick_kernel.py_func,
+             "void(int32[::1], float32[::1], float64[::1], int32[::1], float64[::1], int32[::1], "
+             "int64, int32[::1])")]

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from ...runtime.config import GREEDY_TEMPERATURE
 from ...runtime.decoding import SAMPLING_FIELDS, Decoder
 from ...errors import IncompatibleModesError
 from ...runtime.hookspecs import hookimpl
-from ...runtime.sampling import sample_token, uniform
+from ...runtime.sampling import sample_token, uniforms
 from .. import ALL_CONTEXTS_OK
 
 
@@ -33,21 +31,25 @@ class SamplingDecoder(Decoder):
 
     def __init__(self, config, options=None):
         super().__init__(config, options)
-        self._rng = np.random.Generator(np.random.PCG64(config.sample_seed))
+        self._uniforms = None           # pick(): the request's uniform numbers, drawn in order
+        self._drawn = 0
 
     def decode(self, session):
         session.start()
         while True:
-            token = self._draw(session.logits())
+            # ahead: the token is always advanced with, so the session may queue its step before
+            # the token is read (with the draw on the device, only the id crosses)
+            token = session.sample(ahead=True)
             yield token
             session.advance(token)
 
     def pick(self, lane):
-        return self._draw(lane.logits())
-
-    def _draw(self, logits) -> int:
         c = self.config
-        return sample_token(logits, c.temperature, c.top_k, c.top_p, uniform(self._rng))
+        if self._uniforms is None:
+            self._uniforms = uniforms(c.sample_seed, max(1, c.max_tokens))
+        u = float(self._uniforms[min(self._drawn, self._uniforms.shape[0] - 1)])
+        self._drawn += 1
+        return sample_token(lane.logits(), c.temperature, c.top_k, c.top_p, u)
 
 
 @hookimpl
