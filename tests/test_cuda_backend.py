@@ -212,38 +212,42 @@ def test_device_sampling_equals_the_host_draw(pair, knobs, monkeypatch):
     same; a processor (repetition penalty) keeps the host draw."""
     monkeypatch.delenv("TINYLOOP_DEVICE_SAMPLING", raising=False)
     _, cpu, gpu = pair
-    draws = []
-    launch = gpu.backend.launch_sample
-    monkeypatch.setattr(gpu.backend, "launch_sample", lambda *a: (draws.append(1), launch(*a)))
+    loads = []          # one per request that draws on the device (later draws replay a graph)
+    load = gpu.backend.load_sampler
+    monkeypatch.setattr(gpu.backend, "load_sampler", lambda *a: (loads.append(1), load(*a)))
     for p in PROMPTS:
         cfg = tl.GenerateConfig(max_tokens=24, loops=3, **knobs)
         got = tl.generate(gpu, p, cfg)
-        assert len(draws) == 24
+        assert len(loads) == 1 and any(k[0] == "sample_step" for k in gpu.backend._graphs)
         monkeypatch.setenv("TINYLOOP_DEVICE_SAMPLING", "0")
-        assert tl.generate(gpu, p, cfg) == got and len(draws) == 24
+        assert tl.generate(gpu, p, cfg) == got and len(loads) == 1
         monkeypatch.delenv("TINYLOOP_DEVICE_SAMPLING")
         assert tl.generate(gpu, p, cfg) == got
         assert tl.generate(cpu, p, cfg) == got
-        draws.clear()
+        loads.clear()
     cfg = tl.GenerateConfig(max_tokens=12, loops=3, **knobs)
     want = tl.generate(cpu, PROMPTS[0], cfg)
     monkeypatch.setenv("TINYLOOP_DISABLE_KV_CACHE", "1")
     assert tl.generate(gpu, PROMPTS[0], cfg) == want
     monkeypatch.delenv("TINYLOOP_DISABLE_KV_CACHE")
-    draws.clear()
+    loads.clear()
     pen = tl.GenerateConfig(max_tokens=12, loops=3, repetition_penalty=1.3, **knobs)
-    assert tl.generate(gpu, PROMPTS[0], pen) == tl.generate(cpu, PROMPTS[0], pen) and not draws
+    assert tl.generate(gpu, PROMPTS[0], pen) == tl.generate(cpu, PROMPTS[0], pen) and not loads
     monkeypatch.setattr(gpu.backend, "use_graphs", False)
-    assert tl.generate(gpu, PROMPTS[0], cfg) == want and len(draws) == 12
+    assert tl.generate(gpu, PROMPTS[0], cfg) == want and len(loads) == 1
 
 
 def test_device_sampling_stop_sequence_drops_the_queued_step(pair):
+    """A stop sequence ends a device-sampled request with a step already queued ahead; the tokens
+    equal the CPU's, and the next request draws its own stream from the start."""
     _, cpu, gpu = pair
     cfg = tl.GenerateConfig(max_tokens=16, loops=2, temperature=1.2, top_k=40, sample_seed=5)
+    n = len(PROMPTS[0])
     got = tl.generate(gpu, PROMPTS[0], cfg)
+    gen = got[n:]
     stop = tl.GenerateConfig(max_tokens=16, loops=2, temperature=1.2, top_k=40, sample_seed=5,
-                             stop_sequences=[[got[5]]])
-    cut = got[:got.index(got[5]) + 1]
+                             stop_sequences=[[gen[5]]])
+    cut = got[:n + gen.index(gen[5]) + 1]
     assert tl.generate(gpu, PROMPTS[0], stop) == cut == tl.generate(cpu, PROMPTS[0], stop)
     assert tl.generate(gpu, PROMPTS[0], cfg) == got
 

@@ -26,7 +26,8 @@ from .model.tokenizer import Tokenizer
 from .runtime.grammar import Grammar
 from .plugins.decoders.autotune import DecoderChoice, calibrate
 # the plugin author's API
-from .runtime.backend import Backend, BackendEntry, CacheReuse, DeviceChaining, LaneOps, TreeOps, Workspace
+from .runtime.backend import (Backend, BackendEntry, CacheReuse, DeviceChaining, DeviceSampling, LaneOps, TreeOps,
+                              Workspace)
 from .runtime.cache import CacheMode, KVCodec, SlotMap, SlotMapMode
 from .runtime.decoding import DecodeSession, Decoder
 from .runtime.engine import Plan, Session
@@ -55,5 +56,5 @@ __all__ = [
     # plugin author's API
     "hookimpl", "Decoder", "DecodeSession", "Session", "Plan", "LogitProcessor", "ProcessorChain", "Stage",
     "Stopper", "StopperChain", "StopOrder", "CacheMode", "KVCodec", "SlotMapMode", "SlotMap",
-    "Backend", "BackendEntry", "TreeOps", "DeviceChaining", "CacheReuse", "LaneOps", "Workspace",
+    "Backend", "BackendEntry", "TreeOps", "DeviceChaining", "CacheReuse", "LaneOps", "DeviceSampling", "Workspace",
 ]

@@ -15,8 +15,8 @@ For position p and channel i of a d_model-wide state, with n = p * d_model + i::
     g   = (2 S + 12 - 12 * 2^32) * 2^-33                 exact in float64
     x[p, i] = float32(g * float64(scale))
 
-G = 0x9E3779B97F4A7C15 and ``mix`` is the splitmix64 finalizer: the same counter hash the
-device sampler draws its uniforms with (tinyloop/cuda/kernels/sample.py). Each 32-bit word is a
+G = 0x9E3779B97F4A7C15 and ``mix`` is the splitmix64 finalizer (a counter hash: the state of
+position p never depends on how many positions were drawn before). Each 32-bit word is a
 uniform (w + 1/2) / 2^32 on (0, 1), so g is the sum of twelve uniforms minus 6 (Irwin-Hall):
 mean 0, variance 1 (to 2^-64), bounded in [-6, 6], close to a standard normal. Integer
 arithmetic makes it exact on every backend, which a Box-Muller transform (libm's log and cos

@@ -44,7 +44,7 @@ if not SIM:
     @cuda.jit(device=True)
     def splitmix64(z):
         """The splitmix64 finalizer on a uint64 (tinyloop.model.init_state.mix on the device);
-        the counter hash of the sampler's uniforms and of the random initial state."""
+        the counter hash of the random initial state."""
         z = (z ^ (z >> uint64(30))) * _U_C1
         z = (z ^ (z >> uint64(27))) * _U_C2
         return z ^ (z >> uint64(31))
