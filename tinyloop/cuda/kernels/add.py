@@ -15,6 +15,7 @@ import numpy as np
 from numba import cuda
 
 from ...errors import BackendError
+from ._cache import jit_kernel
 from ._common import cdiv, check_array
 from ._pdl import grid_dep_wait
 
@@ -22,7 +23,7 @@ NT = 256
 MAX_BLOCKS = 1024
 
 
-@cuda.jit
+@jit_kernel
 def _add_kernel(x, y):
     grid_dep_wait()
     D = x.shape[1]

@@ -33,6 +33,7 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from ...errors import BackendError
+from ._cache import jit_kernel
 from ._common import NEG_INF, SIM, check_array, check_workspace
 from ._pdl import grid_dep_wait
 
@@ -88,7 +89,7 @@ def _block_best(cv, ci, sv, si, tid, nt):
     _tree_best(sv, si, tid, nt)
 
 
-@cuda.jit
+@jit_kernel
 def _topk_kernel(out, logits):
     grid_dep_wait()
     V = logits.shape[1]
@@ -127,7 +128,7 @@ def _topk_kernel(out, logits):
         cuda.syncthreads()
 
 
-@cuda.jit
+@jit_kernel
 def _argmax_split_kernel(out, logits, cand_v, cand_i, counter):
     grid_dep_wait()
     V = logits.shape[1]

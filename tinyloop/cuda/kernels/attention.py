@@ -117,6 +117,7 @@ from numba import cuda, float32, int32, uint64
 
 from ...errors import BackendError
 from ..kv_codecs import FP16, FP32, INT4, INT8, as_rows, codec_for
+from ._cache import jit_kernel
 from ._common import (NEG_INF, SIM, block_max_once, block_sum_once, check_array, check_tree,
                       check_workspace, warp_sum)
 from ._pdl import grid_dep_wait
@@ -182,7 +183,7 @@ def _make_kernel(nd, codec=FP16, ring=False):
         for k in range(nd):
             rows[u, k] = elem(cf, o, k, lane, s, zp) if lane + 32 * k < hd else float32(0.0)
 
-    @cuda.jit(**_JIT_OPTS)
+    @jit_kernel(**_JIT_OPTS)
     def kernel(out, q, kf, ks, kz, vf, vs, vz, S, Hk, hd, layer, pos, scale, W, depth, path, work,
                counter):
         grid_dep_wait()

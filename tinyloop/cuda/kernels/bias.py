@@ -16,6 +16,7 @@ import numpy as np
 from numba import cuda
 
 from ...errors import BackendError
+from ._cache import jit_kernel
 from ._common import cdiv, check_array
 from ._pdl import grid_dep_wait
 
@@ -23,7 +24,7 @@ NT = 256
 MAX_BLOCKS = 1024
 
 
-@cuda.jit
+@jit_kernel
 def _bias_kernel(x, b):
     grid_dep_wait()
     N = x.shape[1]

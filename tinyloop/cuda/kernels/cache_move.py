@@ -27,6 +27,7 @@ import numpy as np
 from numba import cuda
 
 from ...errors import BackendError
+from ._cache import jit_kernel
 from ._common import cdiv, check_array
 from ._pdl import grid_dep_wait
 
@@ -45,7 +46,7 @@ def _make_kernel(scale, zero):
         return _kernels[key]
     SCALE, ZERO = key
 
-    @cuda.jit
+    @jit_kernel
     def kernel(k_cache, v_cache, k_scale, v_scale, k_zero, v_zero, moves, n_moves):
         grid_dep_wait()
         L, S, Hk, cols = k_cache.shape

@@ -22,13 +22,14 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from ...errors import BackendError
+from ._cache import jit_kernel
 from ._common import cdiv, check_array
 from ._pdl import grid_dep_wait
 
 NT = 256
 
 
-@cuda.jit
+@jit_kernel
 def _embed_f_kernel(out, ids, table, scale):
     grid_dep_wait()
     D = out.shape[1]
@@ -43,7 +44,7 @@ def _embed_f_kernel(out, ids, table, scale):
         out[t, k] = v
 
 
-@cuda.jit
+@jit_kernel
 def _embed_q_kernel(out, ids, q, scales, zeros, bits, group, scale):
     grid_dep_wait()
     D = out.shape[1]

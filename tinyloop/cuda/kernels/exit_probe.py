@@ -37,6 +37,7 @@ import numpy as np
 from numba import cuda, float32, float64, int32, types
 
 from ...errors import BackendError
+from ._cache import jit_kernel
 from ._common import SIM, check_array
 from ._pdl import grid_dep_wait
 
@@ -107,7 +108,7 @@ def _make_kernel(mode: int):
         return _kernels[mode]
     MODE = mode
 
-    @cuda.jit
+    @jit_kernel
     def kernel(row, prev, n, state, threshold, patience, depth, compare, conts, first, fill):
         grid_dep_wait()
         t = cuda.threadIdx.x
@@ -235,7 +236,7 @@ def _make_kernel(mode: int):
     return kernel
 
 
-@cuda.jit
+@jit_kernel
 def _reset_kernel(state):
     grid_dep_wait()
     if cuda.grid(1) == 0:

@@ -27,6 +27,7 @@ from numba import cuda, float32, float64, int64, uint64
 
 from ...errors import BackendError
 from ...model.init_state import DRAWS, G, OFFSET, seed_key, state_element
+from ._cache import jit_kernel
 from ._common import SIM, cdiv, check_array, check_tree, splitmix64
 from ._pdl import grid_dep_wait
 from .rope import row_place
@@ -54,7 +55,7 @@ else:
         return np.float32(state_element(int(key), int(n), float(scale)))
 
 
-@cuda.jit
+@jit_kernel
 def _init_state_kernel(x, pos, key, scale, depth, path):
     grid_dep_wait()
     T, d = x.shape

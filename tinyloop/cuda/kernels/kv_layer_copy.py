@@ -23,6 +23,7 @@ import numpy as np
 from numba import cuda
 
 from ...errors import BackendError
+from ._cache import jit_kernel
 from ._common import cdiv, check_array
 from ._pdl import grid_dep_wait
 
@@ -32,7 +33,7 @@ MAX_BLOCKS = 256
 DTYPES = (np.float16, np.float32, np.int8, np.uint8)
 
 
-@cuda.jit
+@jit_kernel
 def _copy_kernel(a, pos, ring, src, first, stride, count):
     grid_dep_wait()
     L, S, H, C = a.shape
@@ -66,7 +67,7 @@ def copy_layers_at(a, pos, ring: bool, src: int, dst: range, stream=0) -> None:
         np.int32(len(dst)))
 
 
-@cuda.jit
+@jit_kernel
 def _copy_from_exit_kernel(a, pos, ring, state, first, n_loop, loops):
     grid_dep_wait()
     d = state[1]

@@ -42,6 +42,7 @@ from numba import cuda, float32
 
 from ...errors import BackendError
 from ..kv_codecs import INT4, INT8, as_rows
+from ._cache import jit_kernel
 from ._common import SIM, cdiv, check_array, check_tree, warp_max
 from ._pdl import grid_dep_wait
 from .rope import ring_slot, row_place
@@ -63,7 +64,7 @@ def _make_kernel(codec):
     stat, params, put = qz.stat, qz.params, qz.put
     ZERO = codec.has_zero
 
-    @cuda.jit
+    @jit_kernel
     def kernel(k, v, kd, ks, kz, vd, vs, vz, layer, pos, S, W, depth, path):
         grid_dep_wait()
         T = k.shape[0]

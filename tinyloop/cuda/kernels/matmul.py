@@ -80,6 +80,7 @@ from numba import cuda, float32, int32, uint32
 
 from ...model.arch import QUANT_BITS
 from ...errors import BackendError
+from ._cache import jit_kernel
 from ._common import SIM, Epilogue, as_float, cdiv, check_array, device_pointer, warp_sum
 from ._pdl import grid_dep_wait
 from .rmsnorm import NT as NORM_NT
@@ -459,7 +460,7 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
     opts = {"max_registers": int(max_registers)} if max_registers and not SIM else {}
 
     if quant:
-        @cuda.jit(**opts)
+        @jit_kernel(**opts)
         def kernel(out, x, nw, eps, qw, scales, zeros, N, nwords, G, gw, accumulate, ep):
             grid_dep_wait()
             T = x.shape[0]
@@ -523,7 +524,7 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
                             acc[tt, r] = cuda.fma(s, p, acc[tt, r])
             finish(out, acc, scratch, warp, lane, unit, t0, N, T, accumulate, ep)
     else:
-        @cuda.jit(**opts)
+        @jit_kernel(**opts)
         def kernel(out, x, nw, eps, qw, N, nwords, accumulate, ep):
             grid_dep_wait()
             T = x.shape[0]
@@ -632,7 +633,7 @@ def _make_simple(quant, norm=False, epi=None):
             acc = cuda.fma(weight(w, scales, zeros, bits, group, n, k), xval(x, nw, inv, t, k), acc)
         return warp_sum(acc, scratch, warp, lane)
 
-    @cuda.jit
+    @jit_kernel
     def kernel(out, x, nw, eps, w, scales, zeros, bits, group, accumulate, ep):
         grid_dep_wait()
         N = w.shape[0]

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from numba import cuda
 
+from ._cache import jit_kernel
 from ._common import mul_rn
 from ._pdl import grid_dep_wait
 from .rmsnorm import NT, check_row_args, row_inv_rms
 
 
-@cuda.jit
+@jit_kernel
 def _norm_add_kernel(x, y, w, eps):
     grid_dep_wait()
     D = y.shape[1]

@@ -15,11 +15,12 @@ import numpy as np
 from numba import cuda
 
 from ...errors import BackendError
+from ._cache import jit_kernel
 from ._common import check_array
 from ._pdl import grid_dep_wait
 
 
-@cuda.jit
+@jit_kernel
 def _advance_kernel(pos, T, n):
     grid_dep_wait()
     t = cuda.grid(1)

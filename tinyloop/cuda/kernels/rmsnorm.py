@@ -26,6 +26,7 @@ import numpy as np
 from numba import cuda, float32
 
 from ...errors import BackendError
+from ._cache import jit_kernel
 from ._common import block_sum, check_array
 from ._pdl import grid_dep_wait
 
@@ -63,7 +64,7 @@ def row_inv_rms(x, t, eps):
     return inv_rms(ss, D, eps)
 
 
-@cuda.jit
+@jit_kernel
 def _rmsnorm_kernel(out, x, w, eps):
     grid_dep_wait()
     D = x.shape[1]

@@ -71,6 +71,7 @@ import numpy as np
 from numba import cuda
 
 from ...errors import BackendError
+from ._cache import jit_kernel
 from ._common import Epilogue, cdiv, check_array, check_tree
 from ._pdl import grid_dep_wait
 
@@ -140,7 +141,7 @@ def _rotate(src, dst, t, scol, dcol, half, p, cs, i):
     return r0, r1
 
 
-@cuda.jit
+@jit_kernel
 def _rope_kernel(q, k, pos, cs, depth, path):
     grid_dep_wait()
     half = cs.shape[1]
@@ -165,7 +166,7 @@ def _rope_kernel(q, k, pos, cs, depth, path):
             _rotate(k, k, t, col, col, half, p, cs, i)
 
 
-@cuda.jit
+@jit_kernel
 def _rope_kv_append_kernel(q, q_out, k, v, qoff, koff, voff, k_cache, v_cache, layer, pos, cs,
                            depth, path, W):
     grid_dep_wait()

@@ -54,6 +54,7 @@ import numpy as np
 from numba import cuda, float64, int32, int64, uint32, uint64
 
 from ...errors import BackendError
+from ._cache import jit_kernel
 from ._common import SIM, as_bits, cdiv, check_array, check_workspace
 from ._pdl import grid_dep_wait
 
@@ -221,7 +222,7 @@ def _select_exact(logits, V, kc, comp, hist, segi, bc, tid):
 
 
 # ----------------------------------------------------------------------------- kernels
-@cuda.jit
+@jit_kernel
 def _hist_kernel(logits, iparams, hist, ticket, plan):
     grid_dep_wait()
     V = logits.shape[0]
@@ -286,7 +287,7 @@ def _hist_kernel(logits, iparams, hist, ticket, plan):
         ticket[0] = 0
 
 
-@cuda.jit(**_JIT_OPTS)
+@jit_kernel(**_JIT_OPTS)
 def _pick_kernel(out, logits, params, iparams, utab, pos, T, plan):
     grid_dep_wait()
     V = logits.shape[0]

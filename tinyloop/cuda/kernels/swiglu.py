@@ -24,6 +24,7 @@ import numpy as np
 from numba import cuda, float32
 
 from ...errors import BackendError
+from ._cache import jit_kernel
 from ._common import Epilogue, cdiv, check_array
 from ._pdl import grid_dep_wait
 
@@ -36,7 +37,7 @@ def _silu_mul(g, u):
     return g / (float32(1.0) + math.exp(-g)) * u
 
 
-@cuda.jit
+@jit_kernel
 def _swiglu_kernel(out, g, u):
     grid_dep_wait()
     F = out.shape[1]
@@ -47,7 +48,7 @@ def _swiglu_kernel(out, g, u):
         out[t, j] = _silu_mul(g[t, j], u[t, j])
 
 
-@cuda.jit
+@jit_kernel
 def _swiglu_fused_kernel(out, gu):
     grid_dep_wait()
     F = out.shape[1]

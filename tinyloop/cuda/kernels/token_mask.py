@@ -19,6 +19,7 @@ import numpy as np
 from numba import cuda
 
 from ...errors import BackendError
+from ._cache import jit_kernel
 from ._common import NEG_INF, cdiv, check_array
 from ._pdl import grid_dep_wait
 
@@ -26,7 +27,7 @@ NT = 256
 MAX_BLOCKS = 256
 
 
-@cuda.jit
+@jit_kernel
 def _mask_kernel(logits, words):
     grid_dep_wait()
     V = logits.shape[0]
