@@ -7,7 +7,8 @@ source file of this package (kernels call device functions of other files, whose
 own key -- the kernel file's stamp, its bytecode, its closure values, the numba-cuda version --
 would not see; any change to any kernel source starts a fresh folder). numba's
 ``config.CACHE_DIR`` is set only while each kernel's cache is made, so other numba users in the
-process keep theirs. ``TINYLOOP_KERNEL_CACHE=0`` turns it off; the simulator never caches.
+process keep theirs. ``TINYLOOP_KERNEL_CACHE=0`` turns it off, and so does a folder that cannot
+be written; the simulator never caches.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import contextlib
 import hashlib
 import os
 import pathlib
+import tempfile
 
 from numba import config, cuda
 
@@ -35,7 +37,16 @@ def cache_dir():
             for p in sorted(pathlib.Path(__file__).parent.glob("*.py")):
                 h.update(p.name.encode() + b"\0" + p.read_bytes())
             root = where or os.path.join(os.path.expanduser("~"), ".cache", "tinyloop")
-            _state["dir"] = os.path.join(root, "kernels-" + h.hexdigest()[:16])
+            path = os.path.join(root, "kernels-" + h.hexdigest()[:16])
+            try:
+                # numba writes the cache while a kernel compiles, where an error would fail
+                # the launch: a folder that cannot be written turns caching off instead
+                os.makedirs(path, exist_ok=True)
+                with tempfile.TemporaryFile(dir=path):
+                    pass
+            except OSError:
+                path = ""
+            _state["dir"] = path
     return _state["dir"] or None
 
 
@@ -52,11 +63,8 @@ def _cache_dir_set(path):
 def _cached(dispatcher):
     path = cache_dir()
     if path is not None and hasattr(dispatcher, "enable_caching"):
-        try:
-            with _cache_dir_set(path):
-                dispatcher.enable_caching()
-        except (OSError, RuntimeError):
-            pass            # no writable cache folder: compile every time, as without it
+        with _cache_dir_set(path):
+            dispatcher.enable_caching()
     return dispatcher
 
 
