@@ -7,7 +7,8 @@ source file of this package (kernels call device functions of other files, whose
 own key -- the kernel file's stamp, its bytecode, its closure values, the numba-cuda version --
 would not see; any change to any kernel source starts a fresh folder). numba's
 ``config.CACHE_DIR`` is set only while each kernel's cache is made, so other numba users in the
-process keep theirs. ``TINYLOOP_KERNEL_CACHE=0`` turns it off, and so does a folder that cannot
+process keep theirs. Kernels that link files (exit_probe.py's, which call the device runtime)
+cannot be cached and keep ``cuda.jit``. ``TINYLOOP_KERNEL_CACHE=0`` turns it off, and so does a folder that cannot
 be written; the simulator never caches.
 """
 

@@ -37,7 +37,6 @@ import numpy as np
 from numba import cuda, float32, float64, int32, types
 
 from ...errors import BackendError
-from ._cache import jit_kernel
 from ._common import SIM, check_array
 from ._pdl import grid_dep_wait
 
@@ -108,7 +107,9 @@ def _make_kernel(mode: int):
         return _kernels[mode]
     MODE = mode
 
-    @jit_kernel
+    # not jit_kernel: kernels that link the device runtime cannot be cached (numba-cuda refuses to
+    # pickle a code library with linked files, and the refusal would fail the launch)
+    @cuda.jit
     def kernel(row, prev, n, state, threshold, patience, depth, compare, conts, first, fill):
         grid_dep_wait()
         t = cuda.threadIdx.x
@@ -236,7 +237,7 @@ def _make_kernel(mode: int):
     return kernel
 
 
-@jit_kernel
+@cuda.jit   # not jit_kernel, as above
 def _reset_kernel(state):
     grid_dep_wait()
     if cuda.grid(1) == 0:
