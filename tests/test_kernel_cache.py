@@ -33,7 +33,7 @@ def test_cache_folder_is_keyed_by_the_kernel_sources(fresh, tmp_path):
 def test_cache_off_and_default_folder(fresh, monkeypatch, tmp_path):
     fresh.setenv("TINYLOOP_KERNEL_CACHE", "0")
     assert _cache.cache_dir() is None
-    assert not hasattr(_cache.jit_kernel(_k), "_cache") or type(_cache.jit_kernel(_k)._cache).__name__ == "NullCache"
+    assert type(_cache.jit_kernel(_k)._cache).__name__ == "NullCache"
     fresh.setitem(_cache._state, "dir", None)
     fresh.delenv("TINYLOOP_KERNEL_CACHE")
     monkeypatch.setenv("HOME", str(tmp_path))

@@ -31,7 +31,7 @@ import sys  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for the shared references
 from test_kernels_sim import (CODECS, argmax_ws, att_ws, close, empty_rows, encoded_cache,  # noqa: E402
                               make_weight, old_formula_table, ref_attention, ref_rmsnorm, ref_rope,
-                              store_inputs)
+                              sample_work, store_inputs)
 
 D = cuda.to_device
 
@@ -325,10 +325,6 @@ def test_argmax_sample_large_vocab_gpu():
                       D(utab), D(np.array([0], np.int32)), 1, work)
         assert int(host(o)[0]) == sample_token(flat, 1.0, k, 1.0, utab[1]), k
     assert not host(work[0]).any() and host(work[1])[0] == 0
-
-
-def sample_work():
-    return tuple(D(np.zeros(n, np.int32)) for (n,) in sample.work_shapes())
 
 
 # =============================================================================== graph capture

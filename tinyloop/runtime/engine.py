@@ -48,7 +48,7 @@ from .early_exit import ExitStep, resolve_exit
 from .lockstep import LockstepBatch, lane_seed
 from .plugins import get_plugin_manager
 from .processors import ProcessorChain
-from .sampling import sample_token, uniforms
+from .sampling import request_uniforms, sample_token, uniform_at
 from .stopping import CallbackStopper, Stopper, StopperChain, StopRequest
 
 DEFAULT_PREFILL_CHUNK = 512
@@ -667,11 +667,11 @@ class Session:
         self._check_pending(lane)
         c = self.config
         if self._uniforms is None:
-            self._uniforms = uniforms(c.sample_seed, max(1, c.max_tokens))
-        i = min(len(self.tokens) - self._prompt_len, self._uniforms.shape[0] - 1)
+            self._uniforms = request_uniforms(c)
         be, ws = self.model.backend, self.model.ws
         if not (self._device_draw or self._device_draw_ok(lane)):
-            return sample_token(self.logits(lane), c.temperature, c.top_k, c.top_p, float(self._uniforms[i]))
+            u = uniform_at(self._uniforms, len(self.tokens) - self._prompt_len)
+            return sample_token(self.logits(lane), c.temperature, c.top_k, c.top_p, u)
         if not self._device_draw:
             # the first device draw of the request: load it, then draw for the pending logits,
             # which were computed with their argmax; every later forward draws as it finishes

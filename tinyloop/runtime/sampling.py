@@ -119,3 +119,14 @@ def uniforms(seed: int, n: int) -> np.ndarray:
     the first n numbers of PCG64(seed); the same as n successive `uniform` calls on
     ``np.random.Generator(np.random.PCG64(seed))``)."""
     return np.random.Generator(np.random.PCG64(seed)).random(n)
+
+
+def request_uniforms(config) -> np.ndarray:
+    """The uniform numbers of a request (a GenerateConfig): `uniforms` of its sample_seed, one per
+    token it may generate (at least one)."""
+    return uniforms(config.sample_seed, max(1, config.max_tokens))
+
+
+def uniform_at(table: np.ndarray, i: int) -> float:
+    """The uniform number of generated token i (the last one past the table's end)."""
+    return float(table[min(i, table.shape[0] - 1)])

@@ -6,7 +6,7 @@ from ...runtime.config import GREEDY_TEMPERATURE
 from ...runtime.decoding import SAMPLING_FIELDS, Decoder
 from ...errors import IncompatibleModesError
 from ...runtime.hookspecs import hookimpl
-from ...runtime.sampling import sample_token, uniforms
+from ...runtime.sampling import request_uniforms, sample_token, uniform_at
 from .. import ALL_CONTEXTS_OK
 
 
@@ -46,8 +46,8 @@ class SamplingDecoder(Decoder):
     def pick(self, lane):
         c = self.config
         if self._uniforms is None:
-            self._uniforms = uniforms(c.sample_seed, max(1, c.max_tokens))
-        u = float(self._uniforms[min(self._drawn, self._uniforms.shape[0] - 1)])
+            self._uniforms = request_uniforms(c)
+        u = uniform_at(self._uniforms, self._drawn)
         self._drawn += 1
         return sample_token(lane.logits(), c.temperature, c.top_k, c.top_p, u)
 
