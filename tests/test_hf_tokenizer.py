@@ -73,9 +73,12 @@ def sentencepiece_json(decoder=None, prepend_scheme="first", legacy=False, split
                                                  split=split)
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
                                      decoders.Fuse(), decoders.Strip(" ", 1, 0)])
-    # a small alphabet so that rarer characters (CJK, emoji, some accents) need byte fallback
-    _train(tok, trainers.BpeTrainer(vocab_size=420, show_progress=False, limit_alphabet=40,
-                                    special_tokens=["<unk>", "<s>", "</s>"]))
+    # a small alphabet so that rarer characters (CJK, emoji, accents) need byte fallback: the
+    # corpus's ASCII characters and "▁", given, so that the trainer's choice among characters of
+    # equal count (each CJK character occurs as often as "q") cannot let CJK in on some runs
+    alphabet = sorted({c for t in CORPUS for c in t if ord(c) < 128 and c != " "} | {"▁"})
+    _train(tok, trainers.BpeTrainer(vocab_size=420, show_progress=False, limit_alphabet=len(alphabet),
+                                    initial_alphabet=alphabet, special_tokens=["<unk>", "<s>", "</s>"]))
     spec = json.loads(tok.to_str())
     order = sorted(spec["model"]["vocab"].items(), key=lambda kv: kv[1])
     vocab = {t: i for i, (t, _) in enumerate(order[:3])}
