@@ -7,7 +7,17 @@ model, one device, in one run.
 
 Wall-clock decode tokens/s (first token excluded, median of --repeats after a warm-up that also
 captures the graphs), acceptance rate and tokens per verify pass; chain configurations with and
-without verify-resume, trees (K_branches x depth) with it. Every speculative output is checked to
+without verify-resume, trees (K_branches x depth) with it.
+
+--cost-model (CUDA; chain configurations): the speed the measured step costs predict for the
+measured acceptance, and the ratio of the wall-clock rate to it. Each captured graph launch is
+timed on the device by CUDA events recorded on the backend's stream just before and after it
+(GraphTimer). The draft step (c_draft) and the verify pass (c_verify: the last draft's tail and
+the resumed verify rows) are timed in the host-loop form of the same decoder (the backend's
+device_chaining withheld, so every draft step and the verify are launches of their own, with the
+same ops); the prediction is tokens_per_verify / (draft_ahead * c_draft + c_verify). The device
+time of the chained cycle as the decoder runs it (one graph: drafts, verify, acceptance) is
+reported beside it (c_cycle), and so is what the wall clock spends beyond it per cycle. Every speculative output is checked to
 equal plain greedy decoding at verify_loops. Default model: the shipped demo model, on prompts of
 Python code; with --preset, a synthesized model (random weights) on fixed token prompts.
 """
@@ -41,6 +51,63 @@ def _ints(s: str):
     return [int(x) for x in s.split(",") if x.strip()]
 
 
+class GraphTimer:
+    """Device milliseconds of every captured graph launch of a CUDA backend, by the kind of step
+    (the first element of its graph key), from CUDA events recorded on the backend's stream just
+    before and after the launch. Replays that capture or run eagerly are timed too: warm up first."""
+
+    def __init__(self, backend):
+        self.be, self.events = backend, []
+
+    def __enter__(self):
+        from numba import cuda
+        be, orig = self.be, self.be.replay
+
+        def replay(key, fn):
+            e0, e1 = cuda.event(), cuda.event()
+            e0.record(be.stream)
+            orig(key, fn)
+            e1.record(be.stream)
+            self.events.append((key[0], e0, e1))
+        be.replay = replay                  # an instance attribute: the class's method is restored on exit
+        return self
+
+    def __exit__(self, *exc):
+        del self.be.replay
+
+    def mean_ms(self, kind: str) -> float:
+        self.be.stream.synchronize()
+        t = [e0.elapsed_time(e1) for k, e0, e1 in self.events if k == kind]
+        return float(np.mean(t)) if t else float("nan")
+
+
+def cost_model(m, prompts, cfg, tokens_per_verify: float, measured: float) -> dict:
+    """The chain configuration's step costs on the device and the rate they predict (see the module
+    docstring); `measured`: its wall-clock tokens/s."""
+    be = m.backend
+    with GraphTimer(be) as cyc:
+        cycles = [tl.GenerateStats() for _ in prompts]
+        for ids, st in zip(prompts, cycles):
+            tl.generate_speculative(m, ids, cfg, stats=st)
+    supports = be.supports
+    be.supports = lambda c: c not in ("device_chaining", "device_acceptance") and supports(c)
+    try:
+        for ids in prompts:
+            tl.generate_speculative(m, ids, cfg)        # warm-up: the host-loop form's graphs
+        with GraphTimer(be) as steps:
+            for ids in prompts:
+                tl.generate_speculative(m, ids, cfg)
+    finally:
+        del be.supports
+    k = cfg.draft_ahead
+    c_draft = steps.mean_ms("draft")
+    c_verify = (steps.mean_ms("tail") + steps.mean_ms("verify")) if cfg.verify_resume else steps.mean_ms("verify-full")
+    predicted = tokens_per_verify / (k * c_draft + c_verify) * 1e3
+    return {"c_draft_ms": c_draft, "c_verify_ms": c_verify, "c_cycle_ms": cyc.mean_ms("cycle"),
+            "wall_cycle_ms": tokens_per_verify / measured * 1e3, "predicted_tokens_per_s": predicted,
+            "of_cost_model": measured / predicted}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model")
@@ -57,6 +124,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--calibrate", action="store_true",
                     help="also run tinyloop.calibrate (the auto decoder's choice) at each verify depth")
+    ap.add_argument("--cost-model", action="store_true",
+                    help="CUDA: time the draft step, the verify pass and the chained cycle on the device and "
+                         "report the wall-clock rate against the rate they predict (chain configurations)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     from tinyloop.models import demo_model_path
@@ -69,6 +139,9 @@ def main(argv=None) -> int:
     else:
         path = args.model or demo_model_path()
     m = tl.load_model(path, max_seq_len=512, backend=args.backend)
+    if args.cost_model and not m.backend.supports("device_chaining"):
+        tl.free_model(m)
+        raise SystemExit(f"--cost-model times captured graphs: it needs the cuda backend, not {m.backend_name!r}")
     if args.preset:
         rng = np.random.default_rng(0)
         prompts = [[int(t) for t in rng.integers(1, m.vocab_size, 16)] for _ in range(args.prompts)]
@@ -131,6 +204,12 @@ def main(argv=None) -> int:
                        "exact": exact}
                 if mode == "tree":
                     row["K_branches"] = cfg.K_branches
+                elif args.cost_model:
+                    row.update(cost_model(m, prompts, cfg, mal, tps))
+                    print(f"    cost model: draft {row['c_draft_ms']:.4f} ms, verify {row['c_verify_ms']:.4f} ms, "
+                          f"cycle on the device {row['c_cycle_ms']:.4f} ms (wall {row['wall_cycle_ms']:.4f}): "
+                          f"predicted {row['predicted_tokens_per_s']:.1f} tok/s, measured / predicted "
+                          f"{row['of_cost_model']:.3f}", flush=True)
                 rows.append(row)
                 kb = f" Kb={cfg.K_branches}" if mode == "tree" else ""
                 print(f"L={Lv} {mode:11} Ld={cfg.draft_loops} ahead={cfg.draft_ahead}{kb} "

@@ -895,6 +895,36 @@ def test_device_chained_ids(ties_rig):
         assert be.read_ids(ws, 1) == [int(np.argmax(logits[i]))]
 
 
+def test_device_acceptance(ties_rig):
+    """device_acceptance backends: launch_accept finds the longest prefix of drafts the verify argmax
+    rows agree with, leaves verified[n] as the device token and advances the position handle by
+    n + 1; the record read through either host slot says so (its position read by the next
+    acceptance); k outside the workspace and a bad slot are BackendErrors."""
+    r, be, ws = ties_rig, ties_rig.be, ties_rig.ws
+    _needs(be, "device_acceptance")
+    logits = _probe_logits(r)
+    want = [int(np.argmax(row)) for row in logits]
+    k = len(want) - 1
+    p = 3
+    pos = be.positions(p)
+    for slot, agree in ((0, 2), (1, 0), (0, k)):
+        r.embed(list(range(len(want))))
+        be.matmul(ws.x, r.w.head, ws.logits, len(want))
+        be.launch_argmax_rows(ws, k + 1)
+        drafts = [want[i] if i < agree else (want[i] + 1) % r.cfg.vocab_size for i in range(k)]
+        be.set_ids(ws, [11] + drafts)
+        assert be.device_position() is pos
+        be.launch_accept(ws, k)
+        be.begin_read_cycle(ws, k, slot)
+        assert be.finish_read_cycle(ws, k, slot) == (p, agree, [11] + drafts, want)
+        assert be.read_argmax(ws) == want[agree]
+        p += agree + 1
+    with pytest.raises(BackendError):
+        be.launch_accept(ws, ws.rows)
+    with pytest.raises(BackendError):
+        be.begin_read_cycle(ws, k, 2)
+
+
 def ref_mask(logits, words):
     """The token_masks reference: -inf where the token's bit of the packed words is clear."""
     bits = np.unpackbits(np.asarray(words, np.int32).view(np.uint8), bitorder="little")[:len(logits)]

@@ -76,7 +76,7 @@ def test_builtin_registry():
     assert {"cpu", "cuda"} <= set(pm.backends())
     assert pm.backend_names()[0] == "auto"
     assert set(CAPABILITIES) == {"tree", "device_chaining", "cache_reuse", "token_masks", "kv_layer_copy",
-                                 "guarded_steps", "lanes", "device_sampling"}
+                                 "guarded_steps", "lanes", "device_sampling", "device_acceptance"}
 
 
 def test_every_name_check_reads_the_registry(plugin, tiny_path):

@@ -330,6 +330,61 @@ def test_speculative_exact_on_gpu(pair):
     assert gpu.backend.graph_launches - before == st.verify_forwards
 
 
+def test_speculative_cycles_queued_ahead_on_gpu(pair, monkeypatch):
+    """The chain decoder's cycle look-ahead: each greedy cycle's acceptance is decided on the device
+    and the next cycle queued before the host reads the record (the two record slots alternate);
+    the tokens are plain greedy decoding's, also when a stop sequence drops a queued cycle, with
+    the look-ahead off (one slot, the same tokens and launches), and a broken promise (a commit that
+    is not the device's acceptance) is a PluginError."""
+    from tinyloop.plugins.decoders.spec_session import speculative_request
+    from tinyloop.runtime.engine import Plan
+    _, _, gpu = pair
+    be = gpu.backend
+    reads = []
+    finish = be.finish_read_cycle
+    monkeypatch.setattr(be, "finish_read_cycle", lambda ws, k, slot: reads.append(slot) or finish(ws, k, slot))
+    for p in PROMPTS:
+        ref = tl.generate(gpu, p, tl.GenerateConfig(max_tokens=40, loops=6))
+        for k in (1, 4, 8):
+            cfg = tl.SpeculativeConfig(max_tokens=40, draft_loops=2, verify_loops=6, draft_ahead=k)
+            assert tl.generate_speculative(gpu, p, cfg) == ref, (p, k)      # captures the cycle's graph
+            reads.clear()
+            st = tl.GenerateStats()
+            before = be.graph_launches
+            assert tl.generate_speculative(gpu, p, cfg, stats=st) == ref, (p, k)
+            # one graph per cycle (and a one-token prompt's prefill step), none queued in vain
+            assert len(reads) == st.verify_forwards == be.graph_launches - before - (len(p) == 1)
+            assert set(reads) == {0, 1}
+            stop = ref[len(p) + 12:len(p) + 14]
+            want = tl.generate(gpu, p, tl.GenerateConfig(max_tokens=40, loops=6, stop_sequences=[stop]))
+            cut = tl.SpeculativeConfig(max_tokens=40, draft_loops=2, verify_loops=6, draft_ahead=k,
+                                       stop_sequences=[stop])
+            assert tl.generate_speculative(gpu, p, cut) == want
+            assert tl.generate_speculative(gpu, p, cfg) == ref
+    monkeypatch.setenv("TINYLOOP_LOOKAHEAD", "0")
+    reads.clear()
+    cfg = tl.SpeculativeConfig(max_tokens=40, draft_loops=2, verify_loops=6, draft_ahead=4)
+    assert tl.generate_speculative(gpu, PROMPTS[0], cfg) == tl.generate(gpu, PROMPTS[0], tl.GenerateConfig(
+        max_tokens=40, loops=6))
+    assert set(reads) == {0}
+    monkeypatch.delenv("TINYLOOP_LOOKAHEAD")
+    plan = Plan(gpu, speculative_request(cfg, tree=False), "single")
+    plan.delegate()
+    chain = plan.new_processors()
+    chain.reset(PROMPTS[0])
+    sess = plan.session_factory(gpu, list(PROMPTS[0]), plan, chain, tl.GenerateStats())
+    try:
+        sess.start()
+        drafts, verified = sess.draft_cycle(sess.greedy(), 4, ahead=True)
+        n = next((i for i in range(4) if drafts[i] != verified[i]), 4)
+        with pytest.raises(tl.PluginError, match="promise"):
+            sess.commit(n - 1 if n else n + 1)
+    finally:
+        sess.close()
+    assert tl.generate_speculative(gpu, PROMPTS[0], cfg) == tl.generate(gpu, PROMPTS[0], tl.GenerateConfig(
+        max_tokens=40, loops=6))
+
+
 def test_speculative_demo_model_exact_on_gpu():
     from tinyloop.models import demo_model_path
     from tinyloop.model.tokenizer import resolve_tokenizer

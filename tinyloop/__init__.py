@@ -26,8 +26,8 @@ from .model.tokenizer import Tokenizer
 from .runtime.grammar import Grammar
 from .plugins.decoders.autotune import DecoderChoice, calibrate
 # the plugin author's API
-from .runtime.backend import (Backend, BackendEntry, CacheReuse, DeviceChaining, DeviceSampling, LaneOps, TreeOps,
-                              Workspace)
+from .runtime.backend import (Backend, BackendEntry, CacheReuse, DeviceAcceptance, DeviceChaining, DeviceSampling,
+                              LaneOps, TreeOps, Workspace)
 from .runtime.cache import CacheMode, KVCodec, SlotMap, SlotMapMode
 from .runtime.decoding import DecodeSession, Decoder
 from .runtime.engine import Plan, Session
@@ -56,5 +56,6 @@ __all__ = [
     # plugin author's API
     "hookimpl", "Decoder", "DecodeSession", "Session", "Plan", "LogitProcessor", "ProcessorChain", "Stage",
     "Stopper", "StopperChain", "StopOrder", "CacheMode", "KVCodec", "SlotMapMode", "SlotMap",
-    "Backend", "BackendEntry", "TreeOps", "DeviceChaining", "CacheReuse", "LaneOps", "DeviceSampling", "Workspace",
+    "Backend", "BackendEntry", "TreeOps", "DeviceChaining", "CacheReuse", "LaneOps", "DeviceSampling",
+    "DeviceAcceptance", "Workspace",
 ]

@@ -479,6 +479,45 @@ def test_advance_position():
         position.advance_rows(rows, 5)
 
 
+@pytest.mark.parametrize("k, agree", [(1, 0), (1, 1), (4, 0), (4, 2), (4, 4), (8, 8), (64, 63), (64, 64)])
+def test_accept_equals_reference(k, agree):
+    """The device acceptance of a greedy k-draft cycle: the longest agreeing prefix n, the record,
+    the next token toks[n] and position p + n + 1, as accept_reference (the host's rule)."""
+    from tinyloop.cuda.kernels import accept
+    rng = np.random.default_rng(k * 100 + agree)
+    toks = rng.integers(0, 50, k + 3).astype(np.int32)
+    ids = np.concatenate([[7], toks[:k], [1, 2]]).astype(np.int32)
+    if agree < k:
+        ids[1 + agree] = toks[agree] + 1                     # the first disagreement
+    rows = ids.copy()
+    rows[1 + agree + 1:] = rng.integers(0, 50, rows.shape[0] - agree - 2)   # later rows are arbitrary
+    want_rec, want_tok, want_pos = accept.accept_reference(rows, toks, 37, k)
+    assert want_rec[0] == agree
+    tok, pos = D(np.array([-1], np.int32)), D(np.array([37], np.int32))
+    rec = D(np.full(accept.record_size(k) + 2, -5, np.int32))
+    accept.accept(D(rows), D(toks), tok, pos, rec, k)
+    got = host(rec)
+    assert got[:accept.record_size(k)].tolist() == want_rec.tolist()
+    assert got[accept.record_size(k):].tolist() == [-5, -5]           # nothing written past the record
+    assert host(tok).tolist() == [want_tok] and host(pos).tolist() == [want_pos]
+
+
+def test_accept_refuses_bad_arguments():
+    from tinyloop.cuda.kernels import accept
+    z = D(np.zeros(10, np.int32))
+    one = D(np.zeros(1, np.int32))
+    with pytest.raises(BackendError, match="k=0"):
+        accept.accept(z, z, one, one, z, 0)
+    with pytest.raises(BackendError, match="rec has 10 entries"):
+        accept.accept(z, z, one, one, z, 4)
+    with pytest.raises(BackendError, match="toks"):
+        accept.accept(z, D(np.zeros(2, np.int32)), one, one, D(np.zeros(12, np.int32)), 4)
+    with pytest.raises(BackendError, match="int32"):
+        accept.accept(z, z, D(np.zeros(1, np.int64)), one, z, 2)
+    with pytest.raises(BackendError, match="device array"):
+        accept.accept(z, z, one, np.zeros(1, np.int32), z, 2)
+
+
 @pytest.mark.parametrize("seed", [0, 2 ** 64 - 1])
 def test_init_state_equals_scalar_definition(seed):
     """The random initial state kernel against the scalar host definition, element by element

@@ -61,8 +61,8 @@ from numba.cuda.cudadrv.driver import device_memset
 
 from dataclasses import dataclass
 
-from ..runtime.backend import (Backend, CacheReuse, DeviceChaining, DeviceSampling, GuardedSteps, KVLayerCopy, LaneOps,
-                               ModelWeights, TokenMasks, TreeOps, TreeRows, Workspace, fill_lane_paths, lane_tables)
+from ..runtime.backend import (Backend, CacheReuse, DeviceAcceptance, DeviceChaining, DeviceSampling, GuardedSteps,
+                               KVLayerCopy, LaneOps, ModelWeights, TokenMasks, TreeOps, TreeRows, Workspace, fill_lane_paths, lane_tables)
 from ..model.arch import is_matrix
 from ..runtime.cache import CacheSpec, SlotMap, shared_layers
 from ..runtime.config import env_switch
@@ -71,6 +71,7 @@ from .graphs import Graph, GuardedGraph, conditional_nodes_supported
 from .kv_codecs import CUDAKVCodec
 from .kernels._common import no_tree
 from .kernels import _pdl as k_pdl
+from .kernels import accept as k_accept
 from .kernels import add as k_add
 from .kernels import argmax as k_argmax
 from .kernels import sample as k_sample
@@ -240,7 +241,9 @@ class CUDAWorkspace(Workspace):
     (ceil(vocab / 32),) the token mask words of launch_masked_argmax, mask_host their pinned staging;
     exit_prev (max(d_model, vocab),) the previous early-exit probe's row, exit_state (2,) the probes'
     [stable count, exit depth], exit_host (2,) pinned copies of the depth (a queued read, a waited
-    one). The counters are zeroed once at allocation, and every launch leaves them zero.
+    one); accept_rec (2 rows + 2,) a greedy draft cycle's record (launch_accept), accept_host (2, 2
+    rows + 2) its two pinned copies (a cycle read while the next one runs). The counters are zeroed
+    once at allocation, and every launch leaves them zero.
     """
 
     tok: Any = None
@@ -260,10 +263,12 @@ class CUDAWorkspace(Workspace):
     exit_prev: Any = None
     exit_state: Any = None
     exit_host: Any = None
+    accept_rec: Any = None
+    accept_host: Any = None
 
 
-class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLayerCopy, GuardedSteps, LaneOps,
-                  DeviceSampling):
+class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse, TokenMasks, KVLayerCopy,
+                  GuardedSteps, LaneOps, DeviceSampling):
     """numba-cuda implementation of the backend ops, with graph-captured decode steps."""
 
     name = "cuda"
@@ -284,6 +289,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
         self._pos_host = cuda.pinned_array(1, np.int32)
         self._tok_host = cuda.pinned_array(1, np.int32)
         self._tok_event = cuda.event()     # begin/finish_read_argmax
+        self._cycle_events = (cuda.event(), cuda.event())     # begin/finish_read_cycle, per slot
         self._tok_up = cuda.pinned_array(1, np.int32)
         self._mask_event = cuda.event()    # the last mask upload has left ws.mask_host
         # host mirrors of the device position and of ws.tok (None: unknown); an upload is skipped
@@ -426,6 +432,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
         out.update(ids=((rows,), i32), tok=((1,), i32), toks=((rows,), i32),
                    topk=((rows * MAX_TOPK,), i32),            # (n, k) views over the start
                    moves=((2, rows), i32), mask=((-(-c.vocab_size // 32),), i32),
+                   accept_rec=((k_accept.record_size(rows - 1),), i32),
                    exit_prev=((max(c.d_model, c.vocab_size),), f), exit_state=((2,), i32),
                    # split-KV attention: per-split partials and per-(row, head) arrival counters
                    att_work=(k_attention.workspace_shape(rows, c.n_heads, c.head_dim), f),
@@ -448,6 +455,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
         ws.logits_host = cuda.pinned_array(c.vocab_size, np.float32)
         ws.mask_host = cuda.pinned_array(ws.mask.shape[0], np.int32)
         ws.exit_host = cuda.pinned_array(2, np.int32)
+        ws.accept_host = cuda.pinned_array((2, ws.accept_rec.shape[0]), np.int32)
         # the arrival counters are zeroed here once (every launch leaves them zero, graph replays
         # included)
         for counter in self._counters(ws):
@@ -799,6 +807,29 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, CacheReuse, TokenMasks, KVLa
     def finish_read_argmax_rows(self, ws: Workspace, n: int) -> list:
         self._tok_event.synchronize()
         return [int(t) for t in ws.toks_host[:n]]
+
+    # ------------------------------------------------------------------ device acceptance
+    def launch_accept(self, ws: Workspace, k: int) -> None:
+        if not 1 <= k < ws.rows:
+            raise BackendError(f"launch_accept: k={k} drafts outside [1, {ws.rows - 1}] (the workspace's rows - 1)")
+        k_accept.accept(ws.ids, ws.toks, ws.tok, self.pos, ws.accept_rec, k, stream=self.stream)
+        self._pos_value = None
+        self._tok_value = None
+
+    def device_position(self):
+        return self.pos
+
+    def begin_read_cycle(self, ws: Workspace, k: int, slot: int) -> None:
+        n = k_accept.record_size(k)
+        if slot not in (0, 1) or n > ws.accept_rec.shape[0]:
+            raise BackendError(f"begin_read_cycle: slot {slot!r} (0 or 1) or k={k} drafts outside the record")
+        ws.accept_rec[:n].copy_to_host(ws.accept_host[slot, :n], stream=self.stream)
+        self._cycle_events[slot].record(self.stream)
+
+    def finish_read_cycle(self, ws: Workspace, k: int, slot: int) -> tuple:
+        self._cycle_events[slot].synchronize()
+        rec = [int(v) for v in ws.accept_host[slot, :k_accept.record_size(k)]]
+        return rec[1], rec[0], rec[2:3 + k], rec[3 + k:]
 
     def launch_topk_rows(self, ws: Workspace, n: int, k: int, out_row=None) -> None:
         if not 1 <= k <= MAX_TOPK:

@@ -19,7 +19,8 @@ launches or passes over memory. The forward only calls composites and the few pr
 
 Optional capabilities (:data:`CAPABILITIES`) are mixin classes a backend inherits:
 :class:`TreeOps`, :class:`DeviceChaining`, :class:`CacheReuse`, :class:`TokenMasks`,
-:class:`KVLayerCopy`, :class:`GuardedSteps`, :class:`LaneOps` and :class:`DeviceSampling`.
+:class:`KVLayerCopy`, :class:`GuardedSteps`, :class:`LaneOps`, :class:`DeviceSampling` and
+:class:`DeviceAcceptance`.
 Callers ask :meth:`Backend.supports` and fall back; a decoder that cannot declares
 ``Decoder.requires``. Backends are registered as :class:`BackendEntry` classes through the
 ``tinyloop_backends`` hook (one registry for every name check).
@@ -642,6 +643,40 @@ class DeviceSampling(ABC):
         of a replayable step; only the token is written."""
 
 
+class DeviceAcceptance(ABC):
+    """Capability ``device_acceptance`` (with ``device_chaining``): a greedy draft cycle's
+    acceptance decided where its ids live, so the next cycle can be queued before the host has
+    read this one (the chain decoder's look-ahead, the cycle's counterpart of greedy(ahead=True)).
+
+    A cycle's ids are ws.ids rows 0..k (the pending token, then k drafts) and its verify argmax
+    the ids launch_argmax_rows(ws, k + 1) left; n is the longest prefix of drafts that agrees
+    with them (drafts[i] == verified[i] for i < n)."""
+
+    @abstractmethod
+    def launch_accept(self, ws: Workspace, k: int) -> None:
+        """Queue (part of a replayable cycle): decide n; the one-token id buffer (device_token)
+        becomes verified[n], the position handle's value advances by n + 1, and the cycle's record
+        (its position, n, ids, verified ids) is kept for begin_read_cycle. The host mirrors of the
+        position and the token are unknown afterwards."""
+
+    @abstractmethod
+    def device_position(self) -> Any:
+        """The one-token position handle as the device holds it (after launch_accept the host
+        does not know its value), for a step queued before the host has read it: what
+        positions(p) returns, without an upload."""
+
+    @abstractmethod
+    def begin_read_cycle(self, ws: Workspace, k: int, slot: int) -> None:
+        """Queue the copy of the last launch_accept's record into host slot `slot` (0 or 1: a
+        cycle queued ahead has its own slot, read while the next one runs); ops queued after
+        this call may overwrite the device record."""
+
+    @abstractmethod
+    def finish_read_cycle(self, ws: Workspace, k: int, slot: int) -> tuple:
+        """``(position, n, ids, verified)`` of the record begin_read_cycle queued into `slot`
+        (ids: the k + 1 cycle ids, verified: the k + 1 verify argmax ids), once it has landed."""
+
+
 class LaneOps(ABC):
     """Capability ``lanes``: launches whose rows belong to different sequences (batch lanes of a
     lockstep batch, tinyloop.runtime.lockstep), each with its own position and its own region of
@@ -707,7 +742,8 @@ def fill_lane_paths(path, held, lane_of, lane_slots: int):
 CAPABILITIES: Dict[str, type] = {"tree": TreeOps, "device_chaining": DeviceChaining,
                                  "cache_reuse": CacheReuse, "token_masks": TokenMasks,
                                  "kv_layer_copy": KVLayerCopy, "guarded_steps": GuardedSteps,
-                                 "lanes": LaneOps, "device_sampling": DeviceSampling}
+                                 "lanes": LaneOps, "device_sampling": DeviceSampling,
+                                 "device_acceptance": DeviceAcceptance}
 
 
 # =============================================================================== registry

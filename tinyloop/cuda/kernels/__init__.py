@@ -3,10 +3,10 @@
 
 def kernel_modules():
     """Every op module of this package (each has `ptx_signatures()`)."""
-    from . import (add, argmax, attention, bias, cache_move, embed, exit_probe, init_state, kv_layer_copy,
-                   kv_store, matmul, norm_add, position, rmsnorm, rope, sample, swiglu, token_mask)
+    from . import (accept, add, argmax, attention, bias, cache_move, embed, exit_probe, init_state,
+                   kv_layer_copy, kv_store, matmul, norm_add, position, rmsnorm, rope, sample, swiglu, token_mask)
     return (matmul, rmsnorm, norm_add, rope, attention, kv_store, swiglu, embed, add, bias, argmax, sample,
-            position, cache_move, token_mask, exit_probe, kv_layer_copy, init_state)
+            position, accept, cache_move, token_mask, exit_probe, kv_layer_copy, init_state)
 
 
 def ptx_signatures():

@@ -42,7 +42,7 @@ import numpy as np
 from ...runtime.config import (GREEDY_TEMPERATURE, GenerateConfig, GenerateStats, SpeculativeConfig,
                             TreeSpeculativeConfig, check_bool, check_int)
 from ...runtime.engine import DISABLE_KV_CACHE_ENV, Model, Plan, Session, kv_cache_disabled
-from ...errors import ConfigError, IncompatibleModesError
+from ...errors import ConfigError, IncompatibleModesError, PluginError
 
 #: Most tokens one chain cycle drafts (the backends size their id rows for it).
 MAX_DRAFT_AHEAD = 64
@@ -168,6 +168,10 @@ class SpeculativeSession(Session):
         self.draft_loops, self.verify_loops = opts.draft_loops, plan.loops
         self.verify_resume = opts.verify_resume
         self.inject = model.cfg.keeps_loop_input
+        # draft_cycle(ahead=True): (record slot, k) of the cycle queued on the device, and the
+        # acceptance the device found for the cycle read last
+        self._queued = None
+        self._device_accepted = None
 
     def _stash(self, row0: int, n: int = 1) -> None:
         """Keep rows 0..n-1 of the residual (and of the loop-inject copy) in stash rows row0.."""
@@ -241,22 +245,66 @@ class SpeculativeSession(Session):
         self.stats.verify_forwards += 1
         return be.read_argmax_rows(ws, n)
 
-    def draft_cycle(self, pending: int, k: int):
+    def draft_cycle(self, pending: int, k: int, ahead: bool = False):
         """Greedy draft of k tokens after `pending`, then their verify: ``(drafts, verified)`` with
         verified[i] the verify argmax after row i of [pending] + drafts. The same ops as k calls of
         draft() and one of verify(); where the backend chains tokens on the device they run as ONE
         replayed sequence (each draft step reads the previous step's argmax in place) with a single
-        readback at the end, instead of a host round trip per drafted token."""
-        be, ws, cache = self.model.backend, self.model.ws, self.cache
+        readback at the end, instead of a host round trip per drafted token.
+
+        `ahead` (the cycle's counterpart of greedy(ahead=True)): the caller promises that its next
+        calls are commit(n) with n the longest prefix of drafts equal to verified, then
+        draft_cycle(verified[n], k, ...) or nothing. Where the backend decides that acceptance on
+        the device (capability device_acceptance), the next cycle is then queued before this one
+        is read, so the device runs cycle after cycle without waiting for the host; it is dropped,
+        unseen, if the request ends (its K/V sit past the accepted position, rewritten before any
+        query reaches them). Only queued where the request certainly needs it (the tokens this
+        cycle can emit leave max_tokens unreached)."""
+        be, ws = self.model.backend, self.model.ws
         if not be.supports("device_chaining"):
             drafts, tok = [], pending
             for i in range(k):
                 tok = self.draft(tok, i)
                 drafts.append(tok)
             return drafts, self.verify([pending] + drafts)
+        accept = be.supports("device_acceptance")
+        queued, self._queued = self._queued, None
+        if queued is not None and queued[1] != k:
+            raise PluginError(f"draft_cycle(ahead=True) queued a cycle of {queued[1]} drafts, then was called "
+                              f"with k={k}: the promise of `ahead` was not kept")
+        slot = 0 if queued is None else queued[0]
+        if queued is None:
+            self._queue_cycle(k, pending, slot if accept else None)
+        if (ahead and accept and self._lookahead
+                and self.position - self._prompt_len + k + 2 < self.config.max_tokens):
+            self._queue_cycle(k, None, 1 - slot)
+            self._queued = (1 - slot, k)
+        self.stats.loop_iters_run += k * self.draft_loops + self.verify_loops   # the tail's Ld + the resumed Lv - Ld
+        self.stats.drafted_tokens += k
+        self.stats.verify_forwards += 1
+        if not accept:
+            verified = be.read_argmax_rows(ws, k + 1)
+            return be.read_ids(ws, k + 1)[1:], verified
+        position, n, ids, verified = be.finish_read_cycle(ws, k, slot)
+        if position != self.position or ids[0] != pending:
+            raise PluginError(f"draft_cycle(ahead=True) queued the cycle of token {ids[0]} at position {position}, "
+                              f"then was called for token {pending} at position {self.position}: the promise of "
+                              f"`ahead` was not kept")
+        self._device_accepted = n
+        return ids[1:], verified
+
+    def _queue_cycle(self, k: int, pending: Optional[int], slot: Optional[int]) -> None:
+        """Queue one greedy cycle of k drafts as one replayed sequence; with a record `slot`, the
+        device's acceptance and the copy of its record into that host slot. pending None: the
+        cycle starts from the token and position the device holds (the acceptance of the cycle
+        queued before it)."""
+        be, ws, cache = self.model.backend, self.model.ws, self.cache
         Ld, Lv, resume = self.draft_loops, self.verify_loops, self.verify_resume
-        tok = be.set_ids(ws, [pending])
-        pos = be.positions(self.position)
+        if pending is None:
+            tok, pos = be.device_token(ws), be.device_position()
+        else:
+            tok, pos = be.set_ids(ws, [pending]), be.positions(self.position)
+        accept = slot is not None
 
         def cycle():
             be.store_token(ws, 0)
@@ -272,18 +320,21 @@ class SpeculativeSession(Session):
             else:
                 be.advance_position(pos, -k)
                 self._full_verify(ws.ids, pos, k + 1)
-        be.replay(("cycle", Ld, Lv, resume, cache, k), cycle)
-        self.stats.loop_iters_run += k * Ld + Lv      # the tail's Ld + the resumed Lv - Ld, or a full Lv
-        self.stats.drafted_tokens += k
-        self.stats.verify_forwards += 1
-        verified = be.read_argmax_rows(ws, k + 1)
-        return be.read_ids(ws, k + 1)[1:], verified
+            if accept:
+                be.launch_accept(ws, k)
+        be.replay(("cycle", Ld, Lv, resume, cache, k, accept), cycle)
+        if accept:
+            be.begin_read_cycle(ws, k, slot)
 
     def verify_logits(self, n: int):
         """Host copy of the verify pass's n logits rows (speculative sampling)."""
         return self.model.backend.logits_block_to_host(self.model.ws, n)
 
     def commit(self, n_accepted: int) -> None:
+        if self._queued is not None and n_accepted != self._device_accepted:
+            raise PluginError(f"commit({n_accepted}) after draft_cycle(ahead=True), whose drafts agree with the "
+                              f"verify pass for {self._device_accepted}: the next cycle was queued at the position "
+                              f"that acceptance gives, so the promise of `ahead` was not kept")
         self.tokens.extend([-1] * (n_accepted + 1))   # placeholders: only the count matters here
         self.position += n_accepted + 1
         self.stats.accepted_tokens += n_accepted

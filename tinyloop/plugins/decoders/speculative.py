@@ -55,7 +55,8 @@ class ChainSpeculativeDecoder(Decoder):
         pending = session.greedy()                 # the verify-depth token after the prompt
         yield pending
         while True:
-            drafts, verified = session.draft_cycle(pending, self.options.draft_ahead)
+            # ahead: the commit below follows the greedy rule, so the next cycle may be queued first
+            drafts, verified = session.draft_cycle(pending, self.options.draft_ahead, ahead=True)
             n = 0
             while n < len(drafts) and drafts[n] == verified[n]:
                 n += 1
