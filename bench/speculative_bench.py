@@ -17,7 +17,9 @@ the resumed verify rows) are timed in the host-loop form of the same decoder (th
 device_chaining withheld, so every draft step and the verify are launches of their own, with the
 same ops); the prediction is tokens_per_verify / (draft_ahead * c_draft + c_verify). The device
 time of the chained cycle as the decoder runs it (one graph: drafts, verify, acceptance) is
-reported beside it (c_cycle), and so is what the wall clock spends beyond it per cycle. Every speculative output is checked to
+reported beside it (c_cycle), and so is what the wall clock spends beyond it per cycle. Tree
+configurations report their cycle's device time (one graph) against the wall clock per cycle.
+Every speculative output is checked to
 equal plain greedy decoding at verify_loops. Default model: the shipped demo model, on prompts of
 Python code; with --preset, a synthesized model (random weights) on fixed token prompts.
 """
@@ -106,6 +108,17 @@ def cost_model(m, prompts, cfg, tokens_per_verify: float, measured: float) -> di
     return {"c_draft_ms": c_draft, "c_verify_ms": c_verify, "c_cycle_ms": cyc.mean_ms("cycle"),
             "wall_cycle_ms": tokens_per_verify / measured * 1e3, "predicted_tokens_per_s": predicted,
             "of_cost_model": measured / predicted}
+
+
+def tree_cost(m, prompts, cfg, tokens_per_verify: float, measured: float) -> dict:
+    """A tree configuration's cycle on the device (one graph: the levels' drafts, the verify, the
+    acceptance) against the wall clock per cycle, and the rate the device time alone allows."""
+    with GraphTimer(m.backend) as cyc:
+        for ids in prompts:
+            tl.generate_tree_speculative(m, ids, cfg)
+    c = cyc.mean_ms("tree-cycle")
+    return {"c_cycle_ms": c, "wall_cycle_ms": tokens_per_verify / measured * 1e3,
+            "device_bound_tokens_per_s": tokens_per_verify / c * 1e3}
 
 
 def main(argv=None) -> int:
@@ -204,6 +217,11 @@ def main(argv=None) -> int:
                        "exact": exact}
                 if mode == "tree":
                     row["K_branches"] = cfg.K_branches
+                    if args.cost_model:
+                        row.update(tree_cost(m, prompts, cfg, mal, tps))
+                        print(f"    tree cycle on the device {row['c_cycle_ms']:.4f} ms (wall "
+                              f"{row['wall_cycle_ms']:.4f}): the device alone allows "
+                              f"{row['device_bound_tokens_per_s']:.1f} tok/s", flush=True)
                 elif args.cost_model:
                     row.update(cost_model(m, prompts, cfg, mal, tps))
                     print(f"    cost model: draft {row['c_draft_ms']:.4f} ms, verify {row['c_verify_ms']:.4f} ms, "

@@ -342,7 +342,8 @@ def test_speculative_cycles_queued_ahead_on_gpu(pair, monkeypatch):
     be = gpu.backend
     reads = []
     finish = be.finish_read_cycle
-    monkeypatch.setattr(be, "finish_read_cycle", lambda ws, k, slot: reads.append(slot) or finish(ws, k, slot))
+    monkeypatch.setattr(be, "finish_read_cycle", lambda ws, k, slot, branches=1: reads.append(slot) or finish(
+        ws, k, slot, branches))
     for p in PROMPTS:
         ref = tl.generate(gpu, p, tl.GenerateConfig(max_tokens=40, loops=6))
         for k in (1, 4, 8):
@@ -420,6 +421,43 @@ def test_tree_speculative_exact_on_gpu(pair, monkeypatch):
         cpu, p, cfg, stats=st_cpu)
     monkeypatch.setattr(gpu.backend, "use_graphs", False)
     assert tl.generate_tree_speculative(gpu, p, cfg) == tl.generate(cpu, p, tl.GenerateConfig(max_tokens=24, loops=6))
+
+
+def test_tree_cycles_queued_ahead_on_gpu(pair, monkeypatch):
+    """The tree decoder's cycle look-ahead: the greedy walk is decided on the device, the accepted
+    path's cache slots are compacted there (every cache codec: codes, scales and zero points move),
+    and the next cycle is queued before the host reads the record; the tokens are plain greedy
+    decoding's, with a stop sequence dropping a queued cycle, and with the look-ahead off."""
+    _, _, gpu = pair
+    be = gpu.backend
+    reads, moved = [], []
+    finish, move = be.finish_read_cycle, be.move_cache_slots
+    monkeypatch.setattr(be, "finish_read_cycle", lambda ws, k, slot, branches=1: reads.append(slot) or finish(
+        ws, k, slot, branches))
+    monkeypatch.setattr(be, "move_cache_slots", lambda cache, moves: moved.append(moves) or move(cache, moves))
+    for p in PROMPTS:
+        for cache_mode in ("fp16", "fp32", "int8", "int4"):
+            ref = tl.generate(gpu, p, tl.GenerateConfig(max_tokens=40, loops=6, cache_mode=cache_mode))
+            for K, D in ((2, 2), (3, 3), (4, 1)):
+                cfg = tl.TreeSpeculativeConfig(max_tokens=40, draft_loops=2, verify_loops=6, draft_ahead=D,
+                                               K_branches=K, cache_mode=cache_mode)
+                reads.clear()
+                st = tl.GenerateStats()
+                assert tl.generate_tree_speculative(gpu, p, cfg, stats=st) == ref, (p, cache_mode, K, D)
+                assert len(reads) == st.verify_forwards and set(reads) == {0, 1}
+                assert not moved                                 # the device compacted every path
+            stop = ref[len(p) + 9:len(p) + 11]
+            want = tl.generate(gpu, p, tl.GenerateConfig(max_tokens=40, loops=6, cache_mode=cache_mode,
+                                                         stop_sequences=[stop]))
+            cut = tl.TreeSpeculativeConfig(max_tokens=40, draft_loops=2, verify_loops=6, draft_ahead=2, K_branches=2,
+                                           cache_mode=cache_mode, stop_sequences=[stop])
+            assert tl.generate_tree_speculative(gpu, p, cut) == want
+    monkeypatch.setenv("TINYLOOP_LOOKAHEAD", "0")
+    reads.clear()
+    cfg = tl.TreeSpeculativeConfig(max_tokens=40, draft_loops=2, verify_loops=6, draft_ahead=2, K_branches=2)
+    assert tl.generate_tree_speculative(gpu, PROMPTS[0], cfg) == tl.generate(gpu, PROMPTS[0], tl.GenerateConfig(
+        max_tokens=40, loops=6))
+    assert set(reads) == {0} and not moved
 
 
 def test_tree_speculative_demo_model_exact_on_gpu():

@@ -105,9 +105,10 @@ def test_device_chained_tree_cycle_matches_cpu(small_path):
 
 @pytest.mark.slow
 def test_chain_cycles_queued_ahead_match_cpu(small_path, monkeypatch):
-    """The chain decoder on the CUDA backend with the cycle look-ahead (each cycle's acceptance
-    decided on the device and the next cycle queued before the host reads it) gives plain greedy
-    decoding's tokens, as on the CPU, with and without the look-ahead (TINYLOOP_LOOKAHEAD=0).
+    """The chain and tree decoders on the CUDA backend with the cycle look-ahead (each cycle's
+    acceptance decided on the device, a tree's path compacted there, and the next cycle queued
+    before the host reads it) give plain greedy decoding's tokens, as on the CPU, with and without
+    the look-ahead (TINYLOOP_LOOKAHEAD=0).
     Slow under the simulator (~8 minutes: multi-row launches); run it with
     ``NUMBA_ENABLE_CUDASIM=1 pytest -m cudasim tests/cuda/test_backend_sim.py -k ahead``."""
     cpu = tl.load_model(str(small_path), max_seq_len=16, backend="cpu")
@@ -120,8 +121,12 @@ def test_chain_cycles_queued_ahead_match_cpu(small_path, monkeypatch):
         st = tl.GenerateStats()
         assert tl.generate_speculative(gpu, p, spec, stats=st) == ref
         assert st.verify_forwards >= 2 and st.drafted_tokens == st.verify_forwards
+        tree = tl.TreeSpeculativeConfig(max_tokens=6, draft_loops=1, verify_loops=2, draft_ahead=1, K_branches=2,
+                                        cache_mode="fp32")
+        assert tl.generate_tree_speculative(gpu, p, tree) == ref
         monkeypatch.setenv("TINYLOOP_LOOKAHEAD", "0")
         assert tl.generate_speculative(gpu, p, spec) == ref
+        assert tl.generate_tree_speculative(gpu, p, tree) == ref
     finally:
         tl.free_model(cpu)
         tl.free_model(gpu)

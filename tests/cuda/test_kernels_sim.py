@@ -32,7 +32,7 @@ from tinyloop.model.arch import QUANT_BITS  # noqa: E402
 from tinyloop.errors import BackendError  # noqa: E402
 from tinyloop.model.quant import unpack  # noqa: E402
 from tinyloop.cuda import kv_codecs  # noqa: E402
-from tinyloop.cuda.kernels import (add, argmax, attention, cache_move, embed, kv_store, matmul,  # noqa: E402
+from tinyloop.cuda.kernels import (accept, add, argmax, attention, cache_move, embed, kv_store, matmul,  # noqa: E402
                                    rmsnorm, rope, sample, swiglu, token_mask)
 from tinyloop.plugins.caches.codecs import FP16Codec, FP32Codec, INT4Codec, INT8Codec  # noqa: E402
 from tinyloop.plugins.decoders.spec_session import DraftTree  # noqa: E402
@@ -481,9 +481,9 @@ def test_advance_position():
 
 @pytest.mark.parametrize("k, agree", [(1, 0), (1, 1), (4, 0), (4, 2), (4, 4), (8, 8), (64, 63), (64, 64)])
 def test_accept_equals_reference(k, agree):
-    """The device acceptance of a greedy k-draft cycle: the longest agreeing prefix n, the record,
-    the next token toks[n] and position p + n + 1, as accept_reference (the host's rule)."""
-    from tinyloop.cuda.kernels import accept
+    """The device acceptance of a greedy k-draft chain: the longest agreeing prefix n, the record,
+    the next token toks[n] and position p + n + 1, as accept_reference (the host's rule); a chain
+    moves no slot (every move column a self-move)."""
     rng = np.random.default_rng(k * 100 + agree)
     toks = rng.integers(0, 50, k + 3).astype(np.int32)
     ids = np.concatenate([[7], toks[:k], [1, 2]]).astype(np.int32)
@@ -491,31 +491,77 @@ def test_accept_equals_reference(k, agree):
         ids[1 + agree] = toks[agree] + 1                     # the first disagreement
     rows = ids.copy()
     rows[1 + agree + 1:] = rng.integers(0, 50, rows.shape[0] - agree - 2)   # later rows are arbitrary
-    want_rec, want_tok, want_pos = accept.accept_reference(rows, toks, 37, k)
-    assert want_rec[0] == agree
+    want_rec, want_tok, want_pos, want_moves = accept.accept_reference(rows, toks, 37, k)
+    assert want_rec[0] == agree and want_moves == []
     tok, pos = D(np.array([-1], np.int32)), D(np.array([37], np.int32))
     rec = D(np.full(accept.record_size(k) + 2, -5, np.int32))
-    accept.accept(D(rows), D(toks), tok, pos, rec, k)
+    moves = D(np.full((2, k + 1), -3, np.int32))
+    accept.accept(D(rows), D(toks), tok, pos, rec, moves, k)
     got = host(rec)
     assert got[:accept.record_size(k)].tolist() == want_rec.tolist()
     assert got[accept.record_size(k):].tolist() == [-5, -5]           # nothing written past the record
     assert host(tok).tolist() == [want_tok] and host(pos).tolist() == [want_pos]
+    assert host(moves)[:, :k].tolist() == [[37] * k, [37] * k] and host(moves)[:, k].tolist() == [-3, -3]
+
+
+def _walk_tree(K, Dp, toks, path):
+    """Node tokens of a K-ary tree of depth Dp whose greedy walk follows `path` (child ranks, one
+    per level, then a miss): every child off the path gets a token the verify row does not want."""
+    N = accept.tree_size(K, Dp)
+    ids = (toks[:N] + 1 + np.arange(N)) % 1000 + 1000            # no child matches by default
+    node = 0
+    for rank in path:
+        child = node * K + 1 + rank
+        ids[child] = toks[node]
+        for other in range(node * K + 1 + rank + 1, node * K + K + 1):
+            ids[other] = toks[node]                              # a later sibling with the same token loses
+        node = child
+    return ids.astype(np.int32)
+
+
+@pytest.mark.parametrize("K, Dp, path", [(2, 2, []), (2, 2, [0]), (2, 2, [1, 1]), (2, 2, [0, 1]),
+                                         (3, 3, [2, 0, 1]), (3, 3, [1]), (2, 5, [1, 0, 1, 1, 0])])
+def test_accept_tree_equals_reference(K, Dp, path):
+    """A K-ary draft tree: the greedy walk (the first child holding the verify argmax), its length,
+    the next token, the position, the record and the slot moves of the accepted nodes off their
+    depth's slot (then self-moves), as accept_reference."""
+    N = accept.tree_size(K, Dp)
+    rng = np.random.default_rng(K * 10 + Dp + len(path))
+    toks = rng.integers(0, 500, N).astype(np.int32)
+    ids = _walk_tree(K, Dp, toks, path)
+    want_rec, want_tok, want_pos, want_moves = accept.accept_reference(ids, toks, 20, Dp, K)
+    assert want_rec[0] == len(path)
+    tok, pos = D(np.array([-1], np.int32)), D(np.array([20], np.int32))
+    rec = D(np.full(accept.record_size(Dp, K), -5, np.int32))
+    moves = D(np.full((2, Dp), -3, np.int32))
+    accept.accept(D(ids), D(toks), tok, pos, rec, moves, Dp, K)
+    assert host(rec).tolist() == want_rec.tolist()
+    assert host(tok).tolist() == [want_tok] and host(pos).tolist() == [want_pos]
+    m = host(moves)
+    assert [tuple(c) for c in m.T[:len(want_moves)].tolist()] == want_moves
+    assert m[:, len(want_moves):].tolist() == [[20] * (Dp - len(want_moves))] * 2
 
 
 def test_accept_refuses_bad_arguments():
-    from tinyloop.cuda.kernels import accept
     z = D(np.zeros(10, np.int32))
     one = D(np.zeros(1, np.int32))
+    mv = D(np.zeros((2, 4), np.int32))
     with pytest.raises(BackendError, match="k=0"):
-        accept.accept(z, z, one, one, z, 0)
+        accept.accept(z, z, one, one, z, mv, 0)
+    with pytest.raises(BackendError, match="branches=0"):
+        accept.accept(z, z, one, one, z, mv, 2, 0)
     with pytest.raises(BackendError, match="rec has 10 entries"):
-        accept.accept(z, z, one, one, z, 4)
+        accept.accept(z, z, one, one, z, mv, 4)
     with pytest.raises(BackendError, match="toks"):
-        accept.accept(z, D(np.zeros(2, np.int32)), one, one, D(np.zeros(12, np.int32)), 4)
+        accept.accept(z, D(np.zeros(2, np.int32)), one, one, D(np.zeros(12, np.int32)), mv, 4)
     with pytest.raises(BackendError, match="int32"):
-        accept.accept(z, z, D(np.zeros(1, np.int64)), one, z, 2)
+        accept.accept(z, z, D(np.zeros(1, np.int64)), one, z, mv, 2)
     with pytest.raises(BackendError, match="device array"):
-        accept.accept(z, z, one, np.zeros(1, np.int32), z, 2)
+        accept.accept(z, z, one, np.zeros(1, np.int32), z, mv, 2)
+    with pytest.raises(BackendError, match="moves has 1 columns"):
+        accept.accept(z, z, one, one, z, D(np.zeros((2, 1), np.int32)), 2)
+    with pytest.raises(BackendError, match="nodes, over"):
+        accept.accept(z, z, one, one, z, mv, 12, 2)
 
 
 @pytest.mark.parametrize("seed", [0, 2 ** 64 - 1])

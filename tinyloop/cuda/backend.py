@@ -809,27 +809,38 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         return [int(t) for t in ws.toks_host[:n]]
 
     # ------------------------------------------------------------------ device acceptance
-    def launch_accept(self, ws: Workspace, k: int) -> None:
-        if not 1 <= k < ws.rows:
-            raise BackendError(f"launch_accept: k={k} drafts outside [1, {ws.rows - 1}] (the workspace's rows - 1)")
-        k_accept.accept(ws.ids, ws.toks, ws.tok, self.pos, ws.accept_rec, k, stream=self.stream)
+    def launch_accept(self, ws: Workspace, k: int, branches: int = 1, cache=None) -> None:
+        nodes = k_accept.tree_size(branches, k) if k >= 1 and branches >= 1 else 0
+        if not 2 <= nodes <= ws.rows:
+            raise BackendError(f"launch_accept: a cycle of depth k={k} with {branches} branches per node has "
+                               f"{nodes} nodes; allowed: 2 .. {ws.rows} (the workspace's rows), k and branches >= 1")
+        if (branches > 1) != (cache is not None):
+            raise BackendError(f"launch_accept: a tree cycle (branches > 1) names the cache whose accepted path it "
+                               f"compacts, a chain names none (branches={branches}, cache={cache!r})")
+        k_accept.accept(ws.ids, ws.toks, ws.tok, self.pos, ws.accept_rec, ws.moves, k, branches, stream=self.stream)
+        if cache is not None:
+            for g in cache.groups:      # the k columns the acceptance wrote: its moves, then self-moves
+                k_cache_move.move_slots(g.k.data, g.v.data, ws.moves, k, stream=self.stream, k_scale=g.k.scale,
+                                        v_scale=g.v.scale, k_zero=g.k.zero, v_zero=g.v.zero)
         self._pos_value = None
         self._tok_value = None
 
     def device_position(self):
         return self.pos
 
-    def begin_read_cycle(self, ws: Workspace, k: int, slot: int) -> None:
-        n = k_accept.record_size(k)
-        if slot not in (0, 1) or n > ws.accept_rec.shape[0]:
-            raise BackendError(f"begin_read_cycle: slot {slot!r} (0 or 1) or k={k} drafts outside the record")
+    def begin_read_cycle(self, ws: Workspace, k: int, slot: int, branches: int = 1) -> None:
+        n = k_accept.record_size(k, branches) if k >= 1 and branches >= 1 else 0
+        if slot not in (0, 1) or not 0 < n <= ws.accept_rec.shape[0]:
+            raise BackendError(f"begin_read_cycle: slot {slot!r} (0 or 1), or depth k={k} with {branches} branches "
+                               f"outside the record of {ws.accept_rec.shape[0]} entries")
         ws.accept_rec[:n].copy_to_host(ws.accept_host[slot, :n], stream=self.stream)
         self._cycle_events[slot].record(self.stream)
 
-    def finish_read_cycle(self, ws: Workspace, k: int, slot: int) -> tuple:
+    def finish_read_cycle(self, ws: Workspace, k: int, slot: int, branches: int = 1) -> tuple:
         self._cycle_events[slot].synchronize()
-        rec = [int(v) for v in ws.accept_host[slot, :k_accept.record_size(k)]]
-        return rec[1], rec[0], rec[2:3 + k], rec[3 + k:]
+        N = k_accept.tree_size(branches, k)
+        rec = [int(v) for v in ws.accept_host[slot, :2 * N + 2]]
+        return rec[1], rec[0], rec[2:2 + N], rec[2 + N:]
 
     def launch_topk_rows(self, ws: Workspace, n: int, k: int, out_row=None) -> None:
         if not 1 <= k <= MAX_TOPK:

@@ -419,9 +419,17 @@ class TreeOps(ABC):
 
     def tree_positions(self, layout, pos: int, row0: int = 0) -> TreeRows:
         """A :class:`TreeRows` handle for a launch whose row 0 is node `row0` of `layout`, with the
-        tree's root at absolute position `pos`."""
+        tree's root at absolute position `pos` (None: where the device's position handle stands,
+        for a cycle queued ahead on a device_acceptance backend)."""
         depth, path = layout
-        return TreeRows(self.positions(pos), self.rows(depth, row0), self.rows(path, row0))
+        if pos is None:
+            if not self.supports("device_acceptance"):
+                raise BackendError(f"tree_positions(pos=None) reads the device's position handle: backend "
+                                   f"{self.name!r} lacks the device_acceptance capability")
+            handle = self.device_position()
+        else:
+            handle = self.positions(pos)
+        return TreeRows(handle, self.rows(depth, row0), self.rows(path, row0))
 
     @abstractmethod
     def move_cache_slots(self, cache, moves) -> None:
@@ -646,18 +654,24 @@ class DeviceSampling(ABC):
 class DeviceAcceptance(ABC):
     """Capability ``device_acceptance`` (with ``device_chaining``): a greedy draft cycle's
     acceptance decided where its ids live, so the next cycle can be queued before the host has
-    read this one (the chain decoder's look-ahead, the cycle's counterpart of greedy(ahead=True)).
+    read this one (the chain and tree decoders' look-ahead, the cycle's counterpart of
+    greedy(ahead=True)).
 
-    A cycle's ids are ws.ids rows 0..k (the pending token, then k drafts) and its verify argmax
-    the ids launch_argmax_rows(ws, k + 1) left; n is the longest prefix of drafts that agrees
-    with them (drafts[i] == verified[i] for i < n)."""
+    A cycle is a full draft tree with `branches` children per node and k levels below the root
+    (a chain of k drafts: branches = 1), N nodes in breadth-first order (the children of node i
+    are nodes i*branches + 1 .. i*branches + branches): its ids are ws.ids rows 0..N-1 (row 0 the
+    pending token) and its verify argmax the ids launch_argmax_rows(ws, N) left. The accepted
+    path starts at the root and follows the first child whose id equals the verify argmax after
+    the current node; n is its length, and the argmax after its last node the next token."""
 
     @abstractmethod
-    def launch_accept(self, ws: Workspace, k: int) -> None:
-        """Queue (part of a replayable cycle): decide n; the one-token id buffer (device_token)
-        becomes verified[n], the position handle's value advances by n + 1, and the cycle's record
-        (its position, n, ids, verified ids) is kept for begin_read_cycle. The host mirrors of the
-        position and the token are unknown afterwards."""
+    def launch_accept(self, ws: Workspace, k: int, branches: int = 1, cache=None) -> None:
+        """Queue (part of a replayable cycle): decide the path; the one-token id buffer
+        (device_token) becomes the next token, the position handle's value advances by n + 1,
+        and the cycle's record (its position, n, ids, verified ids) is kept for
+        begin_read_cycle. A tree (branches > 1) names its cache: the accepted nodes' slots are
+        compacted to position + depth as move_cache_slots would. The host mirrors of the position
+        and the token are unknown afterwards."""
 
     @abstractmethod
     def device_position(self) -> Any:
@@ -666,15 +680,15 @@ class DeviceAcceptance(ABC):
         positions(p) returns, without an upload."""
 
     @abstractmethod
-    def begin_read_cycle(self, ws: Workspace, k: int, slot: int) -> None:
+    def begin_read_cycle(self, ws: Workspace, k: int, slot: int, branches: int = 1) -> None:
         """Queue the copy of the last launch_accept's record into host slot `slot` (0 or 1: a
         cycle queued ahead has its own slot, read while the next one runs); ops queued after
         this call may overwrite the device record."""
 
     @abstractmethod
-    def finish_read_cycle(self, ws: Workspace, k: int, slot: int) -> tuple:
+    def finish_read_cycle(self, ws: Workspace, k: int, slot: int, branches: int = 1) -> tuple:
         """``(position, n, ids, verified)`` of the record begin_read_cycle queued into `slot`
-        (ids: the k + 1 cycle ids, verified: the k + 1 verify argmax ids), once it has landed."""
+        (ids: the N cycle ids, verified: the N verify argmax ids), once it has landed."""
 
 
 class LaneOps(ABC):

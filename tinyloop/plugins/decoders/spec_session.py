@@ -168,8 +168,8 @@ class SpeculativeSession(Session):
         self.draft_loops, self.verify_loops = opts.draft_loops, plan.loops
         self.verify_resume = opts.verify_resume
         self.inject = model.cfg.keeps_loop_input
-        # draft_cycle(ahead=True): (record slot, k) of the cycle queued on the device, and the
-        # acceptance the device found for the cycle read last
+        # cycles asked for with ahead=True: (record slot, depth, branches) of the cycle queued on
+        # the device, and the acceptance the device found for the cycle read last (until committed)
         self._queued = None
         self._device_accepted = None
 
@@ -256,10 +256,7 @@ class SpeculativeSession(Session):
         calls are commit(n) with n the longest prefix of drafts equal to verified, then
         draft_cycle(verified[n], k, ...) or nothing. Where the backend decides that acceptance on
         the device (capability device_acceptance), the next cycle is then queued before this one
-        is read, so the device runs cycle after cycle without waiting for the host; it is dropped,
-        unseen, if the request ends (its K/V sit past the accepted position, rewritten before any
-        query reaches them). Only queued where the request certainly needs it (the tokens this
-        cycle can emit leave max_tokens unreached)."""
+        is read (see _accepted_cycle)."""
         be, ws = self.model.backend, self.model.ws
         if not be.supports("device_chaining"):
             drafts, tok = [], pending
@@ -267,31 +264,42 @@ class SpeculativeSession(Session):
                 tok = self.draft(tok, i)
                 drafts.append(tok)
             return drafts, self.verify([pending] + drafts)
-        accept = be.supports("device_acceptance")
-        queued, self._queued = self._queued, None
-        if queued is not None and queued[1] != k:
-            raise PluginError(f"draft_cycle(ahead=True) queued a cycle of {queued[1]} drafts, then was called "
-                              f"with k={k}: the promise of `ahead` was not kept")
-        slot = 0 if queued is None else queued[0]
-        if queued is None:
-            self._queue_cycle(k, pending, slot if accept else None)
-        if (ahead and accept and self._lookahead
-                and self.position - self._prompt_len + k + 2 < self.config.max_tokens):
-            self._queue_cycle(k, None, 1 - slot)
-            self._queued = (1 - slot, k)
         self.stats.loop_iters_run += k * self.draft_loops + self.verify_loops   # the tail's Ld + the resumed Lv - Ld
         self.stats.drafted_tokens += k
         self.stats.verify_forwards += 1
-        if not accept:
-            verified = be.read_argmax_rows(ws, k + 1)
-            return be.read_ids(ws, k + 1)[1:], verified
-        position, n, ids, verified = be.finish_read_cycle(ws, k, slot)
+        if ahead and be.supports("device_acceptance"):
+            ids, verified = self._accepted_cycle(pending, k, 1)
+            return ids[1:], verified
+        self._queue_cycle(k, pending, None)
+        verified = be.read_argmax_rows(ws, k + 1)
+        return be.read_ids(ws, k + 1)[1:], verified
+
+    def _accepted_cycle(self, pending: int, k: int, branches: int):
+        """A greedy cycle of depth k (`branches` children per node; a chain: 1) whose acceptance
+        the device decides: ``(ids, verified)`` over its nodes. Unless TINYLOOP_LOOKAHEAD=0, the
+        next cycle is queued before this one is read, so the device runs cycle after cycle
+        without waiting for the host; it is dropped, unseen, if the request ends (its K/V sit
+        past the accepted position, rewritten before any query reaches them). Only queued where
+        the request certainly needs it (the tokens this cycle can emit leave max_tokens
+        unreached), so it never reaches a slot the host loop would not."""
+        be, ws = self.model.backend, self.model.ws
+        queued, self._queued = self._queued, None
+        if queued is not None and queued[1:] != (k, branches):
+            raise PluginError(f"a cycle of depth {queued[1]} ({queued[2]} branches) was queued ahead, then one of "
+                              f"depth {k} ({branches} branches) was asked for: the promise of `ahead` was not kept")
+        slot = 0 if queued is None else queued[0]
+        if queued is None:
+            self._queue_cycle(k, pending, slot)
+        if self._lookahead and self.position - self._prompt_len + k + 2 < self.config.max_tokens:
+            self._queue_cycle(k, None, 1 - slot)
+            self._queued = (1 - slot, k, branches)
+        position, n, ids, verified = be.finish_read_cycle(ws, k, slot, branches)
         if position != self.position or ids[0] != pending:
-            raise PluginError(f"draft_cycle(ahead=True) queued the cycle of token {ids[0]} at position {position}, "
-                              f"then was called for token {pending} at position {self.position}: the promise of "
+            raise PluginError(f"the cycle of token {ids[0]} at position {position} was queued ahead, then the one "
+                              f"of token {pending} at position {self.position} was asked for: the promise of "
                               f"`ahead` was not kept")
         self._device_accepted = n
-        return ids[1:], verified
+        return ids, verified
 
     def _queue_cycle(self, k: int, pending: Optional[int], slot: Optional[int]) -> None:
         """Queue one greedy cycle of k drafts as one replayed sequence; with a record `slot`, the
@@ -331,10 +339,12 @@ class SpeculativeSession(Session):
         return self.model.backend.logits_block_to_host(self.model.ws, n)
 
     def commit(self, n_accepted: int) -> None:
-        if self._queued is not None and n_accepted != self._device_accepted:
-            raise PluginError(f"commit({n_accepted}) after draft_cycle(ahead=True), whose drafts agree with the "
-                              f"verify pass for {self._device_accepted}: the next cycle was queued at the position "
-                              f"that acceptance gives, so the promise of `ahead` was not kept")
+        if self._device_accepted is not None:
+            accepted, self._device_accepted = self._device_accepted, None
+            if n_accepted != accepted:
+                raise PluginError(f"commit({n_accepted}) after a cycle asked for with ahead=True, whose drafts "
+                                  f"agree with the verify pass for {accepted}: the device moved the position (and "
+                                  f"a tree's cache slots) by that acceptance, so the promise of `ahead` was not kept")
         self.tokens.extend([-1] * (n_accepted + 1))   # placeholders: only the count matters here
         self.position += n_accepted + 1
         self.stats.accepted_tokens += n_accepted
@@ -436,14 +446,20 @@ class TreeSpeculativeSession(SpeculativeSession):
         self.stats.verify_forwards += 1
         return be.read_argmax_rows(ws, N)
 
-    def tree_cycle(self, pending: int):
+    def tree_cycle(self, pending: int, ahead: bool = False):
         """Draft the whole tree after `pending` and verify it: ``(tokens, verified)``, the token of
         every node (BFS order, tokens[0] = pending) and the verify argmax after each. The same ops
         as draft_level for every level and one verify_tree; where the backend chains tokens on the
         device they run as ONE replayed sequence (each level's top-K lands directly in the id rows
         of the next level, which in BFS order are exactly the flattened (nodes x K) top-K block)
-        with one read-back, instead of a host round trip per level."""
-        be, ws, cache = self.model.backend, self.model.ws, self.cache
+        with one read-back, instead of a host round trip per level.
+
+        `ahead`: the caller promises the greedy rule (commit_path of the path the greedy walk
+        finds, then tree_cycle of the verify argmax after its last node, or nothing); where the
+        backend decides the acceptance on the device (device_acceptance), it also compacts the
+        path's cache slots there and the next cycle is queued before this one is read (as the
+        chain's draft_cycle)."""
+        be, ws = self.model.backend, self.model.ws
         tr = self.tree
         if not be.supports("device_chaining"):
             tokens = [0] * tr.n_nodes
@@ -454,10 +470,28 @@ class TreeSpeculativeSession(SpeculativeSession):
                     for child, tok in zip(tr.children(node), top):
                         tokens[child] = tok
             return tokens, self.verify_tree(tokens)
+        self.stats.loop_iters_run += tr.D * self.draft_loops + self.verify_loops
+        self.stats.drafted_tokens += tr.n_nodes - 1
+        self.stats.verify_forwards += 1
+        if ahead and be.supports("device_acceptance"):
+            return self._accepted_cycle(pending, tr.D, tr.K)
+        self._queue_cycle(tr.D, pending, None)
+        verified = be.read_argmax_rows(ws, tr.n_nodes)
+        return be.read_ids(ws, tr.n_nodes), verified
+
+    def _queue_cycle(self, k: int, pending: Optional[int], slot: Optional[int]) -> None:
+        """The tree's cycle (k: its depth D) as one replayed sequence; with a record `slot`, the
+        device's acceptance (the accepted path's slots compacted) and the copy of its record into
+        that host slot. pending None: the tree's root is the token and position the device holds."""
+        be, ws, cache = self.model.backend, self.model.ws, self.cache
+        tr = self.tree
         N, K, D, ls = tr.n_nodes, tr.K, tr.D, tr.level_start
         Ld, Lv, resume = self.draft_loops, self.verify_loops, self.verify_resume
-        be.set_ids(ws, [pending])
-        pos = [be.tree_positions(self.layout, self.position, ls[d]) for d in range(D + 1)]
+        if pending is not None:
+            be.set_ids(ws, [pending])
+        root = None if pending is None else self.position
+        pos = [be.tree_positions(self.layout, root, ls[d]) for d in range(D + 1)]
+        accept = slot is not None
 
         def cycle():
             be.store_token(ws, 0)
@@ -470,15 +504,14 @@ class TreeSpeculativeSession(SpeculativeSession):
                 self._resume(pos[0], N)
             else:
                 self._full_verify(ws.ids, pos[0], N)
-        be.replay(("tree-cycle", Ld, Lv, resume, cache, self.layout), cycle)
-        self.stats.loop_iters_run += D * Ld + Lv
-        self.stats.drafted_tokens += N - 1
-        self.stats.verify_forwards += 1
-        verified = be.read_argmax_rows(ws, N)
-        return be.read_ids(ws, N), verified
+            if accept:
+                be.launch_accept(ws, D, K, cache)
+        be.replay(("tree-cycle", Ld, Lv, resume, cache, self.layout, accept), cycle)
+        if accept:
+            be.begin_read_cycle(ws, D, slot, K)
 
     def commit_path(self, nodes: Sequence[int]) -> None:
         moves = [(self.position + node, self.position + d) for d, node in enumerate(nodes, 1) if node != d]
-        if moves:
+        if moves and self._device_accepted is None:      # (a device acceptance has moved them)
             self.model.backend.move_cache_slots(self.cache, moves)
         self.commit(len(nodes))

@@ -61,7 +61,8 @@ class TreeSpeculativeDecoder(ChainSpeculativeDecoder):
         pending = draw(probs(session.logits()), uniform(rng)) if sampling else session.greedy()
         yield pending
         while True:
-            tokens, verified = session.tree_cycle(pending)
+            # ahead (greedy): the walk below is the greedy rule, so the next cycle may be queued first
+            tokens, verified = session.tree_cycle(pending, ahead=not sampling)
             if sampling:
                 path, last = self._walk_sampled(tree, tokens, session.verify_logits(tree.n_nodes), probs, rng)
             else:
