@@ -923,6 +923,41 @@ def test_device_acceptance(ties_rig):
         be.launch_accept(ws, ws.rows)
     with pytest.raises(BackendError):
         be.begin_read_cycle(ws, k, 2)
+    with pytest.raises(BackendError, match="cache"):
+        be.launch_accept(ws, 1, 2)                  # a tree names the cache its path is compacted in
+
+
+def test_device_acceptance_tree(ties_rig):
+    """device_acceptance over a two-branch tree of depth 1 (nodes: root, two children): the walk
+    takes the second child (the first does not hold the verify argmax), the device token becomes
+    the argmax after it, the position advances by 2, and the child's cache slot moves to the slot
+    of its depth in every layer (codes, scales, zero points), the rest of the cache untouched."""
+    r, be, ws = ties_rig, ties_rig.be, ties_rig.ws
+    _needs(be, "device_acceptance")
+    _needs(be, "tree")
+    want = [int(np.argmax(row)) for row in _probe_logits(r)][:3]
+    be.launch_argmax_rows(ws, 3)
+    p = 3
+    cache = be.alloc_cache(mixed_spec(16))
+    try:
+        _fill_all_layers(r, cache, ROWS, 120)
+        before = cache_storage(r, cache) if _has_storage(cache) else None
+        ids = [11, (want[0] + 1) % r.cfg.vocab_size, want[0]]
+        be.set_ids(ws, ids)
+        be.positions(p)
+        be.launch_accept(ws, 1, 2, cache)
+        be.begin_read_cycle(ws, 1, 1, 2)
+        assert be.finish_read_cycle(ws, 1, 1, 2) == (p, 1, ids, want)
+        assert be.read_argmax(ws) == want[2]
+        if before is not None:
+            for gi, (g0, g1) in enumerate(zip(before, cache_storage(r, cache))):
+                for st0, st1 in zip(g0, g1):
+                    for name in st0:
+                        moved = st0[name].copy()
+                        moved[:, p + 1] = moved[:, p + 2]
+                        assert_bits(st1[name], moved, f"tree acceptance {cache.spec.groups[gi].codec} {name}")
+    finally:
+        be.release_cache(cache)
 
 
 def ref_mask(logits, words):

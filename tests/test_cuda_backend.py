@@ -438,7 +438,7 @@ def test_tree_cycles_queued_ahead_on_gpu(pair, monkeypatch):
     for p in PROMPTS:
         for cache_mode in ("fp16", "fp32", "int8", "int4"):
             ref = tl.generate(gpu, p, tl.GenerateConfig(max_tokens=40, loops=6, cache_mode=cache_mode))
-            for K, D in ((2, 2), (3, 3), (4, 1)):
+            for K, D in ((2, 2), (3, 3), (4, 1), (1, 3)):
                 cfg = tl.TreeSpeculativeConfig(max_tokens=40, draft_loops=2, verify_loops=6, draft_ahead=D,
                                                K_branches=K, cache_mode=cache_mode)
                 reads.clear()

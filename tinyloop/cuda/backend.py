@@ -814,11 +814,11 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         if not 2 <= nodes <= ws.rows:
             raise BackendError(f"launch_accept: a cycle of depth k={k} with {branches} branches per node has "
                                f"{nodes} nodes; allowed: 2 .. {ws.rows} (the workspace's rows), k and branches >= 1")
-        if (branches > 1) != (cache is not None):
-            raise BackendError(f"launch_accept: a tree cycle (branches > 1) names the cache whose accepted path it "
-                               f"compacts, a chain names none (branches={branches}, cache={cache!r})")
+        if branches > 1 and cache is None:
+            raise BackendError(f"launch_accept: a tree cycle ({branches} branches per node) names the cache whose "
+                               f"accepted path it compacts")
         k_accept.accept(ws.ids, ws.toks, ws.tok, self.pos, ws.accept_rec, ws.moves, k, branches, stream=self.stream)
-        if cache is not None:
+        if cache is not None and branches > 1:      # a one-branch path never leaves its depth's slots
             for g in cache.groups:      # the k columns the acceptance wrote: its moves, then self-moves
                 k_cache_move.move_slots(g.k.data, g.v.data, ws.moves, k, stream=self.stream, k_scale=g.k.scale,
                                         v_scale=g.v.scale, k_zero=g.k.zero, v_zero=g.v.zero)

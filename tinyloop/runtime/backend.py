@@ -669,8 +669,8 @@ class DeviceAcceptance(ABC):
         """Queue (part of a replayable cycle): decide the path; the one-token id buffer
         (device_token) becomes the next token, the position handle's value advances by n + 1,
         and the cycle's record (its position, n, ids, verified ids) is kept for
-        begin_read_cycle. A tree (branches > 1) names its cache: the accepted nodes' slots are
-        compacted to position + depth as move_cache_slots would. The host mirrors of the position
+        begin_read_cycle. A tree names its cache (required with branches > 1): the accepted
+        nodes' slots are compacted to position + depth as move_cache_slots would. The host mirrors of the position
         and the token are unknown afterwards."""
 
     @abstractmethod
