@@ -18,7 +18,9 @@ device_chaining withheld, so every draft step and the verify are launches of the
 same ops); the prediction is tokens_per_verify / (draft_ahead * c_draft + c_verify). The device
 time of the chained cycle as the decoder runs it (one graph: drafts, verify, acceptance) is
 reported beside it (c_cycle), and so is what the wall clock spends beyond it per cycle. Tree
-configurations report their cycle's device time (one graph) against the wall clock per cycle.
+configurations report their cycle's device time (one graph) against the wall clock per cycle,
+and the device time of its parts launched alone in the host-loop form (each draft level, the
+leaves' tail, the verify over every node).
 Every speculative output is checked to
 equal plain greedy decoding at verify_loops. Default model: the shipped demo model, on prompts of
 Python code; with --preset, a synthesized model (random weights) on fixed token prompts.
@@ -70,37 +72,46 @@ class GraphTimer:
             e0.record(be.stream)
             orig(key, fn)
             e1.record(be.stream)
-            self.events.append((key[0], e0, e1))
+            self.events.append((key, e0, e1))
         be.replay = replay                  # an instance attribute: the class's method is restored on exit
         return self
 
     def __exit__(self, *exc):
         del self.be.replay
 
-    def mean_ms(self, kind: str) -> float:
+    def mean_ms(self, kind: str, where=None) -> float:
+        """Mean device ms of the launches whose graph key starts with `kind` (and, given, for
+        which where(key) holds)."""
         self.be.stream.synchronize()
-        t = [e0.elapsed_time(e1) for k, e0, e1 in self.events if k == kind]
+        t = [e0.elapsed_time(e1) for k, e0, e1 in self.events if k[0] == kind and (where is None or where(k))]
         return float(np.mean(t)) if t else float("nan")
+
+
+def _host_loop_steps(m, prompts, fn, cfg) -> GraphTimer:
+    """The graph launches of the host-loop form of a speculative decoder (the backend's
+    device_chaining withheld: every draft step or level, the tail and the verify launched alone),
+    timed after a warm-up that captures them."""
+    be = m.backend
+    supports = be.supports
+    be.supports = lambda c: c not in ("device_chaining", "device_acceptance") and supports(c)
+    try:
+        for ids in prompts:
+            fn(m, ids, cfg)
+        with GraphTimer(be) as steps:
+            for ids in prompts:
+                fn(m, ids, cfg)
+    finally:
+        del be.supports
+    return steps
 
 
 def cost_model(m, prompts, cfg, tokens_per_verify: float, measured: float) -> dict:
     """The chain configuration's step costs on the device and the rate they predict (see the module
     docstring); `measured`: its wall-clock tokens/s."""
-    be = m.backend
-    with GraphTimer(be) as cyc:
-        cycles = [tl.GenerateStats() for _ in prompts]
-        for ids, st in zip(prompts, cycles):
-            tl.generate_speculative(m, ids, cfg, stats=st)
-    supports = be.supports
-    be.supports = lambda c: c not in ("device_chaining", "device_acceptance") and supports(c)
-    try:
+    with GraphTimer(m.backend) as cyc:
         for ids in prompts:
-            tl.generate_speculative(m, ids, cfg)        # warm-up: the host-loop form's graphs
-        with GraphTimer(be) as steps:
-            for ids in prompts:
-                tl.generate_speculative(m, ids, cfg)
-    finally:
-        del be.supports
+            tl.generate_speculative(m, ids, cfg)
+    steps = _host_loop_steps(m, prompts, tl.generate_speculative, cfg)
     k = cfg.draft_ahead
     c_draft = steps.mean_ms("draft")
     c_verify = (steps.mean_ms("tail") + steps.mean_ms("verify")) if cfg.verify_resume else steps.mean_ms("verify-full")
@@ -117,8 +128,12 @@ def tree_cost(m, prompts, cfg, tokens_per_verify: float, measured: float) -> dic
         for ids in prompts:
             tl.generate_tree_speculative(m, ids, cfg)
     c = cyc.mean_ms("tree-cycle")
+    steps = _host_loop_steps(m, prompts, tl.generate_tree_speculative, cfg)
     return {"c_cycle_ms": c, "wall_cycle_ms": tokens_per_verify / measured * 1e3,
-            "device_bound_tokens_per_s": tokens_per_verify / c * 1e3}
+            "device_bound_tokens_per_s": tokens_per_verify / c * 1e3,
+            # the parts, launched alone: each draft level (K^d rows), the leaves' tail, the verify
+            "c_levels_ms": [steps.mean_ms("tree-draft", lambda k, d=d: k[4] == d) for d in range(cfg.draft_ahead)],
+            "c_tail_ms": steps.mean_ms("tree-tail"), "c_verify_ms": steps.mean_ms("tree-verify")}
 
 
 def main(argv=None) -> int:
@@ -219,9 +234,11 @@ def main(argv=None) -> int:
                     row["K_branches"] = cfg.K_branches
                     if args.cost_model:
                         row.update(tree_cost(m, prompts, cfg, mal, tps))
+                        levels = ", ".join(f"{t:.4f}" for t in row["c_levels_ms"])
                         print(f"    tree cycle on the device {row['c_cycle_ms']:.4f} ms (wall "
                               f"{row['wall_cycle_ms']:.4f}): the device alone allows "
-                              f"{row['device_bound_tokens_per_s']:.1f} tok/s", flush=True)
+                              f"{row['device_bound_tokens_per_s']:.1f} tok/s; alone: levels {levels} ms, "
+                              f"tail {row['c_tail_ms']:.4f}, verify {row['c_verify_ms']:.4f}", flush=True)
                 elif args.cost_model:
                     row.update(cost_model(m, prompts, cfg, mal, tps))
                     print(f"    cost model: draft {row['c_draft_ms']:.4f} ms, verify {row['c_verify_ms']:.4f} ms, "
