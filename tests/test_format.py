@@ -802,3 +802,31 @@ def test_failed_replace_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "replace", real)
     assert calls and os.listdir(tmp_path) == []
     assert os.path.dirname(calls[0]) == str(tmp_path) and calls[0].endswith(".tinyloop.tmp")
+
+
+@pytest.mark.parametrize("value, match", [
+    ([5], "other than eos_id"), ([6, 6], "distinct"), ("7", "list of token ids"), (None, "list of token ids"),
+    ([True], "must be an integer"), ([2.0], "must be an integer"), ([97], "outside the allowed range"),
+    ([-1], "outside the allowed range"), (list(range(6, 71)), "at most 64")])
+def test_extra_eos_ids_are_checked(value, match):
+    """ModelConfig.extra_eos_ids: distinct token ids other than eos_id, of the vocabulary, at most
+    MAX_EOS_IDS; a ConfigError naming the value otherwise (and without an eos_id)."""
+    from conftest import TINY
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig(**{**TINY, "eos_id": 5, "extra_eos_ids": value})
+    with pytest.raises(ConfigError, match="needs eos_id"):
+        ModelConfig(**{**TINY, "extra_eos_ids": [6]})
+
+
+def test_extra_eos_ids_round_trip(tmp_path):
+    """The ids survive the file (a JSON list in the header); files written before the field read
+    as having none (the shipped demo model)."""
+    from conftest import write_tiny
+    from tinyloop.models import demo_model_path
+    path = tmp_path / "eos.tinyloop"
+    write_tiny(path, eos_id=5, extra_eos_ids=(9, 7))
+    with open_model(str(path)) as mf:
+        cfg = mf.header.config
+    assert cfg.extra_eos_ids == (9, 7) and cfg.eos_ids == (5, 9, 7)
+    with open_model(demo_model_path()) as mf:
+        assert mf.header.config.extra_eos_ids == () and mf.header.config.eos_ids == (mf.header.config.eos_id,)

@@ -102,6 +102,43 @@ def test_logits_and_greedy_tokens_equal_transformers(checkpoints, kind, tmp_path
     assert list(res) == want
 
 
+@pytest.mark.parametrize("where", ["generation_config", "config", "both"])
+def test_eos_lists_stop_where_transformers_stops(checkpoints, tmp_path, where):
+    """A chat checkpoint lists several end ids (Llama 3: end of text, end of message, end of turn):
+    every id either file lists ends generation, where transformers' generate stops with the
+    generation config's list; the first id is eos_id, the others extra_eos_ids; text drops them."""
+    import shutil
+    m, src0 = checkpoints["llama"]
+    free = _hf_greedy(m, PROMPT, 16)[len(PROMPT):]
+    # three end ids: one never emitted, then the 6th and the 4th generated tokens: the earliest wins
+    firsts = [t for i, t in enumerate(free) if t not in free[:i]]
+    ends = [next(t for t in range(V) if t not in free), firsts[5], firsts[3]]
+    stop_at = free.index(firsts[3])
+    src = str(tmp_path / "chat")
+    shutil.copytree(src0, src)
+    lists = {"generation_config": ("generation_config.json",), "config": ("config.json",),
+             "both": ("config.json", "generation_config.json")}[where]
+    for name in ("config.json", "generation_config.json"):
+        path = os.path.join(src, name)
+        d = json.load(open(path)) if os.path.exists(path) else {}
+        d["eos_token_id"] = ends if name in lists else None
+        json.dump(d, open(path, "w"))
+    with torch.no_grad():
+        want = m.generate(torch.tensor([PROMPT]), max_new_tokens=16, do_sample=False, pad_token_id=0,
+                          eos_token_id=ends)[0].tolist()
+    assert want == PROMPT + free[:stop_at + 1]
+    model = tl.load_model(_convert(src, tmp_path), backend="cpu", max_seq_len=64)
+    try:
+        assert model.cfg.eos_id == ends[0] and model.cfg.extra_eos_ids == tuple(ends[1:])
+        st = tl.GenerateStats()
+        assert tl.generate(model, PROMPT, tl.GenerateConfig(max_tokens=16, cache_mode="fp32"), stats=st) == want
+        assert st.stop_reason == tl.StopReason.EOS
+        pieces = list(tl.stream_text(model, PROMPT, tl.GenerateConfig(max_tokens=16, cache_mode="fp32")))
+        assert "".join(pieces) == model.tokenizer.decode(free[:stop_at], continuation=True)
+    finally:
+        tl.free_model(model)
+
+
 def test_mistral_sliding_window_equals_transformers(checkpoints, tmp_path):
     m, src = checkpoints["mistral"]
     path = _convert(src, tmp_path)

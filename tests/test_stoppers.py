@@ -129,6 +129,81 @@ def test_plugin_stopper_ends_beams(register):
             tl.free_model(m)
 
 
+def _ends_from(free, vocab_size):
+    """Three end ids for a model whose free greedy continuation is `free`: one it never emits (the
+    eos_id), then its 5th and 3rd distinct tokens (extra_eos_ids): it must stop at the 3rd."""
+    firsts = [t for i, t in enumerate(free) if t not in free[:i]]
+    return [next(t for t in range(vocab_size) if t not in free), firsts[4], firsts[2]], free.index(firsts[2])
+
+
+def test_extra_eos_ids_end_every_decode_path(tmp_path, prompt):
+    """A model's extra_eos_ids (end-of-turn ids) end a request as its eos_id does, in plain,
+    streamed, speculative, tree, lockstep and sampled decoding; text output leaves them out."""
+    from conftest import write_tiny
+    base = tmp_path / "base.tinyloop"
+    write_tiny(base, seed=3, vocab_size=300)          # >= 256: the byte tokenizer decodes its ids
+    m0 = tl.load_model(str(base), max_seq_len=128, backend="cpu")
+    free = tl.generate(m0, prompt, GenerateConfig(max_tokens=16))[len(prompt):]
+    short = tl.generate(m0, prompt[:4], GenerateConfig(max_tokens=16))[4:]
+    tl.free_model(m0)
+    ends, stop = _ends_from(free, 300)
+    path = tmp_path / "eos.tinyloop"
+    write_tiny(path, seed=3, vocab_size=300, eos_id=ends[0], extra_eos_ids=ends[1:])
+    m = tl.load_model(str(path), max_seq_len=128, backend="cpu")
+    try:
+        assert m.cfg.eos_ids == tuple(ends)
+        want = prompt + free[:stop + 1]
+        st = GenerateStats()
+        assert tl.generate(m, prompt, GenerateConfig(max_tokens=16), stats=st) == want
+        assert st.stop_reason == StopReason.EOS
+        seen = []
+        assert tl.generate_stream(m, prompt, GenerateConfig(max_tokens=16),
+                                  on_token=lambda t, p: seen.append(t) or True) == want
+        assert seen == free[:stop + 1]
+        assert tl.generate_speculative(m, prompt, tl.SpeculativeConfig(max_tokens=16, draft_loops=1, verify_loops=3,
+                                                                       draft_ahead=3)) == want
+        assert tl.generate_tree_speculative(m, prompt, tl.TreeSpeculativeConfig(
+            max_tokens=16, draft_loops=1, verify_loops=3)) == want
+        cut = next((i for i, t in enumerate(short) if t in ends), len(short) - 1)
+        lanes = tl.generate_batch(m, [prompt, prompt[:4]], GenerateConfig(max_tokens=16))
+        assert [list(x) for x in lanes] == [want, prompt[:4] + short[:cut + 1]]
+        text = tl.generate_text(m, prompt, GenerateConfig(max_tokens=16))
+        assert text == m.tokenizer.decode(free[:stop], continuation=True)
+        for seed in range(4):
+            st = GenerateStats()
+            out = tl.generate(m, prompt, GenerateConfig(max_tokens=16, temperature=1.5, sample_seed=seed), stats=st)[len(prompt):]
+            assert not set(out[:-1]) & set(ends)
+            assert st.stop_reason == (StopReason.EOS if out[-1] in ends else StopReason.MAX_TOKENS)
+    finally:
+        tl.free_model(m)
+
+
+def test_extra_eos_ids_end_beams(tmp_path):
+    """Beam search finishes a beam on any end id: the result equals the brute-force reference with
+    the extra ids as one-token stop sequences."""
+    from test_beam import PROMPTS, model_logits, reference_beam, write_flat
+    p = PROMPTS[0]
+    base = tmp_path / "flat.tinyloop"
+    write_flat(base)
+    m0 = tl.load_model(str(base), max_seq_len=96, backend="cpu")
+    free = tl.generate(m0, p, GenerateConfig(max_tokens=8, beam_size=3, length_penalty=0.5))[len(p):]
+    tl.free_model(m0)
+    firsts = [t for i, t in enumerate(free) if t not in free[:i]]
+    ends = [next(t for t in range(97) if t not in free), firsts[3], firsts[1]]
+    path = tmp_path / "flat_eos.tinyloop"
+    write_flat(path, eos_id=ends[0], extra_eos_ids=ends[1:])
+    m = tl.load_model(str(path), max_seq_len=96, backend="cpu")
+    try:
+        st = GenerateStats()
+        out = tl.generate(m, p, GenerateConfig(max_tokens=8, beam_size=3, length_penalty=0.5), stats=st)
+        want, _ = reference_beam(model_logits(m, p), m.vocab_size, 3, 8, 0.5, eos=ends[0],
+                                 stops=[(t,) for t in ends[1:]])
+        assert out == p + want
+        assert st.stop_reason == (StopReason.EOS if want[-1] in ends else StopReason.MAX_TOKENS)
+    finally:
+        tl.free_model(m)
+
+
 # ------------------------------------------------------------------ order
 def test_order_callback_then_eos_then_sequences_then_plugins_then_length(register, tiny_model, prompt):
     ref = tl.generate(tiny_model, prompt, GenerateConfig(max_tokens=8))[len(prompt):]

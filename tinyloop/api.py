@@ -42,16 +42,16 @@ def stream_text(model: Model, prompt: Union[str, Sequence[int]], config: Optiona
     """Yield the completion as text while it is generated: each piece is the text the tokens so
     far complete (a character split across tokens comes whole, once its last byte arrives; bytes
     that never complete a character end as U+FFFD). Validation runs before the first ``next()``,
-    like generate_iter; closing the generator early stops decoding. The model's EOS token ends the
-    text and is not part of it (the token ids from generate keep it)."""
+    like generate_iter; closing the generator early stops decoding. The model's EOS token (or one
+    of its extra_eos_ids) ends the text and is not part of it (the token ids from generate keep it)."""
     tokens = generate_iter(model, prompt, config, stats=stats)
-    return _pieces(model.tokenizer.stream_decoder(continuation=True), tokens, model.cfg.eos_id)
+    return _pieces(model.tokenizer.stream_decoder(continuation=True), tokens, model.cfg.eos_ids)
 
 
-def _pieces(decoder, tokens, eos_id=None) -> Iterator[str]:
+def _pieces(decoder, tokens, eos_ids=()) -> Iterator[str]:
     try:
         for tok in tokens:
-            if tok == eos_id:
+            if tok in eos_ids:
                 continue
             piece = decoder.push(tok)
             if piece:

@@ -29,7 +29,8 @@ def _print_text(d: dict, out) -> None:
       f"(layers {arch['layers_at_default_loops']} .. {arch['layers_at_max_loops']})")
     w(f"  tied embeddings: {cfg['tied_embeddings']}, loop inject: {cfg['loop_inject']}, "
       f"rope_theta {cfg['rope_theta']:g}, norm_eps {cfg['norm_eps']:g}, "
-      f"bos {cfg['bos_id']}, eos {cfg['eos_id']}")
+      f"bos {cfg['bos_id']}, eos {cfg['eos_id']}"
+      + (f" (and {', '.join(map(str, cfg['extra_eos_ids']))})" if cfg.get("extra_eos_ids") else ""))
     extras = [name for name, on in (("qkv_bias", cfg.get("qkv_bias")),
                                     (f"embed_scale {cfg.get('embed_scale', 1.0):g}", cfg.get("embed_scale", 1.0) != 1.0),
                                     (f"sliding_window {cfg.get('sliding_window', 0)}", cfg.get("sliding_window", 0)),

@@ -168,7 +168,7 @@ def run(args) -> int:
         bos = [model.cfg.bos_id] if model.cfg.bos_id is not None else []
         shared = tok.encode(cfg.prefix) if cfg.prefix is not None else []
         encoded = [bos + shared + tok.encode(p) for p in prompts]
-        eos = model.cfg.eos_id
+        eos = model.cfg.eos_ids
         records = []
         out = sys.stdout
         request = (cfg.generate if cfg.speculative is None else
@@ -191,7 +191,7 @@ def run(args) -> int:
             stats_list: List[GenerateStats] = []
             results = generate_batch(model, encoded, cfg.generate, stats=stats_list)
             for prompt, ids, res, st in zip(prompts, encoded, results, stats_list):
-                gen = [t for t in res[len(ids):] if t != eos]
+                gen = [t for t in res[len(ids):] if t not in eos]
                 text = tok.decode(gen, continuation=True)
                 out.write(prompt + text + "\n")
                 out.flush()
@@ -213,14 +213,14 @@ def run(args) -> int:
                         try:
                             for t in tokens:
                                 gen.append(t)
-                                if cfg.stream and t != eos:
+                                if cfg.stream and t not in eos:
                                     out.write(dec.push(t))
                                     out.flush()
                         finally:
                             if cfg.stream:          # end the echoed line, so an error starts on its own line
                                 out.write(dec.flush() + "\n")
                                 out.flush()
-                        text = tok.decode([t for t in gen if t != eos], continuation=True)
+                        text = tok.decode([t for t in gen if t not in eos], continuation=True)
                         if not cfg.stream:
                             out.write(label + prompt + text + "\n")
                             out.flush()

@@ -71,6 +71,8 @@ from ..errors import ConfigError
 
 #: Upper bounds that keep size arithmetic sane; a file declaring more is refused.
 MAX_DIM = 1 << 20
+#: Most extra end-of-sequence ids a model may declare (ModelConfig.extra_eos_ids).
+MAX_EOS_IDS = 64
 MAX_BLOCKS = 1024
 MAX_LOOPS = 4096
 
@@ -172,6 +174,10 @@ class ModelConfig:
     """When true the file holds a learned per-iteration exit gate, the logit
     exit_gate . state + exit_gate_bias of the state after each loop iteration (Ouro's); the
     early-exit criterion "gate" exits when its cumulative exit probability passes a threshold."""
+    extra_eos_ids: Tuple[int, ...] = ()
+    """Further end-of-sequence ids beside eos_id (end-of-turn tokens: Llama 3's <|eot_id|>,
+    Qwen2's <|im_end|>): generation stops on each as on eos_id, and text output leaves them out.
+    At most MAX_EOS_IDS distinct ids, none equal to eos_id, which they need."""
 
     def __post_init__(self) -> None:
         _check_int("vocab_size", self.vocab_size, 1, MAX_DIM * 4)
@@ -243,8 +249,26 @@ class ModelConfig:
             if v is not None:
                 _check_int(name, v, 0, self.vocab_size - 1)
                 object.__setattr__(self, name, int(v))
+        v = self.extra_eos_ids
+        if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)):
+            raise ConfigError(f"extra_eos_ids={v!r} must be a list of token ids")
+        if len(v) > MAX_EOS_IDS:
+            raise ConfigError(f"extra_eos_ids lists {len(v)} ids; at most {MAX_EOS_IDS} are allowed")
+        for t in v:
+            _check_int("extra_eos_ids entry", t, 0, self.vocab_size - 1)
+        ids = tuple(int(t) for t in v)
+        if ids and self.eos_id is None:
+            raise ConfigError(f"extra_eos_ids={list(ids)} needs eos_id (the model's primary end-of-sequence id)")
+        if len(set(ids)) != len(ids) or self.eos_id in ids:
+            raise ConfigError(f"extra_eos_ids={list(ids)} must be distinct ids other than eos_id={self.eos_id}")
+        object.__setattr__(self, "extra_eos_ids", ids)
 
     # ----------------------------------------------------------------- derived sizes
+    @property
+    def eos_ids(self) -> Tuple[int, ...]:
+        """Every id that ends generation: eos_id, then extra_eos_ids (empty without eos_id)."""
+        return () if self.eos_id is None else (self.eos_id,) + self.extra_eos_ids
+
     @property
     def q_dim(self) -> int:
         return self.n_heads * self.head_dim
@@ -271,7 +295,9 @@ class ModelConfig:
         return self.n_pre + loops * self.n_loop + index
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["extra_eos_ids"] = list(self.extra_eos_ids)      # as JSON holds it
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":

@@ -87,14 +87,15 @@ def read_hf_config(model_dir: str) -> dict:
     return read_json(os.path.join(model_dir, "config.json"), "config")
 
 
-def _token_id(v, name: str, problems: List[str], notes: List[str]) -> Optional[int]:
+def _token_id(v, name: str, problems: List[str], notes: List[str], key: str) -> Optional[int]:
     if v is None:
         return None
     if isinstance(v, list):
         if not v:
             return None
         if len(v) > 1:
-            notes.append(f"{name} lists {v}: the first, {v[0]}, is the model's {name[:3]}_id")
+            notes.append(f"{name} lists {v}: the first, {v[0]}, is the model's {key}_id"
+                         + (", the others extra_eos_ids" if key == "eos" else ""))
         v = v[0]
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         problems.append(f"{name}={v!r} is not a token id")
@@ -189,6 +190,10 @@ def _config_fields(arch: str, c: dict, problems: List[str], notes: List[str]) ->
 
 
 def _special_ids(model_dir: str, c: dict, problems: List[str], notes: List[str]) -> dict:
+    """bos_id, eos_id and extra_eos_ids from config.json, else generation_config.json. An EOS list
+    (Llama 3, Qwen2 chat models: end of text and end of turn) gives eos_id its first id and
+    extra_eos_ids every other id either file lists, so generation stops on each of them as
+    transformers' generate does."""
     gen = {}
     gpath = os.path.join(model_dir, "generation_config.json")
     if os.path.isfile(gpath):
@@ -199,7 +204,18 @@ def _special_ids(model_dir: str, c: dict, problems: List[str], notes: List[str])
         v = c.get(name)
         if v is None:
             v = gen.get(name)
-        out[f"{key}_id"] = _token_id(v, name, problems, notes)
+        out[f"{key}_id"] = _token_id(v, name, problems, notes, key)
+    extra = []
+    if out["eos_id"] is not None:
+        for v in (c.get("eos_token_id"), gen.get("eos_token_id")):
+            for t in (v if isinstance(v, list) else [v]):
+                if t is None:
+                    continue
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    problems.append(f"eos_token_id lists {t!r}, which is not a token id")
+                elif t != out["eos_id"] and t not in extra:
+                    extra.append(t)
+    out["extra_eos_ids"] = tuple(extra)
     return out
 
 

@@ -32,7 +32,7 @@ DecodeSession (implemented by tinyloop.runtime.engine.Session): see :class:`Deco
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, FrozenSet, Iterator, List, Mapping, Optional, Protocol
+from typing import Any, ClassVar, FrozenSet, Iterator, List, Mapping, Optional, Protocol, Tuple
 
 import numpy as np
 
@@ -71,6 +71,8 @@ class DecodeSession(Protocol):
     """Logits per row."""
     eos_id: Optional[int]
     """The model's EOS id (None: no EOS)."""
+    eos_ids: Tuple[int, ...]
+    """Every id that ends a sequence: eos_id, then the model's extra_eos_ids (empty: no EOS)."""
     position: int
     """Tokens of the lane in use whose K/V are in the cache."""
     stoppers: Any

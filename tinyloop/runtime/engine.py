@@ -410,6 +410,7 @@ class Session:
         self.stoppers = StopperChain([])        # the engine sets the request's per-sequence rules
         self.vocab_size = model.cfg.vocab_size
         self.eos_id = model.cfg.eos_id
+        self.eos_ids = model.cfg.eos_ids
         self.tokens = list(prompt)
         self.position = 0                       # tokens whose K/V are in the cache
         self.chain = chain

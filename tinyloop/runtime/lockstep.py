@@ -61,7 +61,7 @@ def lane_seed(seed: int, lane: int) -> int:
 
 class LaneView:
     """What a lockstep decoder's ``pick`` sees of its lane for one step (tinyloop.runtime.decoding.
-    Decoder.pick): ``config``, ``vocab_size``, ``eos_id``, ``index`` (the lane's place in the
+    Decoder.pick): ``config``, ``vocab_size``, ``eos_id``, ``eos_ids``, ``index`` (the lane's place in the
     batch), ``logits()`` (the lane's pending row after its processor chain, float32, host; valid
     for this step) and ``greedy()`` (its argmax; from the device when the chain leaves the argmax
     alone)."""
@@ -71,6 +71,7 @@ class LaneView:
         self.config = lane.plan.config
         self.vocab_size = batch.vocab_size
         self.eos_id = batch.model.cfg.eos_id
+        self.eos_ids = batch.model.cfg.eos_ids
         self.index = lane.index
 
     def logits(self) -> np.ndarray:

@@ -146,7 +146,7 @@ class ModelWorker:
             self._finish(job, CANCELLED if job.cancelled.is_set() else DEADLINE)
             return
         decoder = self.model.tokenizer.stream_decoder(continuation=True)
-        eos = self.model.cfg.eos_id
+        eos = self.model.cfg.eos_ids
         text = StopStrings(job.stops)
         reason = None
         last = time.perf_counter()
@@ -158,7 +158,7 @@ class ModelWorker:
                 else:
                     job.token_gaps.append(now - last)
                 last = now
-                piece = text.push(decoder.push(tok)) if tok != eos else ""
+                piece = text.push(decoder.push(tok)) if tok not in eos else ""
                 job.sink(("text", piece))
                 if text.hit:
                     reason = STOP_STRING

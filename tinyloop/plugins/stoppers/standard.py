@@ -20,22 +20,25 @@ def tail_match(out: Sequence[int], seqs) -> bool:
 
 
 class EOSStopper(Stopper):
-    """The model's EOS token ends the sequence (models without an EOS id have no such rule)."""
+    """The model's end-of-sequence ids end the sequence: eos_id and the extra_eos_ids (models
+    without an EOS id have no such rule)."""
 
     name = "eos"
     order = StopOrder.EOS
-    ending_tokens = 1
 
-    def __init__(self, eos_id: int):
-        self.eos_id = int(eos_id)
+    def __init__(self, eos_ids: Sequence[int]):
+        self.eos_ids = frozenset(int(t) for t in eos_ids)
+        self.ending_tokens = len(self.eos_ids)
 
     @classmethod
     def from_config(cls, config, model_config):
-        eos = getattr(model_config, "eos_id", None)
-        return cls(eos) if eos is not None else None
+        eos = getattr(model_config, "eos_ids", None)
+        if eos is None:                     # a model config of its own, without the extra ids
+            eos = () if getattr(model_config, "eos_id", None) is None else (model_config.eos_id,)
+        return cls(eos) if eos else None
 
     def check(self, output_tokens):
-        return StopReason.EOS if output_tokens[-1] == self.eos_id else None
+        return StopReason.EOS if output_tokens[-1] in self.eos_ids else None
 
 
 class StopSequenceStopper(Stopper):
