@@ -12,6 +12,14 @@ ratio; draws the quality/compute Pareto curve as a PNG (matplotlib) and writes J
         --plot docs/early_exit_cpu.png
     python -m bench.early_exit_bench --backend cuda             # the demo model on the GPU
     python -m bench.early_exit_bench --backend cuda --preset 360m --windows 2
+    python -m bench.early_exit_bench --oracle-only          # the bound below, on the CPU
+
+--oracle adds a bound no probing criterion can beat on this model: each token exits at the
+smallest depth d whose next-token distribution is within KL(p_d || p_L) < tau of the full depth's
+(known here because every depth is scored), for a sweep of tau. It sees the distribution the
+token would end with, which a probe cannot, and it ignores what exiting does to later tokens'
+K/V (each depth's logits come from a forward at that fixed depth), so a real criterion does no
+better than this curve.
 """
 
 from __future__ import annotations
@@ -151,6 +159,41 @@ def plot(res: dict, path: str) -> None:
     plt.close(fig)
 
 
+#: KL thresholds of the --oracle sweep.
+ORACLE_TAUS = [0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.05, 0.1, 0.2]
+
+
+def oracle_bound(m, ids, window: int, windows: int, L: int, taus=ORACLE_TAUS) -> list:
+    """The --oracle curve (module docstring): rows of {tau, mean_loops, iters_saved, ppl, ppl_vs_L}."""
+    import math
+    import numpy as np
+    import tinyloop as tl
+    n = min(len(ids) // window, windows)
+    logp = {}
+    for d in range(1, L + 1):
+        rows = []
+        for w in range(n):
+            chunk = ids[w * window:(w + 1) * window]
+            lg = tl.score(m, chunk, loops=d, cache_mode="fp16").astype(np.float64)[:-1]   # as perplexity()
+            top = lg.max(axis=1, keepdims=True)
+            rows.append(lg - (top + np.log(np.exp(lg - top).sum(axis=1, keepdims=True))))
+        logp[d] = np.concatenate(rows)
+    target = np.concatenate([np.asarray(ids[w * window + 1:(w + 1) * window]) for w in range(n)])
+    nll = np.stack([-logp[d][np.arange(len(target)), target] for d in range(1, L + 1)], axis=1)
+    kl = [(np.exp(logp[d]) * (logp[d] - logp[L])).sum(axis=1) for d in range(1, L)]
+    base = nll[:, L - 1].mean()
+    out = []
+    for tau in taus:
+        depth = np.full(len(target), L)
+        for d in range(L - 1, 0, -1):           # the smallest depth within tau of the full one
+            depth = np.where(kl[d - 1] < tau, d, depth)
+        loss = nll[np.arange(len(target)), depth - 1].mean()
+        out.append({"kind": "oracle", "tau": tau, "mean_loops": float(depth.mean()),
+                    "iters_saved": 1 - float(depth.mean()) / L, "ppl": math.exp(loss),
+                    "ppl_vs_L": math.exp(loss - base) - 1})
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
@@ -162,6 +205,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--kv", default="copy_last,recompute", help="K/V policies to sweep (comma-separated)")
     ap.add_argument("--fixed", default="1,2,3,4,5,6,7,8", help="fixed depths")
+    ap.add_argument("--oracle", action="store_true", help="also the bound of the module docstring")
+    ap.add_argument("--oracle-only", action="store_true", help="only that bound (no sweep, no timing)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     a = ap.parse_args(argv)
@@ -169,17 +214,44 @@ def main(argv=None) -> int:
     if model is None and a.preset == "demo":
         from tinyloop.models import demo_model_path
         model = demo_model_path()
-    res = run(a.backend, model, a.preset, a.window, a.windows, a.new, a.repeats,
-              [k for k in a.kv.split(",") if k], [int(x) for x in a.fixed.split(",") if x])
+    if a.oracle_only:
+        res = {"backend": a.backend, "model": a.model or a.preset, "rows": []}
+    else:
+        res = run(a.backend, model, a.preset, a.window, a.windows, a.new, a.repeats,
+                  [k for k in a.kv.split(",") if k], [int(x) for x in a.fixed.split(",") if x])
     if a.model is None:
         res["model"] = a.preset
-    print(table(res))
+    if a.oracle or a.oracle_only:
+        res["oracle"] = _oracle(a, model)
+        print("oracle (exit at the smallest depth within KL tau of the full depth's distribution):")
+        for r in res["oracle"]:
+            print(f"  tau {r['tau']:<6g} mean depth {r['mean_loops']:.3f}  iterations saved "
+                  f"{100 * r['iters_saved']:5.1f} %  ppl {r['ppl']:.3f} ({100 * r['ppl_vs_L']:+.2f} %)")
+    if res["rows"]:
+        print(table(res))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
     if a.plot:
         plot(res, a.plot)
     return 0
+
+
+def _oracle(a, model) -> list:
+    import tinyloop as tl
+    from tinyloop.analysis.loopgain import HELDOUT_TEXT
+    where = bench_model(a.backend, model, a.preset)
+    if where is None:
+        raise SystemExit("--backend cuda: no GPU here")
+    path, tmp = where
+    m = tl.load_model(path, max_seq_len=a.window + 8, backend=a.backend)
+    try:
+        ids = m.tokenizer.encode(HELDOUT_TEXT.read_text(encoding="utf-8")[:a.window * a.windows * 8])
+        return oracle_bound(m, ids, a.window, a.windows, m.cfg.default_loops)
+    finally:
+        tl.free_model(m)
+        if tmp is not None:
+            tmp.cleanup()
 
 
 if __name__ == "__main__":

@@ -80,56 +80,56 @@ def test_fused_logits_match_cpu_and_unfused(small_path, monkeypatch):
             tl.free_model(m)
 
 
+@pytest.fixture
+def small_pair(small_path):
+    """The small model on the CPU and on the CUDA backend (max_seq_len 16)."""
+    cpu = tl.load_model(str(small_path), max_seq_len=16, backend="cpu")
+    gpu = tl.load_model(str(small_path), max_seq_len=16, backend="cuda")
+    yield cpu, gpu
+    tl.free_model(cpu)
+    tl.free_model(gpu)
+
+
 @pytest.mark.slow
-def test_device_chained_tree_cycle_matches_cpu(small_path):
+def test_device_chained_tree_cycle_matches_cpu(small_pair):
     """The tree cycle as the CUDA backend runs it (token ids chained on the device: each level's
     top-K written straight into the next level's id rows, one read-back per cycle) gives the
     tokens of plain greedy decoding, as on the CPU. Slow under the simulator (multi-row launches):
     marked slow, so tools/run_tests.sh leaves it out of the CI simulator run; run it with
     ``NUMBA_ENABLE_CUDASIM=1 pytest -m cudasim tests/cuda/test_backend_sim.py -k tree``."""
-    cpu = tl.load_model(str(small_path), max_seq_len=16, backend="cpu")
-    gpu = tl.load_model(str(small_path), max_seq_len=16, backend="cuda")
-    try:
-        assert gpu.backend.supports("device_chaining") and not cpu.backend.supports("device_chaining")
-        p = [3]
-        ref = tl.generate(cpu, p, tl.GenerateConfig(max_tokens=3, loops=2, cache_mode="fp32"))
-        tree = tl.TreeSpeculativeConfig(max_tokens=3, draft_loops=1, verify_loops=2, draft_ahead=1,
-                                        K_branches=2, cache_mode="fp32")
-        st = tl.GenerateStats()
-        assert tl.generate_tree_speculative(gpu, p, tree, stats=st) == ref
-        assert st.verify_forwards >= 1 and st.drafted_tokens == 2 * st.verify_forwards
-    finally:
-        tl.free_model(cpu)
-        tl.free_model(gpu)
+    cpu, gpu = small_pair
+    assert gpu.backend.supports("device_chaining") and not cpu.backend.supports("device_chaining")
+    p = [3]
+    ref = tl.generate(cpu, p, tl.GenerateConfig(max_tokens=3, loops=2, cache_mode="fp32"))
+    tree = tl.TreeSpeculativeConfig(max_tokens=3, draft_loops=1, verify_loops=2, draft_ahead=1,
+                                    K_branches=2, cache_mode="fp32")
+    st = tl.GenerateStats()
+    assert tl.generate_tree_speculative(gpu, p, tree, stats=st) == ref
+    assert st.verify_forwards >= 1 and st.drafted_tokens == 2 * st.verify_forwards
 
 
 @pytest.mark.slow
-def test_chain_cycles_queued_ahead_match_cpu(small_path, monkeypatch):
+def test_chain_cycles_queued_ahead_match_cpu(small_pair, monkeypatch):
     """The chain and tree decoders on the CUDA backend with the cycle look-ahead (each cycle's
     acceptance decided on the device, a tree's path compacted there, and the next cycle queued
     before the host reads it) give plain greedy decoding's tokens, as on the CPU, with and without
     the look-ahead (TINYLOOP_LOOKAHEAD=0).
     Slow under the simulator (~8 minutes: multi-row launches); run it with
     ``NUMBA_ENABLE_CUDASIM=1 pytest -m cudasim tests/cuda/test_backend_sim.py -k ahead``."""
-    cpu = tl.load_model(str(small_path), max_seq_len=16, backend="cpu")
-    gpu = tl.load_model(str(small_path), max_seq_len=16, backend="cuda")
-    try:
-        assert gpu.backend.supports("device_acceptance") and not cpu.backend.supports("device_acceptance")
-        p = [3]
-        ref = tl.generate(cpu, p, tl.GenerateConfig(max_tokens=6, loops=2, cache_mode="fp32"))
-        spec = tl.SpeculativeConfig(max_tokens=6, draft_loops=1, verify_loops=2, draft_ahead=1, cache_mode="fp32")
-        st = tl.GenerateStats()
-        assert tl.generate_speculative(gpu, p, spec, stats=st) == ref
-        assert st.verify_forwards >= 2 and st.drafted_tokens == st.verify_forwards
-        tree = tl.TreeSpeculativeConfig(max_tokens=6, draft_loops=1, verify_loops=2, draft_ahead=1, K_branches=2,
-                                        cache_mode="fp32")
-        assert tl.generate_tree_speculative(gpu, p, tree) == ref
-        monkeypatch.setenv("TINYLOOP_LOOKAHEAD", "0")
-        assert tl.generate_speculative(gpu, p, spec) == ref
-        assert tl.generate_tree_speculative(gpu, p, tree) == ref
-    finally:
-        tl.free_model(cpu)
-        tl.free_model(gpu)
+    cpu, gpu = small_pair
+    assert gpu.backend.supports("device_acceptance") and not cpu.backend.supports("device_acceptance")
+    p = [3]
+    ref = tl.generate(cpu, p, tl.GenerateConfig(max_tokens=6, loops=2, cache_mode="fp32"))
+    spec = tl.SpeculativeConfig(max_tokens=6, draft_loops=1, verify_loops=2, draft_ahead=1, cache_mode="fp32")
+    st = tl.GenerateStats()
+    assert tl.generate_speculative(gpu, p, spec, stats=st) == ref
+    assert st.verify_forwards >= 2 and st.drafted_tokens == st.verify_forwards
+    tree = tl.TreeSpeculativeConfig(max_tokens=6, draft_loops=1, verify_loops=2, draft_ahead=1, K_branches=2,
+                                    cache_mode="fp32")
+    assert tl.generate_tree_speculative(gpu, p, tree) == ref
+    monkeypatch.setenv("TINYLOOP_LOOKAHEAD", "0")
+    assert tl.generate_speculative(gpu, p, spec) == ref
+    assert tl.generate_tree_speculative(gpu, p, tree) == ref
 
 
 @pytest.mark.slow
