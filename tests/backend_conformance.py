@@ -40,7 +40,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from tinyloop.model.arch import ModelConfig, TensorQuant, required_tensors
+from tinyloop.model.arch import ModelConfig, TensorQuant, required_tensors, rope_inv_freq
 import dataclasses
 
 from tinyloop.runtime.backend import CAPABILITIES, Backend, TreeRows, Workspace
@@ -105,10 +105,11 @@ def ref_swiglu(g, u):
     return g / (1.0 + np.exp(-g)) * u
 
 
-def ref_rope(x, positions, n_heads, D, theta):
-    """Half-split RoPE of rows x (T, n_heads * D) at the given absolute positions (float64)."""
+def ref_rope(x, positions, n_heads, D, cfg):
+    """Half-split RoPE of rows x (T, n_heads * D) at the given absolute positions (float64), with
+    the model's frequencies (rope_inv_freq: rope_theta, rescaled as its rope_scaling says)."""
     x = np.asarray(x, np.float64)
-    inv = theta ** (-np.arange(0, D // 2, dtype=np.float64) * 2.0 / D)
+    inv = rope_inv_freq(cfg)
     ang = np.asarray(positions, np.float64)[:, None] * inv[None, :]
     c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
     xh = x.reshape(x.shape[0], n_heads, D)
@@ -612,9 +613,9 @@ def _check_rope(rig, q_before, k_before, q_after, k_after, positions):
     rounding (p * inv_freq in float32, as the CUDA table is made) grows with the position."""
     c = rig.cfg
     tol = 1e-6 + 2 * F32_EPS * (max(positions) + 16)
-    assert_close(q_after, ref_rope(q_before, positions, c.n_heads, c.head_dim, c.rope_theta), tol, "rope(q)")
+    assert_close(q_after, ref_rope(q_before, positions, c.n_heads, c.head_dim, c), tol, "rope(q)")
     assert_close(k_after.reshape(k_before.shape),
-                 ref_rope(k_before, positions, c.n_kv_heads, c.head_dim, c.rope_theta), tol, "rope(k)")
+                 ref_rope(k_before, positions, c.n_kv_heads, c.head_dim, c), tol, "rope(k)")
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -1278,7 +1279,7 @@ def test_advance_position(rig):
         q0, k0 = rig.pre
         q = rig.host(rig.ws.q, 2)
         c = rig.cfg
-        assert_close(q, ref_rope(q0, [5, 6], c.n_heads, c.head_dim, c.rope_theta), 1e-5,
+        assert_close(q, ref_rope(q0, [5, 6], c.n_heads, c.head_dim, c), 1e-5,
                      "rope at an advanced position")
     finally:
         be.release_cache(cache)
@@ -1313,11 +1314,13 @@ def test_forward_matches_reference(fwd_rig, codec, conformance_quick):
 
 @pytest.fixture(scope="module")
 def family_rig(backend_factory, conformance_dims, tmp_path_factory):
-    """A q4 model with the family's optional features on: q/k/v biases, a scaled embedding and
-    the model's own sliding window (4 positions)."""
+    """A q4 model with the family's optional features on: q/k/v biases, a scaled embedding, the
+    model's own sliding window (4 positions) and Llama 3.1's RoPE frequency scaling (its original
+    context 8 puts the fastest frequency in the blended band, the others scaled by 4)."""
     path = tmp_path_factory.mktemp("conformance") / "family.tinyloop"
     write_model_file(path, {**conformance_dims, "qkv_bias": True, "embed_scale": 1.75,
-                            "sliding_window": 4}, "q4", 16, seed=15)
+                            "sliding_window": 4, "rope_scaling": "llama3", "rope_factor": 4.0,
+                            "rope_original_max_positions": 8}, "q4", 16, seed=15)
     r = Rig(backend_factory, path, max_seq_len=64)
     yield r
     r.close()
@@ -1325,7 +1328,7 @@ def family_rig(backend_factory, conformance_dims, tmp_path_factory):
 
 @pytest.mark.parametrize("ring", [False, True], ids=["linear", "ring"])
 def test_family_extensions_forward_matches_reference(family_rig, ring, conformance_quick):
-    """qkv_bias, embed_scale and sliding_window through the forward against reference_logits:
+    """qkv_bias, embed_scale, sliding_window and llama3 RoPE through the forward against reference_logits:
     within the window on a linear slot map, and past it on a ring of the model's window (which
     applies the span exactly), prefill then one-row steps."""
     r = family_rig

@@ -830,3 +830,44 @@ def test_extra_eos_ids_round_trip(tmp_path):
     assert cfg.extra_eos_ids == (9, 7) and cfg.eos_ids == (5, 9, 7)
     with open_model(demo_model_path()) as mf:
         assert mf.header.config.extra_eos_ids == () and mf.header.config.eos_ids == (mf.header.config.eos_id,)
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(rope_scaling="yarn"), "not one of"), (dict(rope_scaling="linear", rope_factor=0), "rope_factor=0"),
+    (dict(rope_factor=2.0), "does not apply to rope_scaling='none'"),
+    (dict(rope_scaling="linear", rope_factor=2.0, rope_original_max_positions=8), "does not apply"),
+    (dict(rope_scaling="llama3", rope_factor=8.0), "needs rope_original_max_positions >= 1"),
+    (dict(rope_scaling="llama3", rope_factor=8.0, rope_original_max_positions=8, rope_low_freq_factor=4.0,
+          rope_high_freq_factor=2.0), "must be below"),
+    (dict(rope_scaling="llama3", rope_factor=True, rope_original_max_positions=8), "rope_factor=True"),
+    (dict(rope_scaling="llama3", rope_factor=8.0, rope_original_max_positions=-1), "outside the allowed range")])
+def test_rope_scaling_is_checked(fields, match):
+    """ModelConfig's RoPE scaling fields: a known kind, finite positive factors, the llama3
+    parameters only with llama3 (and required there); a ConfigError naming the value."""
+    from conftest import TINY
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig(**{**TINY, **fields})
+
+
+def test_rope_inv_freq_definition():
+    """rope_inv_freq: theta^(-2i/D) unscaled (the formula every backend used before scaling
+    existed, to the bit), divided by the factor for linear, and Llama 3.1's three bands."""
+    from conftest import TINY
+    from tinyloop.model.arch import rope_inv_freq
+    plain = ModelConfig(**TINY)
+    D = plain.head_dim
+    f = plain.rope_theta ** (-np.arange(0, D // 2, dtype=np.float64) * 2.0 / D)
+    assert np.array_equal(rope_inv_freq(plain), f)
+    assert np.array_equal(rope_inv_freq(ModelConfig(**TINY, rope_scaling="linear", rope_factor=4.0)), f / 4.0)
+    c = ModelConfig(**TINY, rope_scaling="llama3", rope_factor=8.0, rope_original_max_positions=64,
+                    rope_low_freq_factor=1.0, rope_high_freq_factor=4.0)
+    got, wavelength = rope_inv_freq(c), 2 * np.pi / f
+    for i in range(D // 2):
+        if wavelength[i] < 64 / 4.0:
+            assert got[i] == f[i]
+        elif wavelength[i] > 64 / 1.0:
+            assert got[i] == f[i] / 8.0
+        else:
+            s = (64 / wavelength[i] - 1.0) / 3.0
+            assert got[i] == pytest.approx((1 - s) * f[i] / 8.0 + s * f[i], rel=1e-15)
+    assert {(wavelength < 16).any(), (wavelength > 64).any(), ((wavelength >= 16) & (wavelength <= 64)).any()} == {True}

@@ -139,6 +139,34 @@ def test_eos_lists_stop_where_transformers_stops(checkpoints, tmp_path, where):
         tl.free_model(model)
 
 
+@pytest.mark.parametrize("scaling", [
+    dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8),
+    dict(rope_type="llama3", factor=8.0, low_freq_factor=2.0, high_freq_factor=3.0, original_max_position_embeddings=20),
+    dict(rope_type="linear", factor=2.5)])
+def test_scaled_rope_equals_transformers(tmp_path, scaling):
+    """Llama 3.1 / 3.2 checkpoints scale their RoPE frequencies ("llama3"; "linear" too): logits and
+    greedy tokens equal transformers' with the same scaling, the parameters land in the header, and
+    the scaled model runs every decode mode (the CPU backend)."""
+    m = _make("llama", seed=11, rope_theta=500000.0, rope_scaling=dict(scaling))
+    src = _save(m, tmp_path / "scaled")
+    model = tl.load_model(_convert(src, tmp_path), backend="cpu", max_seq_len=64)
+    try:
+        cfg = model.cfg
+        assert cfg.rope_scaling == scaling["rope_type"] and cfg.rope_factor == scaling["factor"]
+        assert cfg.rope_theta == 500000.0
+        if scaling["rope_type"] == "llama3":
+            assert cfg.rope_original_max_positions == scaling["original_max_position_embeddings"]
+        ref = _hf_logits(m, PROMPT)
+        got = tl.score(model, PROMPT, cache_mode="fp32")
+        assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+        want = _hf_greedy(m, PROMPT, 12)
+        assert list(tl.generate(model, PROMPT, tl.GenerateConfig(max_tokens=12, cache_mode="fp32"))) == want
+    finally:
+        tl.free_model(model)
+    plain = _make("llama", seed=11, rope_theta=500000.0)
+    assert np.abs(_hf_logits(plain, PROMPT) - ref).max() > 1e-3 * np.abs(ref).max()   # the scaling matters here
+
+
 def test_mistral_sliding_window_equals_transformers(checkpoints, tmp_path):
     m, src = checkpoints["mistral"]
     path = _convert(src, tmp_path)
@@ -232,8 +260,14 @@ def _edit_config(src, **changes):
 @pytest.mark.parametrize("changes, match", [
     (dict(architectures=["GPT2LMHeadModel"]), "not supported"),
     (dict(architectures=["RavenForCausalLM"]), "RavenForCausalLM checkpoint"),
-    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "only plain RoPE"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "only plain RoPE"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "lacks \\['low_freq_factor'"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "only plain, linear and llama3 RoPE"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "no YaRN / dynamic"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0, "attention_factor": 0.5}), "attention scaling"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+                        "original_max_position_embeddings": 8}), "rope_low_freq_factor=4.0 must be below"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0},
+          rope_parameters={"rope_type": "linear", "factor": 3.0, "rope_theta": 1e4}), "disagree"),
     (dict(attention_bias=True), "attention_bias"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(num_local_experts=8), "mixture-of-experts"),

@@ -319,7 +319,7 @@ def test_ouro_mapping_keeps_the_exit_gate(tmp_path):
     ("huginn", dict(qk_bias="yes"), "qk_bias"),
     ("ouro", dict(num_hidden_layers=4), "missing tensor"),
     ("ouro", dict(hidden_act="gelu"), "hidden_act"),
-    ("ouro", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "only plain RoPE"),
+    ("ouro", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "only plain, linear and llama3 RoPE"),
     ("ouro", dict(total_ut_steps=0), "total_ut_steps"),
 ])
 def test_refusals_name_the_reason(layout, changes, match, tmp_path):

@@ -26,7 +26,8 @@ The model's own sliding window is not implemented here (refused).
 
 * RMSNorm is computed in float32: ``x * rsqrt(mean(x^2) + eps) * w``, cast back to x's dtype.
 * RoPE uses the half-split convention: for i < hd/2 the pair (x[i], x[i + hd/2]) rotates by
-  ``pos * rope_theta ** (-2 i / hd)``; angles are computed in float64, applied in float32.
+  ``pos * rope_theta ** (-2 i / hd)`` (rescaled as the config's rope_scaling says:
+  model.arch.rope_inv_freq); angles are computed in float64, applied in float32.
 * GQA: query head h reads kv head ``h // (n_heads // n_kv_heads)``; scores scaled by 1/sqrt(hd).
 * Parameters are registered under the logical names themselves
   (``embed``, ``pre.0.wq``, ``loop.1.w_down``, ``final_norm``, ``head``), so
@@ -59,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model.arch import BLOCK_BIASES, BLOCK_NORMS, BLOCK_OUT_NORMS, ModelConfig, required_tensors
+from .model.arch import BLOCK_BIASES, BLOCK_NORMS, BLOCK_OUT_NORMS, ModelConfig, required_tensors, rope_inv_freq
 from .model.init_state import random_state
 from .errors import ConfigError, InvalidInputError, ModelFormatError
 
@@ -79,10 +80,13 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return y.to(x.dtype)
 
 
-def rope_tables(head_dim: int, theta: float, n_pos: int, device=None):
-    """cos, sin tables (n_pos, head_dim // 2), float32; angle = pos * theta ** (-2 i / head_dim)."""
+def rope_tables(head_dim: int, theta: float, n_pos: int, device=None, freqs=None):
+    """cos, sin tables (n_pos, head_dim // 2), float32; angle = pos * theta ** (-2 i / head_dim),
+    or pos * freqs[i] with `freqs` the model's (rescaled) frequencies (model.arch.rope_inv_freq)."""
     half = head_dim // 2
     inv = theta ** (-torch.arange(half, dtype=torch.float64) * 2.0 / head_dim)
+    if freqs is not None:
+        inv = torch.as_tensor(np.asarray(freqs, np.float64))
     ang = torch.arange(n_pos, dtype=torch.float64)[:, None] * inv[None, :]
     return (torch.cos(ang).to(torch.float32).to(device),
             torch.sin(ang).to(torch.float32).to(device))
@@ -230,7 +234,8 @@ class LoopedLM(nn.Module):
             self.exit_gate = nn.Parameter(torch.zeros(d))
             self.exit_gate_bias = nn.Parameter(torch.zeros(1))
         self.head = None if cfg.tied_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
-        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_seq_len)
+        scaled = rope_inv_freq(cfg) if cfg.rope_scaling != "none" else None     # (none: the plain formula)
+        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_seq_len, freqs=scaled)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.register_buffer("_positions", torch.arange(max_seq_len), persistent=False)

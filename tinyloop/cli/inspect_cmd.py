@@ -38,7 +38,11 @@ def _print_text(d: dict, out) -> None:
                                     (f"loop_init {cfg.get('loop_init')}", cfg.get("loop_init", "pre") != "pre"),
                                     (f"loop_norm {cfg.get('loop_norm')}", cfg.get("loop_norm", "none") != "none"),
                                     ("no head norm", not cfg.get("head_norm", True)),
-                                    ("exit_gate", cfg.get("exit_gate", False)))
+                                    ("exit_gate", cfg.get("exit_gate", False)),
+                                    (f"rope_scaling {cfg.get('rope_scaling')} x{cfg.get('rope_factor', 1.0):g}"
+                                     + (f" (original context {cfg.get('rope_original_max_positions')})"
+                                        if cfg.get("rope_scaling") == "llama3" else ""),
+                                     cfg.get("rope_scaling", "none") != "none"))
               if on]
     if extras:
         w("  family features: " + ", ".join(extras))

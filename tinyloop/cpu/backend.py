@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..model.arch import required_tensors
+from ..model.arch import required_tensors, rope_inv_freq
 from ..model.init_state import random_state
 from ..runtime.backend import (Backend, CacheReuse, GuardedSteps, KVLayerCopy, LaneOps, ModelWeights, TokenMasks,
                                TreeOps, TreeRows, Workspace, fill_lane_paths, lane_tables)
@@ -95,7 +95,7 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
         super().__init__(cfg)
         self.max_seq_len = max_seq_len
         D = cfg.head_dim
-        inv_freq = cfg.rope_theta ** (-np.arange(0, D // 2, dtype=np.float64) * 2.0 / D)
+        inv_freq = rope_inv_freq(cfg)
         # speculative drafts run up to 64 positions (draft_ahead <= 64) past the last emitted token
         ang = np.arange(max_seq_len + 65, dtype=np.float64)[:, None] * inv_freq[None, :]
         self.cos = np.cos(ang).astype(np.float32)

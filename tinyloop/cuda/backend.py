@@ -63,7 +63,7 @@ from dataclasses import dataclass
 
 from ..runtime.backend import (Backend, CacheReuse, DeviceAcceptance, DeviceChaining, DeviceSampling, GuardedSteps,
                                KVLayerCopy, LaneOps, ModelWeights, TokenMasks, TreeOps, TreeRows, Workspace, fill_lane_paths, lane_tables)
-from ..model.arch import is_matrix
+from ..model.arch import is_matrix, rope_inv_freq
 from ..runtime.cache import CacheSpec, SlotMap, shared_layers
 from ..runtime.config import env_switch
 from ..errors import BackendError, OutOfMemoryError, PluginError
@@ -283,7 +283,8 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         self._ws = None                   # the workspace (alloc_workspace)
         # cos/sin for every position a launch can reach; read-only, shared by every graph
         n_pos = self.rope_positions(max_seq_len)
-        self.rope_table = self._to_device(k_rope.rope_table(cfg.head_dim, cfg.rope_theta, n_pos))
+        self.rope_table = self._to_device(k_rope.rope_table(cfg.head_dim, cfg.rope_theta, n_pos,
+                                                            freqs=rope_inv_freq(cfg)))
         self.stream.synchronize()
         self.pos = cuda.device_array(1, np.int32)
         self._pos_host = cuda.pinned_array(1, np.int32)

@@ -73,6 +73,8 @@ from ..errors import ConfigError
 MAX_DIM = 1 << 20
 #: Most extra end-of-sequence ids a model may declare (ModelConfig.extra_eos_ids).
 MAX_EOS_IDS = 64
+#: RoPE frequency scalings of the family (ModelConfig.rope_scaling).
+ROPE_SCALINGS = ("none", "linear", "llama3")
 MAX_BLOCKS = 1024
 MAX_LOOPS = 4096
 
@@ -174,6 +176,21 @@ class ModelConfig:
     """When true the file holds a learned per-iteration exit gate, the logit
     exit_gate . state + exit_gate_bias of the state after each loop iteration (Ouro's); the
     early-exit criterion "gate" exits when its cumulative exit probability passes a threshold."""
+    rope_scaling: str = "none"
+    """How the RoPE frequencies f_i = rope_theta^(-2i/head_dim) are rescaled for contexts past
+    the trained one: "none"; "linear" (every f_i divided by rope_factor); "llama3" (Llama 3.1's:
+    with wavelengths w_i = 2 pi / f_i and P = rope_original_max_positions, f_i / rope_factor where
+    w_i > P / rope_low_freq_factor, f_i where w_i < P / rope_high_freq_factor, and between them
+    the blend (1 - s) f_i / rope_factor + s f_i with s = (P / w_i - low) / (high - low)).
+    rope_inv_freq() is the one definition every backend uses."""
+    rope_factor: float = 1.0
+    """The scaling factor of "linear" and "llama3" (> 0; 1.0 for "none")."""
+    rope_low_freq_factor: float = 1.0
+    """"llama3" only (else 1.0): wavelengths above P / this are scaled fully."""
+    rope_high_freq_factor: float = 4.0
+    """"llama3" only (else 4.0): wavelengths below P / this are kept; must exceed the low factor."""
+    rope_original_max_positions: int = 0
+    """"llama3" only (else 0): P, the context the model was first trained at (>= 1)."""
     extra_eos_ids: Tuple[int, ...] = ()
     """Further end-of-sequence ids beside eos_id (end-of-turn tokens: Llama 3's <|eot_id|>,
     Qwen2's <|im_end|>): generation stops on each as on eos_id, and text output leaves them out.
@@ -249,6 +266,7 @@ class ModelConfig:
             if v is not None:
                 _check_int(name, v, 0, self.vocab_size - 1)
                 object.__setattr__(self, name, int(v))
+        self._check_rope_scaling()
         v = self.extra_eos_ids
         if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)):
             raise ConfigError(f"extra_eos_ids={v!r} must be a list of token ids")
@@ -262,6 +280,32 @@ class ModelConfig:
         if len(set(ids)) != len(ids) or self.eos_id in ids:
             raise ConfigError(f"extra_eos_ids={list(ids)} must be distinct ids other than eos_id={self.eos_id}")
         object.__setattr__(self, "extra_eos_ids", ids)
+
+    def _check_rope_scaling(self) -> None:
+        kind = self.rope_scaling
+        if kind not in ROPE_SCALINGS:
+            raise ConfigError(f"rope_scaling={kind!r} is not one of {ROPE_SCALINGS}")
+        for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e6:
+                raise ConfigError(f"{name}={v!r} must be a finite positive number below 1e6")
+            object.__setattr__(self, name, float(v))
+        _check_int("rope_original_max_positions", self.rope_original_max_positions, 0, MAX_DIM * 64)
+        object.__setattr__(self, "rope_original_max_positions", int(self.rope_original_max_positions))
+        defaults = {"rope_factor": 1.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
+                    "rope_original_max_positions": 0}
+        used = {"none": (), "linear": ("rope_factor",), "llama3": tuple(defaults)}[kind]
+        for name, default in defaults.items():
+            if name not in used and getattr(self, name) != default:
+                raise ConfigError(f"{name}={getattr(self, name)!r} does not apply to rope_scaling={kind!r}; "
+                                  f"leave it {default!r}")
+        if kind == "llama3":
+            if self.rope_original_max_positions < 1:
+                raise ConfigError("rope_scaling='llama3' needs rope_original_max_positions >= 1 (the context "
+                                  "the model was first trained at)")
+            if not self.rope_low_freq_factor < self.rope_high_freq_factor:
+                raise ConfigError(f"rope_low_freq_factor={self.rope_low_freq_factor} must be below "
+                                  f"rope_high_freq_factor={self.rope_high_freq_factor}")
 
     # ----------------------------------------------------------------- derived sizes
     @property
@@ -416,3 +460,22 @@ class TensorQuant:
         if not isinstance(d, dict) or set(d) - {"type", "group_size"}:
             raise ConfigError(f"quantization entry must be {{type, group_size}}, got {d!r}")
         return cls(type=d.get("type", "f32"), group_size=d.get("group_size", 0))
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """float64 (head_dim / 2,): the RoPE frequency of each rotated pair, ``rope_theta ** (-2 i /
+    head_dim)`` rescaled as cfg.rope_scaling says (its docstring has the formulas). Every backend,
+    the float64 oracle and the PyTorch twin take their angles ``position * f_i`` from this."""
+    D = cfg.head_dim
+    f = cfg.rope_theta ** (-np.arange(0, D // 2, dtype=np.float64) * 2.0 / D)
+    if cfg.rope_scaling == "linear":
+        return f / cfg.rope_factor
+    if cfg.rope_scaling == "llama3":
+        P, lo, hi = float(cfg.rope_original_max_positions), cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        wavelength = 2.0 * np.pi / f
+        scaled = np.where(wavelength > P / lo, f / cfg.rope_factor, f)
+        s = (P / wavelength - lo) / (hi - lo)
+        blend = (1.0 - s) * scaled / cfg.rope_factor + s * scaled
+        band = (wavelength >= P / hi) & (wavelength <= P / lo)
+        return np.where(band, blend, scaled)
+    return f

@@ -103,26 +103,56 @@ def _token_id(v, name: str, problems: List[str], notes: List[str], key: str) -> 
     return v
 
 
-def _rope_theta(c: dict, problems: List[str]) -> float:
+#: The rope_type of a scaling -> (ModelConfig.rope_scaling, {HF key: ModelConfig field}, required keys).
+ROPE_TYPES = {
+    "linear": ("linear", {"factor": "rope_factor"}, ("factor",)),
+    "llama3": ("llama3", {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
+                          "high_freq_factor": "rope_high_freq_factor",
+                          "original_max_position_embeddings": "rope_original_max_positions"},
+               ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")),
+}
+
+
+def _rope_fields(c: dict, problems: List[str]) -> dict:
+    """rope_theta and the RoPE frequency scaling (ModelConfig.rope_scaling and its parameters) from
+    ``rope_theta`` / ``rope_scaling`` at the top, or transformers 5's ``rope_parameters``. Plain,
+    linear and llama3 (Llama 3.1 / 3.2) RoPE are built; YaRN, dynamic and long-rope are refused."""
     rp = c.get("rope_parameters")
     scaling = c.get("rope_scaling")
     theta = c.get("rope_theta")
     for key, v in (("rope_parameters", rp), ("rope_scaling", scaling)):
         if v is not None and not isinstance(v, dict):
             problems.append(f"{key}={v!r} must be null or an object")
-    if isinstance(rp, dict):
-        kind = rp.get("rope_type", rp.get("type", "default"))
-        if kind not in ("default", None):
-            problems.append(f"rope_parameters.rope_type={kind!r}: only plain RoPE is built "
-                            f"(no scaled / YaRN / llama3 RoPE)")
-        theta = rp.get("rope_theta", theta)
-    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) not in ("default", None):
-        problems.append(f"rope_scaling={scaling!r}: only plain RoPE is built (no scaled / YaRN / "
-                        f"llama3 RoPE)")
+    out = {}
+    for key, v in (("rope_parameters", rp), ("rope_scaling", scaling)):
+        if not isinstance(v, dict):
+            continue
+        if key == "rope_parameters":
+            theta = v.get("rope_theta", theta)
+        kind = v.get("rope_type", v.get("type", "default"))
+        if kind in ("default", None):
+            continue
+        if kind not in ROPE_TYPES:
+            problems.append(f"{key}.rope_type={kind!r}: only plain, linear and llama3 RoPE are built (no "
+                            f"YaRN / dynamic / long-rope scaling)")
+            continue
+        name, fields, required = ROPE_TYPES[kind]
+        missing = [k for k in required if v.get(k) is None]
+        if missing:
+            problems.append(f"{key} of rope_type {kind!r} lacks {missing}")
+            continue
+        extra = {k: v[k] for k in ("attention_factor", "mscale", "mscale_all_dim") if v.get(k) not in (None, 1, 1.0)}
+        if extra:
+            problems.append(f"{key} sets {extra}: attention scaling of RoPE is not built")
+        found = dict(rope_scaling=name, **{field: v[k] for k, field in fields.items()})
+        if out and out != found:
+            problems.append(f"rope_scaling and rope_parameters disagree ({out} against {found})")
+        out = found
     if c.get("partial_rotary_factor", 1.0) not in (1, 1.0):
         problems.append(f"partial_rotary_factor={c['partial_rotary_factor']!r}: RoPE must rotate "
                         f"whole heads")
-    return 10000.0 if theta is None else theta
+    out["rope_theta"] = 10000.0 if theta is None else theta
+    return out
 
 
 def _sliding_window(arch: str, c: dict, n_layers: int, problems: List[str]) -> int:
@@ -182,10 +212,10 @@ def _config_fields(arch: str, c: dict, problems: List[str], notes: List[str]) ->
     fields = dict(
         vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_heads=heads,
         n_kv_heads=c.get("num_key_value_heads") or heads, d_ff=c["intermediate_size"],
-        head_dim=c.get("head_dim") or 0, rope_theta=_rope_theta(c, problems),
+        head_dim=c.get("head_dim") or 0,
         norm_eps=c.get("rms_norm_eps", 1e-6), tied_embeddings=bool(c.get("tie_word_embeddings", False)),
         qkv_bias=arch == "Qwen2ForCausalLM",
-        sliding_window=_sliding_window(arch, c, c["num_hidden_layers"], problems))
+        sliding_window=_sliding_window(arch, c, c["num_hidden_layers"], problems), **_rope_fields(c, problems))
     return fields
 
 

@@ -10,7 +10,7 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-from .arch import ModelConfig
+from .arch import ModelConfig, rope_inv_freq
 from .init_state import random_state
 
 
@@ -18,10 +18,10 @@ def _rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def _rope(x: np.ndarray, n_heads: int, D: int, theta: float) -> np.ndarray:
-    # x (T, n_heads*D); half-split convention: (x[i], x[i + D/2]) rotates by pos * theta^(-2i/D)
+def _rope(x: np.ndarray, n_heads: int, D: int, inv: np.ndarray) -> np.ndarray:
+    # x (T, n_heads*D); half-split convention: (x[i], x[i + D/2]) rotates by pos * inv[i]
+    # (inv: arch.rope_inv_freq, theta^(-2i/D) unless the model rescales it)
     T = x.shape[0]
-    inv = theta ** (-np.arange(0, D // 2, dtype=np.float64) * 2.0 / D)
     ang = np.arange(T, dtype=np.float64)[:, None] * inv[None, :]
     c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
     xh = x.reshape(T, n_heads, D)
@@ -46,8 +46,9 @@ def _qkv(cfg: ModelConfig, W: Mapping[str, np.ndarray], p: str, x: np.ndarray, k
     q, k, v = h @ W[p + "wq"].T, h @ W[p + "wk"].T, h @ W[p + "wv"].T
     if cfg.qkv_bias:
         q, k, v = q + W[p + "bq"], k + W[p + "bk"], v + W[p + "bv"]
-    q = _rope(q, cfg.n_heads, D, cfg.rope_theta)
-    k = _rope(k, cfg.n_kv_heads, D, cfg.rope_theta)
+    inv = rope_inv_freq(cfg)
+    q = _rope(q, cfg.n_heads, D, inv)
+    k = _rope(k, cfg.n_kv_heads, D, inv)
     if kv is not None:   # model what the KV cache stores, per (position, kv head) row
         k = kv(k.reshape(T, cfg.n_kv_heads, D)).reshape(T, cfg.n_kv_heads * D)
         v = kv(v.reshape(T, cfg.n_kv_heads, D)).reshape(T, cfg.n_kv_heads * D)

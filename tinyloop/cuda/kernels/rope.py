@@ -90,14 +90,21 @@ def inv_freq(head_dim: int, theta: float) -> np.ndarray:
     return (float(theta) ** (-2.0 * i / head_dim)).astype(np.float32)
 
 
-def rope_table(head_dim: int, theta: float, n_positions: int) -> np.ndarray:
+def rope_table(head_dim: int, theta: float, n_positions: int, freqs=None) -> np.ndarray:
     """float32 (n_positions, head_dim / 2, 2) table: ``[p, i] = (cos(a), sin(a))`` with the float32
     angle ``a = float32(p) * inv_freq[i]`` (float32 product), cos and sin evaluated in float64 on
-    that angle and rounded to float32. Upload it once (cuda.to_device) and pass it to every launch."""
+    that angle and rounded to float32. `freqs` (head_dim / 2,): the model's frequencies
+    (model.arch.rope_inv_freq, rounded to float32 here) instead of inv_freq(head_dim, theta).
+    Upload it once (cuda.to_device) and pass it to every launch."""
     n = n_positions
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= 2 ** 31:
         raise BackendError(f"rope_table: n_positions={n!r} must be an integer in [1, 2**31]")
     f = inv_freq(head_dim, theta)
+    if freqs is not None:
+        freqs = np.asarray(freqs, np.float64)
+        if freqs.shape != f.shape or not np.all(np.isfinite(freqs)) or not np.all(freqs > 0):
+            raise BackendError(f"rope_table: freqs must be {f.shape[0]} finite positive frequencies")
+        f = freqs.astype(np.float32)
     p = np.arange(int(n), dtype=np.int64).astype(np.float32)      # float32(p), rounded to nearest
     a = (p[:, None] * f[None, :]).astype(np.float64)                 # the float32 product, widened
     cs = np.empty((int(n), f.shape[0], 2), np.float32)
