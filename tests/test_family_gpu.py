@@ -1,5 +1,6 @@
 """The model family's optional features (q/k/v biases, a scaled embedding, the model's own sliding
-window: what Hugging Face imports of Qwen2 and Mistral turn on) on the CUDA backend (marker gpu):
+window, Llama 3.1's RoPE scaling and end-of-turn ids: what Hugging Face imports of Qwen2, Mistral
+and Llama 3 turn on) on the CUDA backend (marker gpu):
 greedy tokens equal the CPU backend's on every decode path that runs them."""
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ PROMPTS = [[3, 17, 42, 8, 91, 23], [5, 6], [60, 2, 77, 11, 13, 14, 15, 16, 40]]
                                         dict(block_norm="sandwich", loop_inject="adapter", loop_init="random",
                                              loop_init_scale=0.5, loop_init_seed=2 ** 63 + 7, loop_norm="after"),
                                         dict(block_norm="sublayer", loop_norm="every", head_norm=False,
-                                             exit_gate=True, n_pre=0, n_post=0)],
-                ids=["bias_scale", "bias_window", "huginn_layout", "huginn_random", "ouro_layout"])
+                                             exit_gate=True, n_pre=0, n_post=0),
+                                        dict(rope_scaling="llama3", rope_factor=8.0, rope_original_max_positions=24,
+                                             rope_theta=500000.0, extra_eos_ids=(7, 9), eos_id=5)],
+                ids=["bias_scale", "bias_window", "huginn_layout", "huginn_random", "ouro_layout", "llama31"])
 def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("family") / "m.tinyloop"
     cfg = write_tiny(path, seed=21, quant="q4", group_size=32, **request.param)
