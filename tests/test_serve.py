@@ -333,6 +333,27 @@ def test_bounded_soak_with_random_disconnects():
 
 
 # =============================================================================== config
+def test_text_prompts_start_with_the_models_bos(tmp_path):
+    """On a model with a BOS id a text prompt starts with it (as the Python API's and OpenAI-
+    compatible servers' do) and counts it in usage; token-id prompts are used as given; a scaffold
+    registered as text and a prompt that starts with it still share the prefix."""
+    from conftest import write_tiny
+    path = tmp_path / "bos.tinyloop"
+    write_tiny(path, seed=4, vocab_size=300, bos_id=299)
+    s = Live(ServeConfig(model=str(path), backend="cpu", max_seq_len=64, scaffolds=["def "]))
+    try:
+        enc = s.model.tokenizer.encode
+        r = s.post({"model": "bos", "prompt": "def f(x):", "max_tokens": 5, "temperature": 0}).json()
+        assert r["choices"][0]["text"] == expected(s.model, "def f(x):", 5)
+        assert r["usage"]["prompt_tokens"] == 1 + len(enc("def f(x):"))
+        assert r["choices"][0]["tinyloop"]["reused_tokens"] == 1 + len(enc("def "))     # BOS + the scaffold
+        ids = enc("def f(x):")
+        r = s.post({"model": "bos", "prompt": ids, "max_tokens": 5, "temperature": 0}).json()
+        assert r["choices"][0]["text"] == expected(s.model, ids, 5) and r["usage"]["prompt_tokens"] == len(ids)
+    finally:
+        s.close()
+
+
 def test_create_app_argument_errors():
     with pytest.raises(tl.ConfigError, match="ServeConfig"):
         create_app({"port": 1})

@@ -49,6 +49,37 @@ def test_str_prompt_everywhere(demo):
     assert "".join(tl.stream_text(demo, TEXT, cfg)) == demo.tokenizer.decode(out[len(ids):])
 
 
+def test_text_prompts_start_with_the_models_bos(tmp_path):
+    """A model with a BOS id: a text prompt starts with it on every entry point (as `tinyloop run`,
+    transformers' tokenizers and OpenAI-compatible servers do); token ids are used as given; the
+    text after a prefix cache is a continuation and gets none; a prefix pool's scaffold and a
+    prompt that starts with it agree."""
+    from conftest import write_tiny
+    path = tmp_path / "bos.tinyloop"
+    write_tiny(path, seed=4, vocab_size=300, bos_id=299)
+    m = tl.load_model(str(path), backend="cpu", max_seq_len=128)
+    try:
+        enc = m.tokenizer.encode
+        ids = [299] + enc(TEXT)
+        cfg = tl.GenerateConfig(max_tokens=6, loops=3)
+        out = tl.generate(m, ids, cfg)
+        assert tl.generate(m, TEXT, cfg) == out != tl.generate(m, enc(TEXT), cfg)
+        assert tl.generate_batch(m, [TEXT, "x"], cfg) == [out, tl.generate(m, [299] + enc("x"), cfg)]
+        assert tl.generate_speculative(m, TEXT, tl.SpeculativeConfig(max_tokens=6, draft_loops=1,
+                                                                     verify_loops=3)) == out
+        assert (tl.score(m, TEXT, loops=3) == tl.score(m, ids, loops=3)).all()
+        assert tl.generate_text(m, TEXT, cfg) == m.tokenizer.decode(out[len(ids):])
+        pc = tl.build_prefix_cache(m, "def ", loops=3)
+        try:
+            assert list(pc.prefix_ids) == [299] + enc("def ")
+            got = tl.generate_from_prefix_cache(m, pc, "fibonacci(n):", cfg)
+            assert got == tl.generate(m, [299] + enc("def ") + enc("fibonacci(n):"), cfg)
+        finally:
+            tl.free_prefix_cache(pc)
+    finally:
+        tl.free_model(m)
+
+
 def test_stream_text_keeps_characters_whole():
     """A character whose bytes span several tokens comes out once, whole; the pieces join to the
     text; bytes that never complete a character end as U+FFFD."""

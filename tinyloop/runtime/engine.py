@@ -201,9 +201,19 @@ def vram_usage_bytes(model: Model) -> int:
 
 
 # --------------------------------------------------------------------------- validation
-def _as_ids(tokens: Any, what: str, model: Optional[Model] = None) -> List[int]:
+def encode_text(model: Model, text: str, start: bool = True) -> List[int]:
+    """Token ids of a text prompt: ``model.tokenizer.encode(text)``, after the model's BOS id when
+    it has one and the text starts a sequence (`start`; a continuation, such as the suffix after a
+    prefix cache, gets none). The convention of `tinyloop run`, of transformers' tokenizers and of
+    OpenAI-compatible servers; token-id prompts are always used as given."""
+    ids = model.tokenizer.encode(text)
+    bos = model.cfg.bos_id
+    return [bos] + ids if start and bos is not None else ids
+
+
+def _as_ids(tokens: Any, what: str, model: Optional[Model] = None, start: bool = True) -> List[int]:
     if isinstance(tokens, str) and model is not None:
-        return model.tokenizer.encode(tokens)
+        return encode_text(model, tokens, start)
     if isinstance(tokens, (str, bytes, bytearray)):
         raise InvalidInputError(f"{what} must be text (str) or a sequence of token ids, not "
                                 f"{type(tokens).__name__}")
@@ -1051,8 +1061,6 @@ def score_decoded(model: Model, tokens: Sequence[int], config: Optional[Generate
     max_tokens is ignored (every position is scored)."""
     check_call(model, config, stats)
     config = config or GenerateConfig()
-    if isinstance(tokens, str):
-        tokens = model.tokenizer.encode(tokens)
     ids = _as_ids(tokens, "tokens", model)
     if len(ids) < 1:
         raise InvalidInputError("tokens_len=0: scoring needs at least 1 token")

@@ -418,7 +418,7 @@ def _prepare_prefix(model, pc, suffix_ids, config, stats, on_token=None):
         raise InvalidInputError(f"pc must be a PrefixCache from build_prefix_cache, got {type(pc).__name__}")
     pc._check(model)
     config = _request(model, config, pc.loops, pc.cache_mode, "prefix cache")
-    suffix = _as_ids(suffix_ids, "suffix_ids", model)
+    suffix = _as_ids(suffix_ids, "suffix_ids", model, start=False)      # a continuation: no BOS
     check_vocab(model, suffix, "suffix_ids")
     plan = Plan(model, config, "single", reuse="prefix_reuse")
     ids = validate_request(model, list(pc.prefix_ids) + suffix, config)

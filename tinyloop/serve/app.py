@@ -18,6 +18,7 @@ from typing import Any, List, Optional, Tuple
 
 from ..errors import ConfigError, IncompatibleModesError, InvalidInputError, TinyLoopError
 from ..runtime.config import GenerateStats
+from ..runtime.engine import encode_text
 from .config import ServeConfig
 from .worker import EventBox, Job, ModelWorker, QueueFullError
 
@@ -111,7 +112,7 @@ def load_served(cfg: ServeConfig, model=None) -> Served:
         if cfg.scaffolds:
             pool = create_prefix_pool(cfg.pool_capacity, cfg.pool_max_bytes)
             for s in cfg.scaffolds:
-                register_prefix(pool, model, model.tokenizer.encode(s.text), loops=s.loops,
+                register_prefix(pool, model, encode_text(model, s.text), loops=s.loops,
                                 cache_mode=s.cache_mode)
     except BaseException:
         if pool is not None:
@@ -145,7 +146,7 @@ def _prompts(served: Served, prompt) -> List[Tuple[Optional[str], List[int]]]:
     out = []
     for p in prompt:
         text = p if isinstance(p, str) else None
-        ids = served.model.tokenizer.encode(p) if text is not None else list(p)
+        ids = encode_text(served.model, p) if text is not None else list(p)
         if not ids:
             raise FieldError("prompt", "a prompt encodes to no tokens; give at least one character or id")
         out.append((text, ids))
