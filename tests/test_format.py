@@ -871,3 +871,21 @@ def test_rope_inv_freq_definition():
             s = (64 / wavelength[i] - 1.0) / 3.0
             assert got[i] == pytest.approx((1 - s) * f[i] / 8.0 + s * f[i], rel=1e-15)
     assert {(wavelength < 16).any(), (wavelength > 64).any(), ((wavelength >= 16) & (wavelength <= 64)).any()} == {True}
+
+
+def test_embedded_chat_template_is_checked(tmp_path):
+    """An 'hf' tokenizer entry may carry a chat template (non-empty text); anything else there is a
+    ConfigError before the file is written."""
+    from conftest import TINY, random_weights
+    from tinyloop.model.format import _check_tokenizer
+    tj = '{"model": {"type": "BPE"}}'
+    assert _check_tokenizer({"type": "hf", "json": tj, "chat_template": "{{ messages }}"}, 97)["chat_template"]
+    for bad in ({"type": "hf", "json": tj, "chat_template": 3}, {"type": "hf", "json": tj, "chat_template": ""},
+                {"type": "hf", "json": tj, "template": "x"}):
+        with pytest.raises(ConfigError):
+            _check_tokenizer(bad, 97)
+    cfg = ModelConfig(**TINY)
+    with pytest.raises(ConfigError):
+        write_model(str(tmp_path / "m.tinyloop"), cfg, random_weights(cfg), tokenizer={"type": "hf", "json": tj,
+                                                                                        "chat_template": ["x"]})
+    assert not (tmp_path / "m.tinyloop").exists()

@@ -244,6 +244,68 @@ def test_tokenizer_json_is_embedded(tmp_path):
     del tokenizers
 
 
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|tools|>{{ tools | tojson }}<|end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' and not loop.first %}{{ raise_exception('the system message must come first') }}{% endif %}"
+    "<|{{ m['role'] }}|>\n{{ m['content'] | trim }}<|end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def test_chat_template_equals_transformers(tmp_path):
+    """The checkpoint's chat template is embedded, and apply_chat_template renders and tokenizes a
+    conversation as transformers' apply_chat_template does (text and ids; tools through tojson,
+    non-ASCII text, the template's own raise_exception as a TokenizerError)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|begin|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>", "<|tools|>"]
+    tr = trainers.BpeTrainer(vocab_size=300, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the loop runs again and again, then it exits early"] * 20, tr)
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin|>", eos_token="<|end|>")
+    hf_tok.chat_template = CHAT_TEMPLATE
+    m = _make("llama", seed=5, bos_token_id=tok.token_to_id("<|begin|>"), eos_token_id=tok.token_to_id("<|end|>"))
+    src = _save(m, tmp_path / "chat")
+    hf_tok.save_pretrained(src)
+    model = tl.load_model(_convert(src, tmp_path), backend="cpu", max_seq_len=64)
+    try:
+        assert model.tokenizer.chat_template == CHAT_TEMPLATE
+        convo = [{"role": "system", "content": "Be brief. "}, {"role": "user", "content": "the loop — ça runs?"},
+                 {"role": "assistant", "content": "again"}, {"role": "user", "content": "then?"}]
+        tools = [{"name": "exit", "description": "ends the loop", "parameters": {"type": "object"}}]
+        for kw in (dict(), dict(add_generation_prompt=False), dict(tools=tools)):
+            want_text = hf_tok.apply_chat_template(convo, tokenize=False, **{"add_generation_prompt": True, **kw})
+            assert tl.apply_chat_template(model, convo, tokenize=False, **kw) == want_text
+            want = hf_tok.apply_chat_template(convo, tokenize=True, **{"add_generation_prompt": True, **kw})
+            want = list(want["input_ids"] if hasattr(want, "keys") else want)
+            got = tl.apply_chat_template(model, convo, **kw)
+            assert got == want and got[0] == model.cfg.bos_id and got.count(model.cfg.bos_id) == 1
+        out = tl.generate(model, tl.apply_chat_template(model, convo), tl.GenerateConfig(max_tokens=4))
+        assert len(out) == len(tl.apply_chat_template(model, convo)) + 4 or out[-1] == model.cfg.eos_id
+        with pytest.raises(tl.TokenizerError, match="system message must come first"):
+            tl.apply_chat_template(model, convo[1:] + convo[:1])
+        for bad in ("hi", [], [{"role": "user"}], [{"role": 3, "content": "x"}], [{"role": "user", "content": 5}],
+                    [("user", "x")]):
+            with pytest.raises(tl.InvalidInputError):
+                tl.apply_chat_template(model, bad)
+        with pytest.raises(tl.InvalidInputError, match="set by the renderer"):
+            tl.apply_chat_template(model, convo, bos_token="x")
+        with pytest.raises(tl.InvalidInputError, match="tokenize"):
+            tl.apply_chat_template(model, convo, tokenize="yes")
+    finally:
+        tl.free_model(model)
+    plain = tl.load_model(_convert(checkpoints_dir := _save(_make("llama", seed=2), tmp_path / "plain"), tmp_path,
+                                   name="plain.tinyloop"), backend="cpu")
+    try:
+        with pytest.raises(tl.TokenizerError, match="no chat template"):
+            tl.apply_chat_template(plain, convo)
+    finally:
+        tl.free_model(plain)
+    del checkpoints_dir
+
+
 def _edit_config(src, **changes):
     p = os.path.join(src, "config.json")
     with open(p) as f:

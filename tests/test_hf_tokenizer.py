@@ -584,3 +584,32 @@ def test_unsupported_models():
     plain["pre_tokenizer"] = {"type": "Whitespace"}
     with pytest.raises(TokenizerError, match="no decoder"):
         HFTokenizer.from_json(json.dumps(plain))
+
+
+
+def test_read_chat_template_forms(tmp_path):
+    """A directory's chat template: chat_template.jinja first, else tokenizer_config.json's text or
+    its list of named templates ("default"); none without; unreadable or malformed ones are
+    TokenizerErrors naming the file."""
+    import json as _json
+    from tinyloop.errors import TokenizerError
+    from tinyloop.model.tokenizer import read_chat_template
+    d = tmp_path / "t"
+    d.mkdir()
+    assert read_chat_template(str(d)) is None
+    (d / "tokenizer_config.json").write_text(_json.dumps({"chat_template": "{{ messages }}"}))
+    assert read_chat_template(str(d)) == "{{ messages }}"
+    (d / "tokenizer_config.json").write_text(_json.dumps({"chat_template": [
+        {"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}))
+    assert read_chat_template(str(d)) == "D"
+    (d / "chat_template.jinja").write_text("J")
+    assert read_chat_template(str(d)) == "J"
+    (d / "chat_template.jinja").unlink()
+    for bad, match in (([{"name": "rag", "template": "R"}], "none named 'default'"), (5, "Jinja template"),
+                       ("  ", "Jinja template")):
+        (d / "tokenizer_config.json").write_text(_json.dumps({"chat_template": bad}))
+        with pytest.raises(TokenizerError, match=match):
+            read_chat_template(str(d))
+    (d / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(TokenizerError, match="tokenizer_config.json"):
+        read_chat_template(str(d))

@@ -105,3 +105,15 @@ def test_counts_and_floats_are_bounded(field, value):
 def test_speculative_counts_are_bounded(field, value):
     with pytest.raises(tl.ConfigError, match=field):
         tl.TreeSpeculativeConfig(**{field: value})
+
+
+@pytest.mark.parametrize("bad", range(len(BAD)))
+def test_apply_chat_template_arguments(model, bad):
+    """apply_chat_template: a wrong model, conversation, add_generation_prompt or tokenize is a
+    typed error (a model without a template too)."""
+    v = BAD[bad]
+    convo = [{"role": "user", "content": "hi"}]
+    assert _typed(lambda: tl.apply_chat_template(v, convo))
+    assert _typed(lambda: tl.apply_chat_template(model, v))
+    assert _typed(lambda: tl.apply_chat_template(model, convo, add_generation_prompt=v))
+    assert _typed(lambda: tl.apply_chat_template(model, convo, tokenize=v))

@@ -21,7 +21,7 @@ from .runtime.lockstep import LaneView, lane_seed
 from .analysis.inspect import inspect
 from .analysis.scoring import (Escalation, LensTopK, Uncertainty, score_logit_lens, score_with_consistency_escalation,
                                score_with_uncertainty)
-from .api import generate_speculative, generate_text, generate_tree_speculative, stream_text
+from .api import apply_chat_template, generate_speculative, generate_text, generate_tree_speculative, stream_text
 from .model.tokenizer import Tokenizer
 from .runtime.grammar import Grammar
 from .plugins.decoders.autotune import DecoderChoice, calibrate
@@ -40,7 +40,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "load_model", "free_model", "vram_usage_bytes", "inspect", "Model",
-    "generate", "generate_stream", "generate_iter", "generate_batch", "lane_seed", "LaneView", "generate_text", "stream_text", "Tokenizer", "Grammar",
+    "generate", "generate_stream", "generate_iter", "generate_batch", "lane_seed", "LaneView", "generate_text", "stream_text", "apply_chat_template", "Tokenizer", "Grammar",
     "generate_speculative", "generate_tree_speculative", "calibrate", "DecoderChoice", "score",
     "score_last_token", "score_decoded", "score_logit_lens", "score_with_uncertainty", "score_with_consistency_escalation",
     "LensTopK", "Uncertainty", "Escalation",

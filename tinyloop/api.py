@@ -6,7 +6,9 @@ built-in plugins; the runtime (tinyloop.runtime) does not."""
 
 from __future__ import annotations
 
-from typing import Iterator, List, Optional, Sequence, Union
+from typing import Any, Iterator, List, Mapping, Optional, Sequence, Union
+
+from .errors import InvalidInputError, TokenizerError
 
 from .runtime.config import GenerateConfig, GenerateStats, SpeculativeConfig, TreeSpeculativeConfig
 from .runtime.engine import Model, generate_iter, generate_stream
@@ -68,3 +70,30 @@ def generate_text(model: Model, prompt: Union[str, Sequence[int]], config: Optio
     """The completion of `prompt` (text or ids) as text, prompt excluded: generate, then the new
     tokens decoded with ``model.tokenizer``."""
     return "".join(stream_text(model, prompt, config, stats=stats))
+
+
+def apply_chat_template(model: Model, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                        tokenize: bool = True, **template_kwargs: Any) -> Union[List[int], str]:
+    """A conversation as the model's prompt, rendered by its own chat template (embedded by
+    ``convert --hf`` from the checkpoint's tokenizer_config.json or chat_template.jinja; or the
+    tokenizer directory given to load_model): `messages` is a list of ``{"role", "content"}``
+    mappings; `add_generation_prompt` ends the text where the assistant's reply begins; extra
+    keywords reach the template (``tools=...``). ``tokenize=True`` returns the token ids to pass
+    to generate (the template writes the model's BOS text itself, so no BOS id is added, as
+    transformers' apply_chat_template does); ``tokenize=False`` the text. A model without a
+    template is a TokenizerError, before any work."""
+    from .model.chat import render
+    from .runtime.engine import check_call
+    check_call(model)
+    if not isinstance(tokenize, bool):
+        raise InvalidInputError(f"tokenize must be True or False, got {tokenize!r:.40}")
+    tok = model.tokenizer
+    if tok.chat_template is None:
+        raise TokenizerError(f"the model's tokenizer ({tok.name}) has no chat template: convert from a Hugging "
+                             f"Face directory whose tokenizer_config.json (or chat_template.jinja) has one, or "
+                             f"load the model with tokenizer=DIR of such a directory")
+    c = model.cfg
+    text = render(tok.chat_template, messages, add_generation_prompt,
+                  bos_token="" if c.bos_id is None else tok.token_text(c.bos_id),
+                  eos_token="" if c.eos_id is None else tok.token_text(c.eos_id), extra=template_kwargs)
+    return tok.encode(text) if tokenize else text

@@ -108,7 +108,8 @@ def inspect(path=None, max_seq_len: int = 2048, loops: Optional[int] = None, mea
 
     tok = h.tokenizer
     if isinstance(tok, dict) and tok.get("type") == "hf":
-        tok_info = {"embedded": True, "type": "hf", **_hf_tokenizer_info(tok.get("json"))}
+        tok_info = {"embedded": True, "type": "hf", **_hf_tokenizer_info(tok.get("json")),
+                    "chat_template": tok.get("chat_template") is not None}
     elif isinstance(tok, dict):
         vocab = tok.get("vocab") if isinstance(tok.get("vocab"), dict) else {}
         ids = [i for i in vocab.values() if isinstance(i, int)]

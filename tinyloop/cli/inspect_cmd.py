@@ -61,7 +61,8 @@ def _print_text(d: dict, out) -> None:
     tok = d["tokenizer"]
     if tok["embedded"] and tok["type"] == "hf":
         w(f"tokenizer: embedded tokenizer.json ({tok['model']}), {tok['tokens']} tokens "
-          f"(ids < {tok['vocab_size']}), {tok['merges']} merges")
+          f"(ids < {tok['vocab_size']}), {tok['merges']} merges"
+          + (", with a chat template" if tok.get("chat_template") else ""))
     elif tok["embedded"]:
         w(f"tokenizer: embedded {tok['type']}, {tok['tokens']} tokens (ids < {tok['vocab_size']}), "
           f"{tok['merges']} merges")

@@ -127,10 +127,15 @@ def _check_tokenizer(tok, vocab_size: int) -> Optional[dict]:
     if tok.get("type") == "hf":
         # a Hugging Face tokenizer.json kept verbatim; the tokenizers library parses it when the
         # model is loaded (tinyloop.model.tokenizer.HFTokenizer), so only its form is checked here
-        if sorted(tok) != ["json", "type"]:
-            raise ConfigError(f"tokenizer keys are {sorted(tok)}; an 'hf' tokenizer has exactly ['json', 'type']")
+        keys = sorted(tok, key=str)
+        if not {"json", "type"} <= set(keys) <= {"json", "type", "chat_template"}:
+            raise ConfigError(f"tokenizer keys are {keys}; an 'hf' tokenizer has 'json', 'type' and "
+                              f"optionally 'chat_template'")
         if not isinstance(tok["json"], str) or not tok["json"].lstrip().startswith("{"):
             raise ConfigError("tokenizer 'json' must be the text of a tokenizer.json object")
+        t = tok.get("chat_template")
+        if t is not None and (not isinstance(t, str) or not t.strip()):
+            raise ConfigError("tokenizer 'chat_template' must be the non-empty text of a Jinja template")
         return tok
     if sorted(tok) != sorted(TOKENIZER_KEYS):
         raise ConfigError(f"tokenizer keys are {sorted(tok)}; expected exactly {sorted(TOKENIZER_KEYS)}")

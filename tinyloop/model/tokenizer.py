@@ -174,6 +174,13 @@ class Tokenizer:
     name: str = "tokenizer"
     #: How many leading " " ``decode`` (and the stream decoder) drop from the start of the text.
     strip_leading_spaces: int = 0
+    #: The model's chat template (Jinja text, tinyloop.apply_chat_template), None without one.
+    chat_template: Optional[str] = None
+
+    def token_text(self, token_id: int) -> str:
+        """The token's text as a chat template names it (an added token's content, e.g.
+        "<|begin_of_text|>"); this default decodes its bytes."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
     @property
     def vocab_size(self) -> int:
@@ -617,21 +624,31 @@ class HFTokenizer(Tokenizer):
 
     @classmethod
     def from_embedded(cls, d: dict) -> "HFTokenizer":
-        """Build from the embedded dict form {"type": "hf", "json": "<tokenizer.json text>"}."""
+        """Build from the embedded dict form {"type": "hf", "json": "<tokenizer.json text>"}
+        (optionally "chat_template": the Jinja text of the model's chat template)."""
         if not isinstance(d, dict):
             raise TokenizerError(f"embedded tokenizer must be a mapping, got {type(d).__name__}")
         if d.get("type") != "hf":
             raise TokenizerError(f"embedded tokenizer type {d.get('type')!r} is not 'hf'")
-        unknown = sorted(set(d) - {"type", "json"}, key=str)
+        unknown = sorted(set(d) - {"type", "json", "chat_template"}, key=str)
         if unknown:
             raise TokenizerError(f"embedded tokenizer has unknown key(s) {unknown} (expected "
-                                 f"'type' and 'json')")
+                                 f"'type', 'json' and optionally 'chat_template')")
         if not isinstance(d.get("json"), str):
             raise TokenizerError("embedded 'hf' tokenizer needs 'json': the tokenizer.json text")
-        return cls(d["json"], name="hf:embedded")
+        tok = cls(d["json"], name="hf:embedded")
+        tok.chat_template = _check_template(d.get("chat_template"), "embedded 'chat_template'")
+        return tok
 
     def to_embedded(self) -> dict:
-        return {"type": "hf", "json": self._json}
+        out = {"type": "hf", "json": self._json}
+        if self.chat_template is not None:
+            out["chat_template"] = self.chat_template
+        return out
+
+    def token_text(self, token_id: int) -> str:
+        text = self._tok.id_to_token(int(token_id)) if 0 <= token_id < self._vocab_size else None
+        return self.token_bytes(token_id).decode("utf-8", errors="replace") if text is None else text
 
     # ------------------------------------------------------------------ protocol
     @property
@@ -665,15 +682,53 @@ def tokenizer_from_embedded(d: dict) -> Tokenizer:
                          f"{', '.join(repr(t) for t in EMBEDDED_TYPES)})")
 
 
+def _check_template(t, what: str) -> Optional[str]:
+    if t is not None and (not isinstance(t, str) or not t.strip()):
+        raise TokenizerError(f"{what} must be the non-empty text of a Jinja template, got {type(t).__name__}")
+    return t
+
+
+def read_chat_template(path: str) -> Optional[str]:
+    """The chat template of a Hugging Face tokenizer directory: ``chat_template.jinja``, else
+    ``tokenizer_config.json``'s ``chat_template`` (a text, or a list of named templates, of which
+    the one named "default"); None when it has none."""
+    jinja = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        try:
+            with open(jinja, "r", encoding="utf-8") as f:
+                return _check_template(f.read(), jinja)
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"{jinja}: cannot read: {e}") from None
+    cfg = os.path.join(path, "tokenizer_config.json")
+    if not os.path.isfile(cfg):
+        return None
+    try:
+        with open(cfg, "r", encoding="utf-8") as f:
+            d = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise TokenizerError(f"{cfg}: not a readable JSON file: {e}") from None
+    t = d.get("chat_template") if isinstance(d, dict) else None
+    if isinstance(t, list):
+        named = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}
+        if "default" not in named:
+            raise TokenizerError(f"{cfg}: chat_template lists templates {sorted(map(str, named))} but none "
+                                 f"named 'default'")
+        t = named["default"]
+    return _check_template(t, f"{cfg}: chat_template")
+
+
 def load_tokenizer_dir(path: str) -> Tokenizer:
-    """Load a tokenizer directory: ``tokenizer.json`` (:class:`HFTokenizer`) when it has one, else
-    GPT-2's ``vocab.json`` + ``merges.txt`` (:class:`BPETokenizer`)."""
+    """Load a tokenizer directory: ``tokenizer.json`` (:class:`HFTokenizer`, with the directory's
+    chat template when it has one: :func:`read_chat_template`) when it has one, else GPT-2's
+    ``vocab.json`` + ``merges.txt`` (:class:`BPETokenizer`)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise TokenizerError(f"tokenizer directory {path!r} does not exist or is not a directory")
     tj = os.path.join(path, "tokenizer.json")
     if os.path.isfile(tj):
-        return HFTokenizer.from_file(tj)
+        tok = HFTokenizer.from_file(tj)
+        tok.chat_template = read_chat_template(path)
+        return tok
     if not any(os.path.isfile(os.path.join(path, f)) for f in ("vocab.json", "merges.txt")):
         raise TokenizerError(f"tokenizer directory {path!r} has no tokenizer.json (Hugging Face) "
                              f"and no vocab.json + merges.txt (GPT-2)")
