@@ -354,6 +354,75 @@ def test_text_prompts_start_with_the_models_bos(tmp_path):
         s.close()
 
 
+CHAT = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_live(tmp_path_factory):
+    """A server over a model whose embedded tokenizer carries a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from conftest import TINY, random_weights
+    from tinyloop.model.arch import ModelConfig, TensorQuant
+    from tinyloop.model.format import write_model
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tr = trainers.BpeTrainer(vocab_size=290, special_tokens=["<|begin|>", "<|end|>", "<|user|>", "<|assistant|>",
+                                                             "<|system|>"],
+                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the loop runs again and again, then it exits early"] * 20, tr)
+    cfg = ModelConfig(**{**TINY, "vocab_size": 300, "bos_id": tok.token_to_id("<|begin|>"),
+                         "eos_id": tok.token_to_id("<|end|>")})
+    path = tmp_path_factory.mktemp("chat") / "chat.tinyloop"
+    write_model(str(path), cfg, random_weights(cfg, 3), default_quant=TensorQuant("f16", 0),
+                tokenizer={"type": "hf", "json": tok.to_str(), "chat_template": CHAT})
+    s = Live(ServeConfig(model=str(path), backend="cpu", max_seq_len=96))
+    yield s
+    s.close()
+
+
+def test_chat_completions_with_the_openai_client(chat_live):
+    """POST /v1/chat/completions renders the messages with the model's chat template: the reply is
+    tinyloop's completion of apply_chat_template's ids, streamed or not (a chat.completion, then
+    chat.completion.chunk deltas: the role first, the text, the finish reason, usage on request)."""
+    client = openai.OpenAI(base_url=chat_live.url + "/v1", api_key="none", max_retries=0)
+    m = chat_live.model
+    convo = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the loop runs?"}]
+    ids = tl.apply_chat_template(m, convo)
+    want = expected(m, ids, 10)
+    r = client.chat.completions.create(model="chat", messages=convo, max_tokens=10, temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want
+    assert r.usage.prompt_tokens == len(ids) and r.choices[0].finish_reason in ("stop", "length")
+    chunks = list(client.chat.completions.create(model="chat", messages=convo, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
+    assert chunks[-1].usage.prompt_tokens == len(ids) and all(c.object == "chat.completion.chunk" for c in chunks)
+    r = client.chat.completions.create(model="chat", messages=convo, max_completion_tokens=3, temperature=0)
+    assert r.usage.completion_tokens <= 3
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"messages": []}, "messages"), ({"messages": [{"content": "x"}]}, "role"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n must be 1"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "max_completion_tokens": 2}, "not both"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, "prompt")])
+def test_chat_bad_requests_are_400s(chat_live, body, needle):
+    r = httpx.post(chat_live.url + "/v1/chat/completions", json={"model": "chat", **body}, timeout=30)
+    assert r.status_code == 400 and needle in r.text
+
+
+def test_chat_without_a_template_is_a_400(live, client):
+    """The demo model has no chat template: a 400 that says so (nothing is queued)."""
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+
 def test_create_app_argument_errors():
     with pytest.raises(tl.ConfigError, match="ServeConfig"):
         create_app({"port": 1})

@@ -28,21 +28,21 @@ def operations(schema):
 
 def test_every_route_is_in_the_schema(api_schema):
     paths = {(op.method.upper(), op.path) for op in operations(api_schema)}
-    assert {("POST", "/v1/completions"), ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/metrics"),
+    assert {("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/metrics"),
             ("GET", "/")} <= paths
 
 
-@pytest.mark.parametrize("route", ["/v1/completions", "/v1/models", "/health", "/metrics", "/"])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/"])
 def test_no_5xx_and_responses_match_the_schema(api_schema, route):
     op = next(o for o in operations(api_schema) if o.path == route)
     named = []
 
     @given(case=op.as_strategy())
-    @settings(max_examples=60 if route == "/v1/completions" else 5, deadline=None,
+    @settings(max_examples=60 if route.endswith("completions") else 5, deadline=None,
               suppress_health_check=list(HealthCheck), database=None)
     def run(case):
         # half the generated completions name the served model, so they get past the 404
-        if route == "/v1/completions" and isinstance(case.body, dict) and len(named) % 2 == 0:
+        if route.endswith("completions") and isinstance(case.body, dict) and len(named) % 2 == 0:
             case.body["model"] = "demo"
         named.append(1)
         # a schema-valid body may still be one this model cannot serve (a prompt longer than

@@ -1,6 +1,8 @@
 """The HTTP server: OpenAI-compatible routes over one loaded model (FastAPI; ``tinyloop[serve]``).
 
 Routes: ``POST /v1/completions`` (text or token-id prompts, streaming as server-sent events),
+``POST /v1/chat/completions`` (messages rendered by the model's chat template, streamed as chat
+chunks),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /`` (the
 playground page). Every request is validated by tinyloop itself before it is queued (a
 TinyLoopError or a malformed body is a 400 naming the field; an unknown model a 404; a full queue
@@ -28,8 +30,9 @@ try:
 except ImportError as _exc:                     # tinyloop.serve.create_app turns this into a ConfigError
     raise ImportError(f"the server needs the serve extra: pip install 'tinyloop[serve]' ({_exc})") from None
 
-from .schema import (ChoiceStats, Choice, Completion, CompletionRequest, ErrorResponse, FieldError,  # noqa: E402
-                     ModelCard, ModelList, Usage, generate_config, stops_of)
+from .schema import (ChatChoice, ChatCompletion, ChatCompletionRequest, ChatReply, ChoiceStats, Choice,  # noqa: E402
+                     Completion, CompletionRequest, ErrorResponse, FieldError, ModelCard, ModelList, Usage,
+                     generate_config, stops_of)
 
 
 # =============================================================================== the served model
@@ -166,16 +169,32 @@ def _token_iter(served: Served, ids: List[int], config, stats: GenerateStats):
     return generate_iter(served.model, ids, config, stats=stats)
 
 
-class Request:
-    """One HTTP completion request: its jobs (one per prompt) and their event queues."""
+def _chat_prompt(served: Served, body) -> List[Tuple[Optional[str], List[int]]]:
+    """The one prompt of a chat request: its messages rendered by the model's chat template."""
+    from ..api import apply_chat_template
+    messages = []
+    for m in body.messages:
+        d = m.model_dump(exclude_none=True)
+        d["content"] = m.content
+        messages.append(d)
+    extra = {"tools": body.tools} if body.tools else {}
+    ids = apply_chat_template(served.model, messages, add_generation_prompt=True, **extra)
+    if not ids:
+        raise FieldError("messages", "the chat template renders these messages to no tokens")
+    return [(None, ids)]
 
-    def __init__(self, served: Served, body):
-        self.served, self.body = served, body
-        self.id = f"cmpl-{uuid.uuid4().hex[:24]}"
+
+class Request:
+    """One HTTP completion request (or chat completion: `chat`): its jobs (one per prompt) and
+    their event queues."""
+
+    def __init__(self, served: Served, body, chat: bool = False):
+        self.served, self.body, self.chat = served, body, chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         config = generate_config(body, served.cfg.max_tokens_default, served.model.cfg.vocab_size)
         stops = stops_of(body)
-        prompts = _prompts(served, body.prompt)
+        prompts = _chat_prompt(served, body) if chat else _prompts(served, body.prompt)
         self.texts = [t for t, _ in prompts]
         self.prompts = [ids for _, ids in prompts]
         timeout = served.cfg.deadline_s if body.timeout is None else min(body.timeout, served.cfg.deadline_s)
@@ -220,6 +239,39 @@ class Request:
         text = self.texts[i]
         return text if text is not None else self.served.model.tokenizer.decode(self.prompts[i])
 
+    async def collect(self) -> List[Tuple[str, Any]]:
+        """(text, end event) of every choice, once decoded (a non-streamed response)."""
+        out = []
+        for i, box in enumerate(self.boxes):
+            text = [self.echo(i)] if getattr(self.body, "echo", False) else []
+            end = None
+            while end is None:
+                for ev in await box.take():
+                    if ev[0] == "text":
+                        text.append(ev[1])
+                    elif ev[0] == "error":
+                        raise ev[1] if isinstance(ev[1], TinyLoopError) else RuntimeError(str(ev[1]))
+                    else:
+                        end = ev
+            out.append(("".join(text), end))
+        return out
+
+    def chunk(self, i: int, text: Optional[str], finish=None, stats=None, first: bool = False) -> str:
+        """One server-sent event of choice i: a completion chunk, or for a chat a chat.completion.chunk
+        whose delta carries the role first, then text, then nothing beside the finish reason."""
+        choice: dict = {"index": i, "logprobs": None, "finish_reason": finish}
+        if self.chat:
+            obj = "chat.completion.chunk"
+            choice["delta"] = ({"role": "assistant", "content": ""} if first else
+                               {} if text is None else {"content": text})
+        else:
+            obj = "text_completion"
+            choice["text"] = text or ""
+        if stats is not None:
+            choice["tinyloop"] = stats.model_dump()
+        c = {"id": self.id, "object": obj, "created": self.created, "model": self.served.name, "choices": [choice]}
+        return f"data: {json.dumps(c)}\n\n"
+
 
 def _error_body(message: str, type_: str, param: Optional[str] = None) -> dict:
     """The OpenAI error object (a 4xx body, or an error event of a stream)."""
@@ -253,7 +305,7 @@ SSE_EVENT_SCHEMA = {
 }
 
 #: Routes counted by name in tinyloop_requests_total; any other path counts as "other".
-ROUTES = frozenset({"/v1/completions", "/v1/models", "/health", "/metrics", "/", "/openapi.json", "/docs"})
+ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/", "/openapi.json", "/docs"})
 
 
 class _CountResponses:
@@ -350,34 +402,40 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
             return StreamingResponse(_sse(req, include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            choices = []
-            for i, box in enumerate(req.boxes):
-                text = [req.echo(i)] if body.echo else []
-                end = None
-                while end is None:
-                    for ev in await box.take():
-                        if ev[0] == "text":
-                            text.append(ev[1])
-                        elif ev[0] == "error":
-                            raise ev[1] if isinstance(ev[1], TinyLoopError) else RuntimeError(str(ev[1]))
-                        else:
-                            end = ev
-                choices.append(Choice(text="".join(text), index=i, finish_reason=_finish_reason(end[1]),
-                                      tinyloop=req.choice_stats(i)))
+            done = await req.collect()
         finally:
             req.cancel()              # a handler cancelled by a disconnect stops its jobs
+        choices = [Choice(text=text, index=i, finish_reason=_finish_reason(end[1]), tinyloop=req.choice_stats(i))
+                   for i, (text, end) in enumerate(done)]
         return JSONResponse(Completion(id=req.id, created=req.created, model=served.name, choices=choices,
                                        usage=req.usage()).model_dump())
 
+    @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=errors)
+    async def chat_completions(body: ChatCompletionRequest):
+        if body.model != served.name:
+            return _error(404, f"model {body.model!r} is not served here (this server serves {served.name!r})",
+                          "model_not_found", "model")
+        req = Request(served, body, chat=True)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_sse(req, include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            done = await req.collect()
+        finally:
+            req.cancel()
+        choices = [ChatChoice(index=i, message=ChatReply(content=text), finish_reason=_finish_reason(end[1]),
+                              tinyloop=req.choice_stats(i)) for i, (text, end) in enumerate(done)]
+        return JSONResponse(ChatCompletion(id=req.id, created=req.created, model=served.name, choices=choices,
+                                           usage=req.usage()).model_dump())
+
     async def _sse(req: Request, include_usage: bool):
-        def chunk(i, text, finish=None, stats=None) -> str:
-            c = {"id": req.id, "object": "text_completion", "created": req.created, "model": served.name,
-                 "choices": [{"text": text, "index": i, "logprobs": None, "finish_reason": finish,
-                              **({"tinyloop": stats.model_dump()} if stats is not None else {})}]}
-            return f"data: {json.dumps(c)}\n\n"
+        chunk = req.chunk
         try:
             for i, box in enumerate(req.boxes):
-                if req.body.echo:
+                if req.chat:
+                    yield chunk(i, None, first=True)
+                elif req.body.echo:
                     yield chunk(i, req.echo(i))
                 ended = False
                 while not ended:
@@ -389,12 +447,12 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
                             out.append(f"data: {json.dumps(_error_body(str(ev[1]), type(ev[1]).__name__))}\n\n")
                             ended = True
                         else:
-                            out.append(chunk(i, "", _finish_reason(ev[1]), req.choice_stats(i)))
+                            out.append(chunk(i, None, _finish_reason(ev[1]), req.choice_stats(i)))
                             ended = True
                     yield "".join(out)
             if include_usage:
-                u = {"id": req.id, "object": "text_completion", "created": req.created, "model": served.name,
-                     "choices": [], "usage": req.usage().model_dump()}
+                u = {"id": req.id, "object": "chat.completion.chunk" if req.chat else "text_completion",
+                     "created": req.created, "model": served.name, "choices": [], "usage": req.usage().model_dump()}
                 yield f"data: {json.dumps(u)}\n\n"
             yield "data: [DONE]\n\n"
         finally:

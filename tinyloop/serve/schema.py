@@ -40,9 +40,10 @@ class ResponseFormat(_Strict):
     lark: Optional[str] = None
 
 
-class CompletionRequest(_Strict):
+class _Generation(_Strict):
+    """The fields completions and chat completions share: OpenAI's, then TinyLoop's own knobs."""
+
     model: str
-    prompt: Union[str, List[int], List[str], List[List[int]]]
     max_tokens: Optional[int] = Field(default=None, ge=0)
     temperature: Optional[float] = Field(default=None, ge=0.0, le=100.0)
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
@@ -50,14 +51,10 @@ class CompletionRequest(_Strict):
     seed: Optional[int] = Field(default=None, ge=0, le=2 ** 64 - 1)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    echo: bool = False
     n: int = 1
-    best_of: Optional[int] = None
-    logprobs: Optional[int] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[Dict[str, float]] = None
-    suffix: Optional[str] = None
     user: Optional[str] = None
     # TinyLoop's own knobs
     loops: Optional[int] = Field(default=None, ge=1)
@@ -79,6 +76,36 @@ class CompletionRequest(_Strict):
     stop_token_ids: Optional[List[List[int]]] = None
     response_format: Optional[ResponseFormat] = None
     timeout: Optional[float] = Field(default=None, gt=0.0)
+
+
+class CompletionRequest(_Generation):
+    prompt: Union[str, List[int], List[str], List[List[int]]]
+    echo: bool = False
+    best_of: Optional[int] = None
+    logprobs: Optional[int] = None
+    suffix: Optional[str] = None
+
+
+class ChatMessage(_Strict):
+    """One message of a conversation (content None: a message that only carries tool calls)."""
+
+    role: str = Field(min_length=1)
+    content: Optional[str] = None
+    name: Optional[str] = None
+    tool_calls: Optional[List[Dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
+
+
+class ChatCompletionRequest(_Generation):
+    """OpenAI chat completions: the conversation is rendered by the model's own chat template
+    (tinyloop.apply_chat_template); ``tools`` reach the template."""
+
+    messages: List[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=0)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+    tools: Optional[List[Dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, Dict[str, Any]]] = None
 
 
 class ChoiceStats(BaseModel):
@@ -120,6 +147,28 @@ class Completion(BaseModel):
     usage: Optional[Usage] = None
 
 
+class ChatReply(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatReply
+    logprobs: None = None
+    finish_reason: Optional[Literal["stop", "length"]] = None
+    tinyloop: Optional[ChoiceStats] = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: List[ChatChoice]
+    usage: Optional[Usage] = None
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -155,16 +204,22 @@ class FieldError(ConfigError):
         self.param = param
 
 
-def _unsupported(req: CompletionRequest) -> None:
+def _unsupported(req: _Generation) -> None:
+    chat = isinstance(req, ChatCompletionRequest)
     checks = [("n", req.n != 1, "n must be 1 (one completion per prompt)"),
-              ("best_of", req.best_of not in (None, 1), "best_of must be 1 or absent"),
-              ("logprobs", req.logprobs is not None, "logprobs are not supported"),
+              ("best_of", getattr(req, "best_of", None) not in (None, 1), "best_of must be 1 or absent"),
+              ("logprobs", req.logprobs not in ((None, False) if chat else (None,)), "logprobs are not supported"),
+              ("top_logprobs", getattr(req, "top_logprobs", None) not in (None, 0), "logprobs are not supported"),
+              ("tool_choice", getattr(req, "tool_choice", None) not in (None, "none", "auto"),
+               "tool_choice must be 'none' or 'auto' (the model's own template decides how tools are offered)"),
+              ("max_completion_tokens", chat and None not in (req.max_tokens, getattr(req, "max_completion_tokens", None)),
+               "give max_tokens or max_completion_tokens, not both"),
               ("presence_penalty", req.presence_penalty not in (None, 0, 0.0),
                "presence_penalty is not supported (use repetition_penalty)"),
               ("frequency_penalty", req.frequency_penalty not in (None, 0, 0.0),
                "frequency_penalty is not supported (use repetition_penalty)"),
               ("logit_bias", bool(req.logit_bias), "logit_bias is not supported"),
-              ("suffix", req.suffix is not None, "suffix (insertion) is not supported")]
+              ("suffix", getattr(req, "suffix", None) is not None, "suffix (insertion) is not supported")]
     for param, bad, message in checks:
         if bad:
             raise FieldError(param, message)
@@ -189,7 +244,7 @@ def grammar_of(fmt: Optional[ResponseFormat]) -> Any:
     return {fmt.type: value}
 
 
-def stops_of(req: CompletionRequest) -> List[str]:
+def stops_of(req: _Generation) -> List[str]:
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stops) > MAX_STOPS:
         raise FieldError("stop", f"stop holds {len(stops)} strings; at most {MAX_STOPS}")
@@ -198,11 +253,12 @@ def stops_of(req: CompletionRequest) -> List[str]:
     return stops
 
 
-def generate_config(req: CompletionRequest, max_tokens_default: int, vocab_size: int) -> GenerateConfig:
+def generate_config(req: _Generation, max_tokens_default: int, vocab_size: int) -> GenerateConfig:
     """The request as a GenerateConfig (ConfigError naming the field for what it cannot be)."""
     _unsupported(req)
     temperature = 1.0 if req.temperature is None else float(req.temperature)
-    fields: Dict[str, Any] = dict(max_tokens=max_tokens_default if req.max_tokens is None else req.max_tokens,
+    max_tokens = req.max_tokens if req.max_tokens is not None else getattr(req, "max_completion_tokens", None)
+    fields: Dict[str, Any] = dict(max_tokens=max_tokens_default if max_tokens is None else max_tokens,
                                   temperature=temperature)
     sampling = temperature > 0.01
     if sampling:
