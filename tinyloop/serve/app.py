@@ -391,12 +391,13 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
         with open(path, encoding="utf-8") as fh:
             return HTMLResponse(fh.read())
 
-    @app.post("/v1/completions", response_model=Completion, responses=errors)
-    async def completions(body: CompletionRequest):
+    async def respond(body, chat: bool):
+        """Both routes: the model check, then a stream of server-sent events, or the decoded
+        choices in a Completion (chat: a ChatCompletion)."""
         if body.model != served.name:
             return _error(404, f"model {body.model!r} is not served here (this server serves {served.name!r})",
                           "model_not_found", "model")
-        req = Request(served, body)
+        req = Request(served, body, chat=chat)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_sse(req, include_usage), media_type="text/event-stream",
@@ -405,29 +406,21 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
             done = await req.collect()
         finally:
             req.cancel()              # a handler cancelled by a disconnect stops its jobs
-        choices = [Choice(text=text, index=i, finish_reason=_finish_reason(end[1]), tinyloop=req.choice_stats(i))
+        choices = [(ChatChoice(message=ChatReply(content=text), index=i, finish_reason=_finish_reason(end[1]),
+                               tinyloop=req.choice_stats(i)) if chat else
+                    Choice(text=text, index=i, finish_reason=_finish_reason(end[1]), tinyloop=req.choice_stats(i)))
                    for i, (text, end) in enumerate(done)]
-        return JSONResponse(Completion(id=req.id, created=req.created, model=served.name, choices=choices,
-                                       usage=req.usage()).model_dump())
+        reply = ChatCompletion if chat else Completion
+        return JSONResponse(reply(id=req.id, created=req.created, model=served.name, choices=choices,
+                                  usage=req.usage()).model_dump())
+
+    @app.post("/v1/completions", response_model=Completion, responses=errors)
+    async def completions(body: CompletionRequest):
+        return await respond(body, chat=False)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=errors)
     async def chat_completions(body: ChatCompletionRequest):
-        if body.model != served.name:
-            return _error(404, f"model {body.model!r} is not served here (this server serves {served.name!r})",
-                          "model_not_found", "model")
-        req = Request(served, body, chat=True)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_sse(req, include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        try:
-            done = await req.collect()
-        finally:
-            req.cancel()
-        choices = [ChatChoice(index=i, message=ChatReply(content=text), finish_reason=_finish_reason(end[1]),
-                              tinyloop=req.choice_stats(i)) for i, (text, end) in enumerate(done)]
-        return JSONResponse(ChatCompletion(id=req.id, created=req.created, model=served.name, choices=choices,
-                                           usage=req.usage()).model_dump())
+        return await respond(body, chat=True)
 
     async def _sse(req: Request, include_usage: bool):
         chunk = req.chunk

@@ -256,8 +256,8 @@ class SpeculativeSession(Session):
         calls are commit(n) with n the longest prefix of drafts equal to verified, then
         draft_cycle(verified[n], k, ...) or nothing. Where the backend decides that acceptance on
         the device (capability device_acceptance), the next cycle is then queued before this one
-        is read (see _accepted_cycle)."""
-        be, ws = self.model.backend, self.model.ws
+        is read (see _chained_cycle)."""
+        be = self.model.backend
         if not be.supports("device_chaining"):
             drafts, tok = [], pending
             for i in range(k):
@@ -267,22 +267,24 @@ class SpeculativeSession(Session):
         self.stats.loop_iters_run += k * self.draft_loops + self.verify_loops   # the tail's Ld + the resumed Lv - Ld
         self.stats.drafted_tokens += k
         self.stats.verify_forwards += 1
-        if ahead and be.supports("device_acceptance"):
-            ids, verified = self._accepted_cycle(pending, k, 1)
-            return ids[1:], verified
-        self._queue_cycle(k, pending, None)
-        verified = be.read_argmax_rows(ws, k + 1)
-        return be.read_ids(ws, k + 1)[1:], verified
+        ids, verified = self._chained_cycle(pending, k, 1, ahead)
+        return ids[1:], verified
 
-    def _accepted_cycle(self, pending: int, k: int, branches: int):
-        """A greedy cycle of depth k (`branches` children per node; a chain: 1) whose acceptance
-        the device decides: ``(ids, verified)`` over its nodes. Unless TINYLOOP_LOOKAHEAD=0, the
-        next cycle is queued before this one is read, so the device runs cycle after cycle
-        without waiting for the host; it is dropped, unseen, if the request ends (its K/V sit
-        past the accepted position, rewritten before any query reaches them). Only queued where
-        the request certainly needs it (the tokens this cycle can emit leave max_tokens
-        unreached), so it never reaches a slot the host loop would not."""
+    def _chained_cycle(self, pending: int, k: int, branches: int, ahead: bool):
+        """One chained cycle of depth k (`branches` children per node; a chain: 1), queued by
+        _queue_cycle: ``(ids, verified)`` over its nodes. With `ahead` on a device_acceptance
+        backend the device decides the acceptance and, unless TINYLOOP_LOOKAHEAD=0, the next cycle
+        is queued before this one is read, so the device runs cycle after cycle without waiting
+        for the host; it is dropped, unseen, if the request ends (its K/V sit past the accepted
+        position, rewritten before any query reaches them). Only queued where the request
+        certainly needs it (the tokens this cycle can emit leave max_tokens unreached), so it
+        never reaches a slot the host loop would not."""
         be, ws = self.model.backend, self.model.ws
+        if not (ahead and be.supports("device_acceptance")):
+            n = tree_nodes(branches, k)
+            self._queue_cycle(k, pending, None)
+            verified = be.read_argmax_rows(ws, n)
+            return be.read_ids(ws, n), verified
         queued, self._queued = self._queued, None
         if queued is not None and queued[1:] != (k, branches):
             raise PluginError(f"a cycle of depth {queued[1]} ({queued[2]} branches) was queued ahead, then one of "
@@ -459,7 +461,7 @@ class TreeSpeculativeSession(SpeculativeSession):
         backend decides the acceptance on the device (device_acceptance), it also compacts the
         path's cache slots there and the next cycle is queued before this one is read (as the
         chain's draft_cycle)."""
-        be, ws = self.model.backend, self.model.ws
+        be = self.model.backend
         tr = self.tree
         if not be.supports("device_chaining"):
             tokens = [0] * tr.n_nodes
@@ -473,11 +475,7 @@ class TreeSpeculativeSession(SpeculativeSession):
         self.stats.loop_iters_run += tr.D * self.draft_loops + self.verify_loops
         self.stats.drafted_tokens += tr.n_nodes - 1
         self.stats.verify_forwards += 1
-        if ahead and be.supports("device_acceptance"):
-            return self._accepted_cycle(pending, tr.D, tr.K)
-        self._queue_cycle(tr.D, pending, None)
-        verified = be.read_argmax_rows(ws, tr.n_nodes)
-        return be.read_ids(ws, tr.n_nodes), verified
+        return self._chained_cycle(pending, tr.D, tr.K, ahead)
 
     def _queue_cycle(self, k: int, pending: Optional[int], slot: Optional[int]) -> None:
         """The tree's cycle (k: its depth D) as one replayed sequence; with a record `slot`, the
