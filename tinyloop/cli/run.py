@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import List, Optional
 
 from ..runtime.config import GenerateStats, RunConfig, load_run_config, read_text
-from ..runtime.engine import Plan, free_model, generate_batch, generate_iter, load_model, resolve_loops
+from ..runtime.engine import (Plan, encode_text, free_model, generate_batch, generate_iter, load_model,
+                              resolve_loops)
 from ..runtime import reuse
 from ..errors import ConfigError
 from ..runtime.plugins import get_plugin_manager
@@ -165,9 +166,8 @@ def run(args) -> int:
                        prefill_chunk=cfg.prefill_chunk, tokenizer=tokenizer_dir or None)
     try:
         tok = model.tokenizer
-        bos = [model.cfg.bos_id] if model.cfg.bos_id is not None else []
-        shared = tok.encode(cfg.prefix) if cfg.prefix is not None else []
-        encoded = [bos + shared + tok.encode(p) for p in prompts]
+        head = encode_text(model, cfg.prefix or "")         # BOS, then the shared scaffold
+        encoded = [head + tok.encode(p) for p in prompts]
         eos = model.cfg.eos_ids
         records = []
         out = sys.stdout
@@ -199,7 +199,7 @@ def run(args) -> int:
                 out.write("\n")
                 records.append((prompt, ids, res[len(ids):], text, st))
         else:
-            serve = _Server(cfg, model, request, bos + shared)
+            serve = _Server(cfg, model, request, head)
             try:
                 for prompt, ids in zip(prompts, encoded):
                     for label, call in serve(ids):
