@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         return graph_time_ms(stream, fn, args.reps) * 1e3      # us per launch
 
     rows = []
-    base = (km.GEMV_CONFIG, km.GEMV_WIDE_CONFIG, km.GEMV_XWIDE_CONFIG, km.GEMM_CONFIG)
+    base = (km.GEMV_CONFIG, km.GEMV_WIDE_CONFIG, km.GEMV_XWIDE_CONFIG, km.GEMV_LONG_CONFIG, km.GEMM_CONFIG)
     rule = km.flat_for
     if args.flat != "rule":
         km.flat_for = lambda T: T == 1 and args.flat == "on"
@@ -64,10 +64,10 @@ def main(argv=None) -> int:
                 for cfg in (GEMV if T == 1 else GEMM):
                     if T == 1:
                         # (weights of N >= XWIDE_N also get its register cap)
-                        km.GEMV_CONFIG = km.GEMV_WIDE_CONFIG = km.GEMV_XWIDE_CONFIG = cfg
+                        km.GEMV_CONFIG = km.GEMV_WIDE_CONFIG = km.GEMV_XWIDE_CONFIG = km.GEMV_LONG_CONFIG = cfg
                     else:
                         km.GEMM_CONFIG = cfg
-                    used = km.config_for("q4", T, N)
+                    used = km.config_for("q4", T, N, False, K)
 
                     def fn():
                         for _ in range(args.reps):
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
                     print(f"{name:22} T={T:<4} cfg={cfg} used={used}: {us:8.1f} us {row['GB_per_s']:6.0f} GB/s "
                           f"identical={same}", flush=True)
     finally:
-        km.GEMV_CONFIG, km.GEMV_WIDE_CONFIG, km.GEMV_XWIDE_CONFIG, km.GEMM_CONFIG = base
+        km.GEMV_CONFIG, km.GEMV_WIDE_CONFIG, km.GEMV_XWIDE_CONFIG, km.GEMV_LONG_CONFIG, km.GEMM_CONFIG = base
         km.flat_for = rule
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows}, indent=2))

@@ -277,6 +277,32 @@ def test_matmul_batched_staging_is_batch_invariant(monkeypatch, batch):
     _check_rows_alone(np.random.default_rng(batch), "q4", 5, 1600, 64, 2, range(2))
 
 
+@pytest.mark.parametrize("kind,N,K,group", [("q4", 5, 1600, 32), ("q8", 4, 520, 8)])
+def test_matmul_prefetching_gemv_is_batch_invariant(monkeypatch, kind, N, K, group):
+    """A one-row launch with few blocks asks L2 for its rows first (a hint: a no-op under the
+    simulator, the bits are checked on the GPU): the reference, and the same bits as the row
+    inside a multi-row launch (never prefetching). The rule is shape-only."""
+    assert matmul.prefetch_for(kind, 1, N, K)
+    assert not matmul.prefetch_for(kind, 2, N, K) and not matmul.prefetch_for("f16", 1, N, K)
+    cap = matmul.PREFETCH_BLOCKS * 16           # GEMV_CONFIG: 16 rows a block
+    assert matmul.prefetch_for("q4", 1, cap, 2048) and not matmul.prefetch_for("q4", 1, cap + 1, 2048)
+    assert matmul.prefetch_for("q4", 1, cap, 2048, pair=True) and not matmul.prefetch_for("q4", 1, cap + 2, 2048, pair=True)
+    _check_rows_alone(np.random.default_rng(N + K), kind, N, K, group, 3, range(3))
+
+
+@pytest.mark.parametrize("kind,N,K,group", [("q4", 21, 1600, 32), ("q8", 10, 520, 8)])
+def test_matmul_long_gemv_config_is_batch_invariant(monkeypatch, kind, N, K, group):
+    """Wide one-row launches with K > LONG_K (lowered here) use GEMV_LONG_CONFIG, without the
+    XWIDE register cap: the reference and the same bits as the row inside a multi-row launch."""
+    monkeypatch.setattr(matmul, "WIDE_N", 8)
+    monkeypatch.setattr(matmul, "XWIDE_N", 8)
+    monkeypatch.setattr(matmul, "LONG_K", K - 1)
+    assert matmul.config_for(kind, 1, N, False, K)[2:] == matmul.GEMV_LONG_CONFIG[2:]
+    assert matmul.config_for(kind, 1, N, False, K - 1)[2:] == matmul.GEMV_XWIDE_CONFIG[2:]
+    assert matmul.max_registers_for(1, N, K) == 0 and matmul.max_registers_for(1, N, K - 1) > 0
+    _check_rows_alone(np.random.default_rng(N + K), kind, N, K, group, 3, range(3))
+
+
 def test_flat_addressing_rule(monkeypatch):
     """One-row launches address the weight as flat arrays, whatever its width; many-row launches
     use 2-D indexing. (The batch-invariance tests above compare the two addressings bit for bit: a

@@ -83,6 +83,7 @@ from ...errors import BackendError
 from ._cache import jit_kernel
 from ._common import SIM, Epilogue, as_float, cdiv, check_array, device_pointer, warp_sum
 from ._pdl import grid_dep_wait
+from ._prefetch import l2_prefetch
 from .rmsnorm import NT as NORM_NT
 from .rmsnorm import NW as NORM_NW
 from .rmsnorm import check_eps, inv_rms, sumsq_partial
@@ -114,6 +115,13 @@ WIDE_N = 8192
 GEMV_XWIDE_CONFIG = (1, 8, 8, 4096)
 XWIDE_N = 16384
 XWIDE_MAX_REGISTERS = 128
+#: T == 1 with at least WIDE_N output rows and more than LONG_K inputs (a row that does not fit one
+#: 4096-element staged chunk: Huginn-0125's d 5280): 16 warps of 2 rows, one 6144-element chunk.
+#: H200, q4 g32, weights from HBM (bench/gemv_stream.py, docs/KERNELS.md): Huginn's gate|up
+#: 35840x5280 91.8 -> 66.2 us, head 65536x5280 140.4 -> 114.8, q|k|v 15840x5280 35.1 -> 30.8.
+#: Shape rule only, like WIDE_N.
+GEMV_LONG_CONFIG = (1, 2, 16, 6144)
+LONG_K = 4096
 #: T > 1 (same tuning run: (2, 8, 4) beat (4, 4, 4) by 3-9% at T = 16 and 128 on every shape).
 GEMM_CONFIG = (2, 8, 4, 1024)
 #: Largest TT * R * E (fmas per lane per word) the compiler still unrolls fully (read off the
@@ -125,11 +133,12 @@ MAX_UNROLL = 256
 MAX_ROW_ELEMS = 128
 
 
-def config_for(kind: str, T: int, N: int = 0, pair: bool = False):
-    """(TT, R, NW, KC) the fast kernel uses for storage `kind`, T rows and N weight rows; with
-    `pair` (an epilogue) R is even, so a warp's rows are whole pairs."""
+def config_for(kind: str, T: int, N: int = 0, pair: bool = False, K: int = 0):
+    """(TT, R, NW, KC) the fast kernel uses for storage `kind`, T rows, N weight rows and K inputs;
+    with `pair` (an epilogue) R is even, so a warp's rows are whole pairs."""
     if T == 1:
-        TT, R, NW, KC = (GEMV_XWIDE_CONFIG if N >= XWIDE_N else
+        TT, R, NW, KC = (GEMV_LONG_CONFIG if N >= WIDE_N and K > LONG_K else
+                         GEMV_XWIDE_CONFIG if N >= XWIDE_N else
                          GEMV_WIDE_CONFIG if N >= WIDE_N else GEMV_CONFIG)
     else:
         TT, R, NW, KC = GEMM_CONFIG
@@ -140,9 +149,10 @@ def config_for(kind: str, T: int, N: int = 0, pair: bool = False):
     return TT, R, NW, KC
 
 
-def max_registers_for(T: int, N: int) -> int:
-    """Register cap per thread of the fast kernel for T rows and N weight rows (0: none)."""
-    return XWIDE_MAX_REGISTERS if T == 1 and N >= XWIDE_N else 0
+def max_registers_for(T: int, N: int, K: int = 0) -> int:
+    """Register cap per thread of the fast kernel for T rows, N weight rows and K inputs (0: none):
+    the cap of GEMV_XWIDE_CONFIG's launches."""
+    return XWIDE_MAX_REGISTERS if T == 1 and N >= XWIDE_N and K <= LONG_K else 0
 
 
 #: x elements each thread of a plain (no norm) one-row GEMV on `GEMV_CONFIG` loads before storing
@@ -167,6 +177,26 @@ def flat_for(T: int) -> bool:
     (1, 8, 4) configuration (128.8 -> 160.8) and is faster with GEMV_WIDE_CONFIG's (1, 4, 8),
     so every one-row launch is flat; the many-row ones (unmeasured) keep 2-D indexing."""
     return T == 1
+
+
+#: One-row launches of quantized weights with at most this many blocks prefetch their rows into
+#: L2 (see `prefetch_for`).
+PREFETCH_BLOCKS = 128
+
+
+def prefetch_for(kind: str, T: int, N: int, K: int = 0, pair: bool = False) -> bool:
+    """Whether a launch asks L2 for its warps' weight rows first (`_make_fast`'s `prefetch`): one-row
+    (flat) launches of quantized weights whose grid has at most PREFETCH_BLOCKS blocks, too few
+    resident warps to keep many loads in flight otherwise. H200, q4, weights from HBM
+    (bench/gemv_stream.py): Ouro's down 2048x5632 11.4 -> 9.8 us, wo 2048x2048 5.7 -> 5.2, the
+    360m down 1024x4096 8.7 -> 7.5; with more blocks it gained nothing or lost (Huginn's wo
+    5280x5280, 330 blocks: 16.5 -> 17.6). A load hint only: the results are unchanged."""
+    if T != 1 or not flat_for(T) or not kind.startswith("q"):
+        return False
+    _, R, NW, _ = config_for(kind, T, N, pair, K)
+    rows = N // 2 if pair else N
+    per_block = NW * R // 2 if pair else NW * R
+    return cdiv(rows, per_block) <= PREFETCH_BLOCKS
 
 
 SIMPLE_WARPS = 4
@@ -336,23 +366,27 @@ def group_shift_for(kind: str, group: int, pair: bool) -> int:
 
 
 def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage_batch=1, gshift=-1,
-               flat=False):
+               flat=False, prefetch=False):
     """Build the fast kernel for one storage kind and block configuration (see module doc);
     `norm` compiles in the fused-RMSNorm prologue and staging, `epi` (an `Epilogue`) the pair
     row map and store; `max_registers` > 0 caps the registers per thread (ptxas);
     `stage_batch` > 1 stages x that many elements per thread at a time (plain staging only);
     `gshift` >= 0 takes a word's group index as ``w >> gshift`` (quantized kinds); `flat`
-    takes the weight (and scales, zeros) as 1-D views addressed by 32-bit row offsets."""
+    takes the weight (and scales, zeros) as 1-D views addressed by 32-bit row offsets; `prefetch`
+    (flat quantized kernels) has each warp ask L2 for its rows' codes, scales and zeros before
+    anything else (`_prefetch.l2_prefetch`), a hint that changes no value."""
     name = None if epi is None else epi.name
     key = (kind, TT, R, NW, KC, bool(norm), name, int(max_registers), int(stage_batch), int(gshift),
-           bool(flat))
+           bool(flat), bool(prefetch))
     if key in _fast_cache:
         return _fast_cache[key]
     NORM = bool(norm)
     SB = int(stage_batch)
     GS = int(gshift)
     FLAT = bool(flat)
+    PF = bool(prefetch)
     assert SB >= 1 and not (NORM and SB > 1), (norm, stage_batch)
+    assert not PF or (FLAT and kind.startswith("q") and 3 * R <= 32), (prefetch, flat, kind, R)
     PAIR = epi is not None
     rows_of = epi.rows if PAIR else _no_rows
     store = epi.store if PAIR else _no_store
@@ -434,6 +468,14 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
                 nrow[r] = min(unit * R + r, N - 1)
 
     @cuda.jit(device=True)
+    def row_of(ep, unit, j, N):
+        """Row j of the warp's rows, as `setup_rows` lays them out (j may be a run-time value)."""
+        if PAIR:
+            na, nb = rows_of(ep, min(unit * RP + j // 2, N // 2 - 1), N)
+            return na if j % 2 == 0 else nb
+        return min(unit * R + j, N - 1)
+
+    @cuda.jit(device=True)
     def finish(out, acc, scratch, warp, lane, unit, t0, N, T, accumulate, ep):
         """Butterfly-reduce every accumulator of the warp and store it (optionally added), or in
         pair mode hand each pair's two totals to the epilogue."""
@@ -473,16 +515,10 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
             scratch = cuda.shared.array((NW, 32), float32)
             invs = cuda.shared.array(TT, float32)
             part = cuda.shared.array(NJ, float32)
-            if NORM:
-                # invs becomes visible at the first chunk's barrier below.
-                prologue(x, t0, T, eps, invs, part, scratch, tid, warp, lane)
             acc = cuda.local.array((TT, R), float32)
             wv = cuda.local.array(E, float32)
             nrow = cuda.local.array(R, int32)
             setup_rows(nrow, ep, unit, N)
-            for tt in range(TT):
-                for r in range(R):
-                    acc[tt, r] = float32(0.0)
             # FLAT: row starts in the flat weight, scale and zero arrays, once (32-bit: the
             # launcher checks the sizes), so a load's address is an add and a wide shift-add.
             qo = cuda.local.array(R, uint32)
@@ -490,6 +526,24 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
             for r in range(R):
                 qo[r] = uint32(nrow[r]) * uint32(nwords)
                 go[r] = uint32(nrow[r]) * uint32(G)
+            if PF and lane < 3 * R:
+                # lanes j, R + j, 2R + j: the codes, scales, zeros of the warp's row j on their
+                # way into L2 (the row computed again, not read from nrow: a run-time index into
+                # the row arrays would put them in local memory)
+                n = uint32(row_of(ep, unit, lane % R, N))
+                part_kind = lane // R
+                if part_kind == 0:
+                    l2_prefetch(qw, n * uint32(nwords), nwords)
+                elif part_kind == 1:
+                    l2_prefetch(scales, n * uint32(G), G)
+                else:
+                    l2_prefetch(zeros, n * uint32(G), G)
+            if NORM:
+                # invs becomes visible at the first chunk's barrier below.
+                prologue(x, t0, T, eps, invs, part, scratch, tid, warp, lane)
+            for tt in range(TT):
+                for r in range(R):
+                    acc[tt, r] = float32(0.0)
             ugw = uint32(gw)
             # 0x4B000000 as a run-time value (the grid is 2-D: blockIdx.z is 0): with both the
             # element mask and the magic as immediates ptxas emits an AND and an OR per element;
@@ -769,10 +823,11 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
     pair = epilogue is not None
 
     if uses_fast_path(kind, K, group, w):
-        TT, R, NW, KC = config_for(kind, T, N, pair)
+        TT, R, NW, KC = config_for(kind, T, N, pair, K)
         flat = flat_for(T)
-        kern = _make_fast(kind, TT, R, NW, KC, norm, epilogue, max_registers_for(T, N),
-                          stage_batch_for(T, N, norm), group_shift_for(kind, group, pair), flat)
+        kern = _make_fast(kind, TT, R, NW, KC, norm, epilogue, max_registers_for(T, N, K),
+                          stage_batch_for(T, N, norm), group_shift_for(kind, group, pair), flat,
+                          prefetch_for(kind, T, N, K, pair))
         E = WORD_ELEMS[kind]
         nwords = K // E
         if N * nwords >= 1 << 32:
@@ -812,19 +867,24 @@ def ptx_signatures(epilogues=()):
         tag = ("_norm" if norm else "") + (f"_{epi.name}" if epi is not None else "")
         es = NO_EPILOGUE_SIG if epi is None else epi.sig
         for kind in WORD_ELEMS:
-            for T, n in ((1, 0), (1, WIDE_N), (1, XWIDE_N), (2, 0)):
-                cfg = config_for(kind, T, n, epi is not None)
+            # (T, N, K, prefetch): every one-row configuration, GEMV_CONFIG also with the prefetch
+            for T, n, kk, pf in ((1, 0, 0, False), (1, 0, 0, True), (1, WIDE_N, 0, False),
+                                 (1, XWIDE_N, 0, False), (1, WIDE_N, 2 * LONG_K, False), (2, 0, 0, False)):
+                if pf and not kind.startswith("q"):
+                    continue
+                cfg = config_for(kind, T, n, epi is not None, kk)
                 # (group 128, the presets' group size, for the group-index shift)
                 flat = flat_for(T)
                 k = _make_fast(kind, *cfg, norm, epi, 0, stage_batch_for(T, n, norm),
-                               group_shift_for(kind, 128, epi is not None), flat)
+                               group_shift_for(kind, 128, epi is not None), flat, pf)
                 a = "[::1]" if flat else "[:, ::1]"
                 if kind.startswith("q"):
                     sig = (f"void({head}, uint64{a}, float16{a}, uint8{a}, int64, int64, "
                            f"int64, int64, int64, {es})")
                 else:
                     sig = f"void({head}, uint64{a}, int64, int64, int64, {es})"
-                sigs.append((f"matmul_fast{tag}_{kind}_{'_'.join(map(str, cfg))}", k.py_func, sig))
+                pft = "_prefetch" if pf else ""
+                sigs.append((f"matmul_fast{tag}{pft}_{kind}_{'_'.join(map(str, cfg))}", k.py_func, sig))
         sigs.append((f"matmul_simple{tag}_q", _make_simple(True, norm, epi).py_func,
                      f"void({head}, uint8[:, ::1], float16[:, ::1], uint8[:, ::1], int64, int64, int64, {es})"))
         for wt in ("float32", "float16"):
