@@ -31,6 +31,8 @@ Two kernels; the launcher picks one from the weight's shape and storage only, ne
   2^-100; smaller x (near float32's subnormal range) may lose low bits to the scaling, the same
   in every configuration, so batch invariance is unaffected. The group scale is applied once
   per word.
+  One-row launches of quantized weights with few blocks (`prefetch_for`) first ask L2 for each
+  warp's rows (`_prefetch.l2_prefetch`: codes, scales, zeros), a load hint that changes no value.
 * simple (``_simple_*``): one warp per (row t, output n); lane l handles k = l, l+32, ...,
   dequantizing each element on its own. Used when the fast kernel's alignment conditions fail.
 
