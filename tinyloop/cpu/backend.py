@@ -102,6 +102,7 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
         self.sin = np.sin(ang).astype(np.float32)
         self._held = 0
         self._scores = None
+        self._mm_rows = np.zeros(0, np.float32)
         self._rows = 0
         self._exit_run, self._exit_at, self._exit_prev = 0, 0, None     # guarded steps (early exit)
         self._exit_queued = 0
@@ -136,6 +137,9 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
         out["ids"] = ((rows,), np.int64)
         # attention scores of every (row, head) over the keys (+ a margin for a speculative verify)
         out["scores"] = ((rows * cfg.n_heads, max_seq_len + 65), f)
+        # x of a many-row matmul in ops.matmul_rows' blocked layout (the widest in_features)
+        kmax = max(shape[-1] for shape in required_tensors(cfg).values() if len(shape) == 2)
+        out["mm_rows"] = ((ops.rows_scratch(rows, kmax),), f)
         return out
 
     def alloc_workspace(self, rows: int) -> Workspace:
@@ -144,9 +148,10 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
         arrays = {n: np.zeros(shape, dt)
                   for n, (shape, dt) in self.workspace_layout(self.cfg, rows, self.max_seq_len).items()}
         self._scores = arrays.pop("scores")
+        self._mm_rows = arrays.pop("mm_rows")
         self._rows = rows
         ws = Workspace(rows=rows, **arrays)
-        self._held += sum(a.nbytes for a in arrays.values()) + self._scores.nbytes
+        self._held += sum(a.nbytes for a in arrays.values()) + self._scores.nbytes + self._mm_rows.nbytes
         return ws
 
     def alloc_cache(self, spec) -> CPUCache:
@@ -240,6 +245,7 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
 
     def free(self) -> None:
         self._scores = None
+        self._mm_rows = np.zeros(0, np.float32)
         self._held = 0
 
     # ------------------------------------------------------------------ positions / transfer
@@ -280,8 +286,14 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
         ops.norm_add(x, y, w, T, self.cfg.norm_eps)
 
     def matmul(self, x, W, out, T: int, accumulate: bool = False) -> None:
+        N, K = W.shape
+        tb = ops.row_block(T, N, K)
         with self._par:
-            ops.matmul(x, W, out, T, accumulate)
+            if tb and -(-T // tb) * tb * K <= self._mm_rows.size:
+                # many rows: the vectorized kernel, the same bits (ops.matmul_rows)
+                ops.matmul_rows(x, W, out, T, accumulate, self._mm_rows, tb)
+            else:
+                ops.matmul(x, W, out, T, accumulate)
 
     def rope_kv_append(self, q, k, v, cache: CPUCache, layer: int, pos, T: int) -> None:
         c = self.cfg

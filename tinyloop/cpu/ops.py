@@ -8,7 +8,9 @@ Reduction order. Every dot product runs over k in 8 interleaved float32 partial 
 order. Attention reduces over cache slots 0..p in slot order. None of these depend on T, on which
 thread computes the element, or on how many threads run, so row t of a T-row launch equals the same
 row computed alone (prefill == decode == uncached, bit for bit). fastmath stays off: reassociation
-would let LLVM change the order.
+would let LLVM change the order. `matmul_rows` (launches of ROWS_MIN rows or more: prefill, wide
+lockstep batches) runs the same partial sums for up to 128 rows at once, the rows in the vector
+lanes, so each row's sums keep their order and its bits.
 
 KV caches are read through a codec's inline load function (the built-ins' below, beside their
 attention kernels; tinyloop.cpu.kv_codecs); the fp16 cache is stored as uint16 bit patterns (numba
@@ -62,6 +64,84 @@ def matmul(x, W, out, T, accumulate):
                 out[t, n] += s
             else:
                 out[t, n] = s
+
+
+#: Fewest rows for which the backend runs `matmul_rows` instead of `matmul` (see `row_block`).
+ROWS_MIN = 16
+#: Most rows of one vector block of `matmul_rows`.
+ROWS_BLOCK = 128
+#: Fewest weight elements (N * K) for `matmul_rows`: below, the copy of x costs more than it saves.
+ROWS_MIN_WEIGHTS = 4096
+#: Weight rows each parallel task of `matmul_rows` takes (its accumulators are allocated per task).
+_ROWS_TASK = 16
+
+
+def row_block(T: int, N: int, K: int) -> int:
+    """Rows per vector block of `matmul_rows` for a T-row product with an (N, K) weight (the blocks
+    as even as whole multiples of 8 allow, at most ROWS_BLOCK rows), 0 when `matmul` is used
+    (T < ROWS_MIN, or a weight of fewer than ROWS_MIN_WEIGHTS elements).
+    Measured on this project's 2-core development machine (docs/BENCHMARKS.md, "CPU: many-row
+    matmul"): 1.3-1.6x at T = 16, 2-2.4x at T = 40, 2.2-3.5x at T = 128 on the demo and 360m
+    shapes; at T = 8 a block was no faster. Performance only: both kernels give the same bits."""
+    if T < ROWS_MIN or N * K < ROWS_MIN_WEIGHTS:
+        return 0
+    nb = -(-T // ROWS_BLOCK)
+    return -(-(-(-T // nb)) // 8) * 8
+
+
+def rows_scratch(rows: int, K: int) -> int:
+    """float32 elements of scratch `matmul_rows` needs for any T <= `rows` rows of K inputs."""
+    if rows < ROWS_MIN:
+        return 0
+    return (rows + 8 * -(-rows // ROWS_BLOCK)) * K
+
+
+@njit(**_PAR)
+def matmul_rows(x, W, out, T, accumulate, xt, TB):
+    """`matmul` for many rows, bit for bit: the same 8 interleaved partial sums per (t, n) in the
+    same order (partial j over k = j, j + 8, ...; then ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7)); then
+    the tail k in order), computed for TB rows at once. x is first copied into the scratch `xt`
+    (float32, at least ceil(T / TB) * TB * K elements) as blocks of (K, TB), rows past T zero, so
+    the innermost loop runs over the TB rows of one k: independent accumulators, which LLVM turns
+    into vector multiplies and adds without reordering any sum (fastmath stays off; the trip count
+    is a run-time value so the loop is vectorized instead of unrolled)."""
+    N, K = W.shape
+    nb = (T + TB - 1) // TB
+    K8 = K - K % 8
+    xb3 = xt[:nb * K * TB].reshape((nb, K, TB))
+    for b in prange(nb):
+        for k in range(K):
+            for l in range(TB):
+                t = b * TB + l
+                xb3[b, k, l] = x[t, k] if t < T else float32(0.0)
+    n_tasks = (N + _ROWS_TASK - 1) // _ROWS_TASK
+    for task in prange(n_tasks):
+        P = np.empty((9, TB), np.float32)
+        for n in range(task * _ROWS_TASK, min(N, (task + 1) * _ROWS_TASK)):
+            wr = W[n]
+            for b in range(nb):
+                xb = xb3[b]
+                for j in range(8):
+                    for l in range(TB):
+                        P[j, l] = float32(0.0)
+                for k0 in range(0, K8, 8):
+                    for j in range(8):
+                        w = wr[k0 + j]
+                        for l in range(TB):
+                            P[j, l] += xb[k0 + j, l] * w
+                for l in range(TB):
+                    P[8, l] = (((P[0, l] + P[1, l]) + (P[2, l] + P[3, l]))
+                               + ((P[4, l] + P[5, l]) + (P[6, l] + P[7, l])))
+                for k in range(K8, K):
+                    w = wr[k]
+                    for l in range(TB):
+                        P[8, l] += xb[k, l] * w
+                for l in range(min(TB, T - b * TB)):
+                    t = b * TB + l
+                    if accumulate:
+                        out[t, n] += P[8, l]
+                    else:
+                        out[t, n] = P[8, l]
 
 
 @njit(inline="always", **_SEQ)

@@ -1,0 +1,98 @@
+"""The CPU backend's many-row matmul (`ops.matmul_rows`) gives the bits of the one-row kernel
+(`ops.matmul`) for every row, whatever the block size, the row count and the values; the backend
+picks it by shape only."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tinyloop.cpu import ops
+
+
+def _both(x, W, T, accumulate, base, tb):
+    a = base.copy()
+    ops.matmul(x, W, a, T, accumulate)
+    b = base.copy()
+    xt = np.full(-(-T // tb) * tb * W.shape[1] + 3, np.nan, np.float32)   # stale scratch
+    ops.matmul_rows(x, W, b, T, accumulate, xt, tb)
+    return a, b
+
+
+def _same(a, b):
+    nan = np.isnan(a)
+    assert np.array_equal(nan, np.isnan(b))
+    assert np.array_equal(a[~nan].view(np.uint32), b[~nan].view(np.uint32))
+
+
+@settings(max_examples=40, deadline=None)
+@given(N=st.integers(1, 70), K=st.integers(1, 150), T=st.integers(1, 300), accumulate=st.booleans(),
+       tb=st.sampled_from([0, 8, 16, 24, 40, 128]), seed=st.integers(0, 2 ** 31), spread=st.integers(0, 60))
+def test_matmul_rows_equals_matmul_bit_for_bit(N, K, T, accumulate, tb, seed, spread):
+    """Random shapes (K not a multiple of 8: the tail in order), any block size (tb 0: the
+    launcher's own), values over many binades; rows past T untouched."""
+    rng = np.random.default_rng(seed)
+    tb = tb or ops.row_block(T, 1 << 20, 1) or 8
+    x = (rng.standard_normal((T + 2, K)) * np.exp2(rng.integers(-spread, spread + 1, (T + 2, K)))).astype(np.float32)
+    W = (rng.standard_normal((N, K)) * np.exp2(rng.integers(-spread, spread + 1, (N, K)))).astype(np.float32)
+    base = rng.standard_normal((T + 2, N)).astype(np.float32)
+    a, b = _both(x, W, T, accumulate, base, tb)
+    _same(a, b)
+    assert np.array_equal(b[T:], base[T:])
+
+
+def test_matmul_rows_special_values():
+    """inf, nan, signed zeros and subnormals in x and W: the same results as the one-row kernel."""
+    rng = np.random.default_rng(3)
+    N, K, T = 33, 37, 40
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    W = rng.standard_normal((N, K)).astype(np.float32)
+    specials = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, 1e-40, -1e-42, 3e38], np.float32)
+    x.flat[rng.integers(0, x.size, 60)] = rng.choice(specials, 60)
+    W.flat[rng.integers(0, W.size, 60)] = rng.choice(specials, 60)
+    a, b = _both(x, W, T, False, np.zeros((T, N), np.float32), ops.row_block(T, 1 << 20, 1))
+    _same(a, b)
+
+
+def test_row_block_rule():
+    """Blocks of whole multiples of 8 rows, at most ROWS_BLOCK, covering T with as little padding
+    as the multiple of 8 allows; none below ROWS_MIN rows or for a small weight; the scratch size
+    covers every T up to the rows it is made for."""
+    big = ops.ROWS_MIN_WEIGHTS
+    assert ops.row_block(ops.ROWS_MIN - 1, big, 1) == 0
+    assert ops.row_block(1000, big - 1, 1) == 0
+    assert ops.row_block(16, big, 1) == 16 and ops.row_block(17, big, 1) == 24
+    assert ops.row_block(128, big, 1) == 128 and ops.row_block(129, big, 1) == 72
+    assert ops.rows_scratch(ops.ROWS_MIN - 1, 64) == 0
+    for rows in (16, 100, 128, 129, 1000):
+        for T in range(ops.ROWS_MIN, rows + 1):
+            tb = ops.row_block(T, big, 1)
+            nb = -(-T // tb)
+            assert tb % 8 == 0 and tb <= ops.ROWS_BLOCK and nb * tb >= T > (nb - 1) * tb
+            assert nb * tb * 64 <= ops.rows_scratch(rows, 64)
+
+
+@pytest.mark.parametrize("T", [1, 16, 45, 130])
+def test_backend_rows_alone_equal_rows_in_a_launch(T):
+    """Through the CPU backend (its scratch from the workspace, the widest in_features): row t of
+    a T-row product equals the row computed alone (one-row kernel), bit for bit."""
+    from tinyloop.cpu.backend import CPUBackend
+    from tinyloop.model.arch import ModelConfig
+    from tinyloop.model.presets import get_preset
+    cfg = ModelConfig.from_dict(get_preset("small").config)
+    be = CPUBackend(cfg, 256)
+    be.alloc_workspace(T)
+    rng = np.random.default_rng(T)
+    N, K = 3 * cfg.d_model, cfg.d_ff
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    W = rng.standard_normal((N, K)).astype(np.float32)
+    out = np.zeros((T, N), np.float32)
+    be.matmul(x, W, out, T)
+    for t in range(T):
+        one = np.zeros((1, N), np.float32)
+        be.matmul(x[t:t + 1], W, one, 1)
+        assert np.array_equal(one[0], out[t])
+    # the workspace's scratch is large enough for the widest matmul at every T: the blocked kernel ran
+    assert (ops.row_block(T, N, K) == 0) == (T < ops.ROWS_MIN)
+    assert be.memory_bytes() >= be._mm_rows.nbytes >= 4 * ops.rows_scratch(T, K)
