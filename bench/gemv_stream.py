@@ -95,7 +95,8 @@ def main(argv=None) -> int:
                     km.matmul(out, x, dq, ds, dz, stream=stream)
 
             km.config_for, km.prefetch_for, km.max_registers_for = saved
-            rule = (km.config_for("q4", 1, N, False, K), km.prefetch_for("q4", 1, N, K))
+            cfg0 = km.config_for("q4", 1, N, False, K)
+            rule = (cfg0, km.prefetch_for("q4", 1, -(-N // (cfg0[1] * cfg0[2]))))
             us0 = graph_time_ms(stream, fn, args.reps) * 1e3
             ref = out.copy_to_host()
             base = {"shape": name, "N": N, "K": K, "group": group, "MB": nbytes / 2 ** 20,
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
                 for u in pfs:
                     km.config_for = lambda kind, T, n=0, pair=False, k=0, _c=cfg: (
                         _c if T == 1 else saved[0](kind, T, n, pair, k))
-                    km.prefetch_for = lambda kind, T, n, k=0, pair=False, _u=u: _u and T == 1
+                    km.prefetch_for = lambda kind, T, blocks, _u=u: _u and T == 1
                     km.max_registers_for = lambda T, n, k=0: 0
                     try:
                         us = graph_time_ms(stream, fn, args.reps) * 1e3

@@ -282,11 +282,30 @@ def test_matmul_prefetching_gemv_is_batch_invariant(monkeypatch, kind, N, K, gro
     """A one-row launch with few blocks asks L2 for its rows first (a hint: a no-op under the
     simulator, the bits are checked on the GPU): the reference, and the same bits as the row
     inside a multi-row launch (never prefetching). The rule is shape-only."""
-    assert matmul.prefetch_for(kind, 1, N, K)
-    assert not matmul.prefetch_for(kind, 2, N, K) and not matmul.prefetch_for("f16", 1, N, K)
-    cap = matmul.PREFETCH_BLOCKS * 16           # GEMV_CONFIG: 16 rows a block
-    assert matmul.prefetch_for("q4", 1, cap, 2048) and not matmul.prefetch_for("q4", 1, cap + 1, 2048)
-    assert matmul.prefetch_for("q4", 1, cap, 2048, pair=True) and not matmul.prefetch_for("q4", 1, cap + 2, 2048, pair=True)
+    cap = matmul.PREFETCH_BLOCKS
+    assert matmul.prefetch_for(kind, 1, 1) and matmul.prefetch_for(kind, 1, cap)
+    assert not matmul.prefetch_for(kind, 1, cap + 1)
+    assert not matmul.prefetch_for(kind, 2, 1) and not matmul.prefetch_for("f16", 1, 1)
+    # the launcher asks by its grid: GEMV_CONFIG's 16 rows a block, plain or in swiglu pairs
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(*args):
+        asked.append(args[-1])
+        raise Stop
+    monkeypatch.setattr(matmul, "_make_fast", spy)
+    arrays, _ = make_weight(np.random.default_rng(0), "q4", 2 * cap * 16 + 2, 64, 32)
+    dev = {k: D(v) for k, v in arrays.items()}
+    x = D(np.zeros((1, 64), np.float32))
+    for n, epi in ((cap * 16, None), (cap * 16 + 1, None), (cap * 16, True), (cap * 16 + 2, True)):
+        w, sc, z = (dev[k][:n] for k in ("w", "scales", "zeros"))
+        kw = {"epilogue": swiglu.glu_epilogue(n // 2)} if epi else {}
+        with pytest.raises(Stop):
+            matmul.matmul(D(np.zeros((1, n // 2 if epi else n), np.float32)), x, w, sc, z, **kw)
+    assert asked == [True, False, True, False]
+    monkeypatch.undo()
     _check_rows_alone(np.random.default_rng(N + K), kind, N, K, group, 3, range(3))
 
 

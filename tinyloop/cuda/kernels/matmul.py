@@ -186,19 +186,15 @@ def flat_for(T: int) -> bool:
 PREFETCH_BLOCKS = 128
 
 
-def prefetch_for(kind: str, T: int, N: int, K: int = 0, pair: bool = False) -> bool:
-    """Whether a launch asks L2 for its warps' weight rows first (`_make_fast`'s `prefetch`): one-row
-    (flat) launches of quantized weights whose grid has at most PREFETCH_BLOCKS blocks, too few
-    resident warps to keep many loads in flight otherwise. H200, q4, weights from HBM
+def prefetch_for(kind: str, T: int, blocks: int) -> bool:
+    """Whether a launch of `blocks` blocks (its grid's first dimension) asks L2 for its warps' weight
+    rows first (`_make_fast`'s `prefetch`): one-row (flat) launches of quantized weights whose grid
+    has at most PREFETCH_BLOCKS blocks, too few resident warps to keep many loads in flight
+    otherwise. H200, q4, weights from HBM
     (bench/gemv_stream.py): Ouro's down 2048x5632 11.4 -> 9.8 us, wo 2048x2048 5.7 -> 5.2, the
     360m down 1024x4096 8.7 -> 7.5; with more blocks it gained nothing or lost (Huginn's wo
     5280x5280, 330 blocks: 16.5 -> 17.6). A load hint only: the results are unchanged."""
-    if T != 1 or not flat_for(T) or not kind.startswith("q"):
-        return False
-    _, R, NW, _ = config_for(kind, T, N, pair, K)
-    rows = N // 2 if pair else N
-    per_block = NW * R // 2 if pair else NW * R
-    return cdiv(rows, per_block) <= PREFETCH_BLOCKS
+    return T == 1 and flat_for(T) and kind.startswith("q") and blocks <= PREFETCH_BLOCKS
 
 
 SIMPLE_WARPS = 4
@@ -459,19 +455,12 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
         """The warp's weight rows: n0 .. n0 + R - 1 (clamped to N - 1: rows past N are computed on
         row N - 1 and never stored, so the warp stays converged for the butterfly), or in pair
         mode the rows of pairs unit*RP .. unit*RP + RP - 1 (clamped to the last pair)."""
-        if PAIR:
-            P = N // 2
-            for j in range(RP):
-                na, nb = rows_of(ep, min(unit * RP + j, P - 1), N)
-                nrow[2 * j] = na
-                nrow[2 * j + 1] = nb
-        else:
-            for r in range(R):
-                nrow[r] = min(unit * R + r, N - 1)
+        for j in range(R):
+            nrow[j] = row_of(ep, unit, j, N)
 
     @cuda.jit(device=True)
     def row_of(ep, unit, j, N):
-        """Row j of the warp's rows, as `setup_rows` lays them out (j may be a run-time value)."""
+        """Row j of the warp's rows (`setup_rows`; j may be a run-time value: the prefetch)."""
         if PAIR:
             na, nb = rows_of(ep, min(unit * RP + j // 2, N // 2 - 1), N)
             return na if j % 2 == 0 else nb
@@ -827,16 +816,16 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
     if uses_fast_path(kind, K, group, w):
         TT, R, NW, KC = config_for(kind, T, N, pair, K)
         flat = flat_for(T)
+        grid = (cdiv(N // 2, NW * R // 2) if pair else cdiv(N, NW * R), cdiv(T, TT))
         kern = _make_fast(kind, TT, R, NW, KC, norm, epilogue, max_registers_for(T, N, K),
                           stage_batch_for(T, N, norm), group_shift_for(kind, group, pair), flat,
-                          prefetch_for(kind, T, N, K, pair))
+                          prefetch_for(kind, T, grid[0]))
         E = WORD_ELEMS[kind]
         nwords = K // E
         if N * nwords >= 1 << 32:
             raise BackendError(f"{op}: a weight of {N} x {nwords} 8-byte words is too large "
                                f"(the kernel addresses it with 32-bit offsets: below 2^32 words)")
         qw = w.view(np.uint64)
-        grid = (cdiv(N // 2, NW * R // 2) if pair else cdiv(N, NW * R), cdiv(T, TT))
         if kind.startswith("q"):
             if flat:      # flat views, no copies
                 qw, scales, zeros = qw.reshape(N * nwords), scales.reshape(N * G), zeros.reshape(N * G)
