@@ -283,35 +283,50 @@ def bench_torch(path: str, prompt: List[int], new: int, loops: int, repeats: int
 
 def bench_torch_int4(path: str, prompt: List[int], new: int, loops: int, repeats: int,
                      logical=None, compile_mode: str = "default", profile: bool = False,
-                     variants=None) -> dict:
+                     variants=None, prepared: Optional[dict] = None, compile_scope: str = "step") -> dict:
     """INT4 weight-only PyTorch (tinygemm, group 128, bf16 activations and KV cache): the same
     logical weights quantized for torch (bench/torch_int4.py; every packed matrix checked against
     its dequantized reference), the decode step in a CUDA graph, plain and through torch.compile
     (per-layer KV caches with SDPA, the same with attention in plain ops, and one shared cache tensor
     as torch_model keeps it). ``profile``: the device time per kernel of each compiled step too;
-    ``variants``: the result keys of the compiled rows to run (None: all three)."""
+    ``variants``: the result keys of the compiled rows to run (None: all three).
+
+    ``prepared``: a dict shared between calls for one file (several depths): the tinygemm packing
+    and the dense bf16 model are built on the first call and reused, not rebuilt per depth (the
+    caller frees it: :func:`free_prepared`). ``compile_scope``: "step" compiles the whole decode
+    step (one graph of every layer: its compile time grows with the depth), "blocks" compiles the
+    block function once per distinct block and leaves the trunk around it (embedding, loop
+    injection, norms between recurrences, head) as eager ops; either way the step is captured in
+    one CUDA graph."""
+    if compile_scope not in ("step", "blocks"):
+        raise ValueError(f"compile_scope={compile_scope!r} is not 'step' or 'blocks'")
     import torch
 
     from bench import torch_int4 as q4
     from tinyloop.model.format import read_header
     from tinyloop.torch_model import LoopedLM, rope_tables
 
-    if logical is None:
-        logical = q4.load_logical(path)
     cfg = read_header(path).config
     group = q4.pick_group(cfg)
     res = {"dtype": "bfloat16", "weights": f"int4 group {group} (tinygemm, _weight_int4pack_mm)",
-           "torch": torch.__version__}
-    blocks, head, check = q4.timed_quantize(logical, cfg, q4.load_grids(path, group), group)
+           "torch": torch.__version__, "compile_scope": compile_scope}
+    prep = {} if prepared is None else prepared
+    if "model" not in prep:
+        if logical is None:
+            logical = q4.load_logical(path)
+        prep["blocks"], prep["head"], prep["check"] = q4.timed_quantize(logical, cfg, q4.load_grids(path, group),
+                                                                       group)
+        # the dense bf16 model supplies embedding, norms, RoPE tables, the cache and the prefill
+        model = LoopedLM.from_logical(cfg, logical).to(torch.bfloat16).cuda().eval()
+        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, model.max_seq_len, device="cuda")
+        model.rope_cos, model.rope_sin = cos, sin         # keep the tables in float32
+        prep["model"] = model
+    blocks, head, check, model = prep["blocks"], prep["head"], prep["check"], prep["model"]
     res["matmul_check"] = {k: v for k, v in check.items() if k != "per_matrix"}
     log(f"torch int4: quantized in {check['quantize_s']:.1f}s (grids: {', '.join(check['grids'])}); "
         f"matmul max rel err "
         f"{check['max_rel_err_vs_quantized']:.2e} vs the quantized matrix, "
         f"{check['max_rel_err_vs_logical']:.2e} vs the logical weights ({check['rows']} rows per matrix)")
-    # the dense bf16 model supplies embedding, norms, RoPE tables, the cache and the prefill
-    model = LoopedLM.from_logical(cfg, logical).to(torch.bfloat16).cuda().eval()
-    cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, model.max_seq_len, device="cuda")
-    model.rope_cos, model.rope_sin = cos, sin             # keep the tables in float32
     model.allocate_cache(batch_size=1, max_seq_len=len(prompt) + new + 8)
     ids = torch.tensor([prompt], dtype=torch.long, device="cuda")
     T = len(prompt)
@@ -344,9 +359,11 @@ def bench_torch_int4(path: str, prompt: List[int], new: int, loops: int, repeats
         log(f"torch int4 graph (eager ops): {res['graph_decode_ms_per_token']:.3f} ms/token")
         if compile_mode != "none":
             res["compile_mode"] = compile_mode
+            whole = compile_scope == "step"
             rows = (  # key, step, what
-                ("compiled_graph_decode_ms_per_token", step,
-                 "per-layer KV caches, SDPA"),
+                ("compiled_graph_decode_ms_per_token",
+                 step if whole else q4.make_int4_step(model, blocks, head, loops, caches=caches, compile_blocks=True),
+                 "per-layer KV caches, SDPA" + ("" if whole else ", each block compiled")),
                 ("compiled_ops_attention_graph_decode_ms_per_token",
                  q4.make_int4_step(model, blocks, head, loops, caches=caches, attention="ops"),
                  "per-layer KV caches, attention in plain ops"),
@@ -358,7 +375,8 @@ def bench_torch_int4(path: str, prompt: List[int], new: int, loops: int, repeats
                 t0 = time.perf_counter()
                 kern = {} if profile else None
                 try:
-                    res[key] = graph_decode_ms(_compile(fn, compile_mode), tok, pos, reset, new, repeats, kern)
+                    fn = _compile(fn, compile_mode) if whole or key != "compiled_graph_decode_ms_per_token" else fn
+                    res[key] = graph_decode_ms(fn, tok, pos, reset, new, repeats, kern)
                 except Exception as exc:                  # the other int4 rows stand
                     import traceback
                     traceback.print_exc()
@@ -375,8 +393,17 @@ def bench_torch_int4(path: str, prompt: List[int], new: int, loops: int, repeats
                         log(f"    {us:8.1f} {cnt:5.1f}  {name}")
     model.free_cache()
     model = blocks = head = step = caches = variants = None
+    if prepared is None:
+        free_prepared(prep)
     torch.cuda.empty_cache()
     return res
+
+
+def free_prepared(prepared: dict) -> None:
+    """Drop what :func:`bench_torch_int4` built into ``prepared`` (packed weights, dense model)."""
+    import torch
+    prepared.clear()
+    torch.cuda.empty_cache()
 
 
 #: (result section, key, table label, full name) of every PyTorch decode row, in table order

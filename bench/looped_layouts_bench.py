@@ -9,7 +9,9 @@ bytes on the device; with --torch, the strongest PyTorch form of the same struct
 depth in the same process: tinyloop.torch_model's layout with every matrix on the INT4 tinygemm
 kernel (bench/torch_int4.py: bf16 activations, the group size tinygemm allows for the shape),
 the decode step under torch.compile and captured in a CUDA graph (bench/decode_bench.py's
-per-layer-cache SDPA row). Prints a table, writes JSON (--json).
+per-layer-cache SDPA row; --torch-compile blocks compiles each distinct block once instead of
+the whole step, whose compile time grows with the depth: Huginn at r = 32 is 132 blocks). Prints
+a table, writes JSON (--json).
 
 Writing Huginn's 2.12 GB random file takes minutes; --model-dir DIR keeps each layout's file
 there and reuses it on the next run when its header is the one this bench would write (e.g.
@@ -48,17 +50,21 @@ LAYOUTS = {
 TORCH_ROW = "compiled_graph_decode_ms_per_token"
 
 
-def bench_torch(path: str, prompt, new: int, depths, repeats: int) -> dict:
-    """The compiled INT4 PyTorch step at each depth (decode_bench.bench_torch_int4)."""
-    from bench import torch_int4 as q4
-    from bench.decode_bench import bench_torch_int4
-    logical = q4.load_logical(path)
+def bench_torch(path: str, prompt, new: int, depths, repeats: int, scope: str = "step") -> dict:
+    """The compiled INT4 PyTorch step at each depth (decode_bench.bench_torch_int4): the weights
+    are packed for tinygemm once and reused at every depth; ``scope`` is its compile_scope."""
+    from bench.decode_bench import bench_torch_int4, free_prepared
     out = {}
-    for L in depths:
-        r = bench_torch_int4(path, prompt, new, L, repeats, logical=logical, variants=(TORCH_ROW,))
-        out[L] = {k: r.get(k) for k in (TORCH_ROW, "graph_decode_ms_per_token", "weights", "logits_vs_bf16",
-                                        "compile_errors")}
-        log(f"  torch L={L}: {r.get(TORCH_ROW)} ms/token")
+    prepared = {}
+    try:
+        for L in depths:
+            r = bench_torch_int4(path, prompt, new, L, repeats, variants=(TORCH_ROW,), prepared=prepared,
+                                 compile_scope=scope)
+            out[L] = {k: r.get(k) for k in (TORCH_ROW, "graph_decode_ms_per_token", "weights", "logits_vs_bf16",
+                                            "compile_errors", "compile_scope")}
+            log(f"  torch L={L}: {r.get(TORCH_ROW)} ms/token")
+    finally:
+        free_prepared(prepared)
     return out
 
 
@@ -111,6 +117,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--depths", default=None, help="comma-separated depths (default: each layout's own)")
     ap.add_argument("--torch", action="store_true", help="also the compiled INT4 PyTorch form at each depth")
+    ap.add_argument("--torch-compile", default="step", choices=("step", "blocks"),
+                    help="what torch.compile sees: the whole step (compile time grows with the depth) or "
+                         "each block once (the trunk between blocks stays eager ops); both run in a CUDA graph")
     ap.add_argument("--json", default=None)
     ap.add_argument("--model-dir", default=None,
                     help="keep the synthesized model files here and reuse matching ones (default: a temp dir)")
@@ -140,7 +149,8 @@ def main(argv=None) -> int:
             rows[name] = bench_layout(path, args.backend, prompt, args.new_tokens, depths, args.repeats)
             rows[name]["group_size"] = group
             if args.torch:
-                rows[name]["torch"] = bench_torch(path, prompt, args.new_tokens, depths, args.repeats)
+                rows[name]["torch"] = bench_torch(path, prompt, args.new_tokens, depths, args.repeats,
+                                                  args.torch_compile)
             if not args.model_dir:
                 os.unlink(path)
     print(f"{'layout':<14} {'L':>4} {'ms/token':>9} {'torch ms':>9} {'x torch':>8} {'prefill ms':>11} "

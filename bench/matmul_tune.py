@@ -3,7 +3,7 @@ choices on the model shapes, one row (decode GEMV) and many rows (prefill / veri
 inside a captured graph, and check every configuration gives bit-identical outputs (the
 configuration must never change the reduction order).
 
-    python bench/matmul_tune.py [--json out.json]
+    python bench/matmul_tune.py [--shapes 360m,demo] [--rows 1,16,128] [--few] [--json out.json]
 """
 
 from __future__ import annotations
@@ -21,8 +21,18 @@ GEMV = [(1, 2, 8, 4096), (1, 1, 8, 4096), (1, 4, 8, 4096), (1, 2, 4, 4096), (1, 
         (1, 8, 8, 4096), (1, 2, 16, 4096), (1, 4, 8, 2048)]
 GEMM = [(2, 8, 4, 1024), (4, 4, 4, 1024), (8, 2, 4, 1024), (16, 1, 4, 1024), (8, 2, 8, 1024), (4, 4, 8, 1024),
         (8, 1, 8, 1024)]
-SHAPES = {"2048x2048": (2048, 2048), "6144x2048 (q|k|v)": (6144, 2048), "11264x2048 (gate|up)": (11264, 2048),
-          "2048x5632": (2048, 5632), "16384x4096": (16384, 4096)}
+#: --few: launches of a few rows (tree levels, verify rows, small lockstep batches) on small weights
+FEW = [(2, 8, 4, 1024), (2, 2, 8, 4096), (2, 1, 8, 4096), (2, 2, 4, 4096), (2, 4, 4, 1024), (1, 2, 8, 4096),
+       (1, 1, 8, 4096), (4, 1, 8, 4096), (4, 2, 8, 4096)]
+#: shape sets: name -> (N, K, storage, group size)
+SHAPE_SETS = {
+    "360m": {"2048x2048": (2048, 2048, "q4", 128), "6144x2048 (q|k|v)": (6144, 2048, "q4", 128),
+             "11264x2048 (gate|up)": (11264, 2048, "q4", 128), "2048x5632": (2048, 5632, "q4", 128),
+             "16384x4096": (16384, 4096, "q4", 128)},
+    "demo": {"640x384 (q|k|v)": (640, 384, "q4", 64), "384x384 (wo)": (384, 384, "q4", 64),
+             "2048x384 (gate|up)": (2048, 384, "q4", 64), "384x1024 (down)": (384, 1024, "q4", 64),
+             "4096x384 (head, f16)": (4096, 384, "f16", 0)},
+}
 
 
 def main(argv=None) -> int:
@@ -32,8 +42,16 @@ def main(argv=None) -> int:
     ap.add_argument("--flat", choices=("rule", "on", "off"), default="rule",
                     help="weight addressing of the one-row launches: the launcher's flat_for rule "
                          "(default), or flat / 2-D for every shape")
+    ap.add_argument("--shapes", default="360m", help=f"comma-separated shape sets of {list(SHAPE_SETS)}")
+    ap.add_argument("--few", action="store_true",
+                    help="T > 1 candidates for few-row launches on small weights (FEW) instead of GEMM")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    shapes = {}
+    for name in args.shapes.split(","):
+        if name not in SHAPE_SETS:
+            ap.error(f"unknown shape set {name!r}; choose from {list(SHAPE_SETS)}")
+        shapes.update(SHAPE_SETS[name])
     from numba import cuda
 
     from tinyloop.model.arch import TensorQuant
@@ -48,26 +66,32 @@ def main(argv=None) -> int:
         return graph_time_ms(stream, fn, args.reps) * 1e3      # us per launch
 
     rows = []
-    base = (km.GEMV_CONFIG, km.GEMV_WIDE_CONFIG, km.GEMV_XWIDE_CONFIG, km.GEMV_LONG_CONFIG, km.GEMM_CONFIG)
+    base = (km.GEMV_CONFIG, km.GEMV_WIDE_CONFIG, km.GEMV_XWIDE_CONFIG, km.GEMV_LONG_CONFIG, km.GEMM_CONFIG,
+            km.FEW_CONFIG)
     rule = km.flat_for
     if args.flat != "rule":
         km.flat_for = lambda T: T == 1 and args.flat == "on"
     try:
-        for name, (N, K) in SHAPES.items():
-            parts = quantize(rng.standard_normal((N, K), dtype=np.float32) * 0.02, TensorQuant("q4", 128))
-            q, s, z = (cuda.to_device(parts[k]) for k in ("q", "scales", "zeros"))
-            nbytes = int(q.nbytes + s.nbytes + z.nbytes)
+        for name, (N, K, kind, group) in shapes.items():
+            w = rng.standard_normal((N, K), dtype=np.float32) * 0.02
+            if kind == "f16":
+                q, s, z = cuda.to_device(w.astype(np.float16)), None, None
+                nbytes = int(q.nbytes)
+            else:
+                parts = quantize(w, TensorQuant(kind, group))
+                q, s, z = (cuda.to_device(parts[k]) for k in ("q", "scales", "zeros"))
+                nbytes = int(q.nbytes + s.nbytes + z.nbytes)
             for T in [int(t) for t in args.rows.split(",")]:
                 x = cuda.to_device(rng.standard_normal((T, K), dtype=np.float32))
                 out = cuda.device_array((T, N), np.float32)
                 ref = None
-                for cfg in (GEMV if T == 1 else GEMM):
+                for cfg in (GEMV if T == 1 else FEW if args.few else GEMM):
                     if T == 1:
                         # (weights of N >= XWIDE_N also get its register cap)
                         km.GEMV_CONFIG = km.GEMV_WIDE_CONFIG = km.GEMV_XWIDE_CONFIG = km.GEMV_LONG_CONFIG = cfg
                     else:
-                        km.GEMM_CONFIG = cfg
-                    used = km.config_for("q4", T, N, False, K)
+                        km.GEMM_CONFIG = km.FEW_CONFIG = cfg
+                    used = km.config_for(kind, T, N, False, K)
 
                     def fn():
                         for _ in range(args.reps):
@@ -83,7 +107,8 @@ def main(argv=None) -> int:
                     print(f"{name:22} T={T:<4} cfg={cfg} used={used}: {us:8.1f} us {row['GB_per_s']:6.0f} GB/s "
                           f"identical={same}", flush=True)
     finally:
-        km.GEMV_CONFIG, km.GEMV_WIDE_CONFIG, km.GEMV_XWIDE_CONFIG, km.GEMV_LONG_CONFIG, km.GEMM_CONFIG = base
+        (km.GEMV_CONFIG, km.GEMV_WIDE_CONFIG, km.GEMV_XWIDE_CONFIG, km.GEMV_LONG_CONFIG, km.GEMM_CONFIG,
+         km.FEW_CONFIG) = base
         km.flat_for = rule
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows}, indent=2))

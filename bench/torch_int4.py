@@ -217,12 +217,15 @@ def ops_attention(q, ck, cv, mask, scale):
     return (p.unsqueeze(-1) * cv.float()).sum(-2, keepdim=True).to(q.dtype)
 
 
-def make_int4_step(model, blocks, head, loops: int, caches=None, attention: str = "sdpa"):
+def make_int4_step(model, blocks, head, loops: int, caches=None, attention: str = "sdpa",
+                   compile_blocks: bool = False):
     """step(tok, pos) -> logits (B, V): LoopedLM.decode_one with every matmul on tinygemm (the
     model supplies embedding, norms, RoPE tables and the trunk order). The KV cache is the model's
     (one tensor, a slice per layer) or ``caches`` = (K list, V list) from :func:`layer_caches`;
     ``attention`` is "sdpa" (F.scaled_dot_product_attention with the mask, as torch_model) or
-    "ops" (:func:`ops_attention`)."""
+    "ops" (:func:`ops_attention`). ``compile_blocks``: the block function goes through
+    torch.compile (one compilation per distinct block, so the compile time does not grow with
+    ``loops``); the rest of the step stays eager ops."""
     import torch
     import torch.nn.functional as F
 
@@ -258,6 +261,14 @@ def make_int4_step(model, blocks, head, loops: int, caches=None, attention: str 
         h = rms_norm(x, b.mlp_norm, b.eps)
         g, u = int4_linear(h, w["gate_up"]).chunk(2, dim=-1)
         return b.residual(x, int4_linear(F.silu(g) * u, w["w_down"]), getattr(b, "mlp_out_norm", None))
+
+    if compile_blocks:
+        import torch._dynamo as dynamo
+        n_blocks = len(model.pre) + len(model.loop) + len(model.post)
+        for knob in ("cache_size_limit", "recompile_limit"):       # one entry per distinct block
+            if hasattr(dynamo.config, knob):
+                setattr(dynamo.config, knob, max(getattr(dynamo.config, knob), 2 * n_blocks))
+        block_step = torch.compile(block_step, fullgraph=True, dynamic=False)
 
     model_w = blocks.get("model", {})
 

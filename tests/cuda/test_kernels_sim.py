@@ -322,6 +322,32 @@ def test_matmul_long_gemv_config_is_batch_invariant(monkeypatch, kind, N, K, gro
     _check_rows_alone(np.random.default_rng(N + K), kind, N, K, group, 3, range(3))
 
 
+@pytest.mark.parametrize("few", [(1, 2, 8, 4096), (2, 2, 8, 4096)])
+@pytest.mark.parametrize("kind,N,K,group", [("q4", 21, 1600, 32), ("f16", 11, 36, 0)])
+def test_matmul_few_rows_config_is_batch_invariant(monkeypatch, few, kind, N, K, group):
+    """Launches of 2 .. FEW_T rows of a small weight use FEW_CONFIG, larger ones GEMM_CONFIG: every
+    row of a FEW launch is the reference and the same bits as the row alone (one-row config) and
+    inside a launch of more rows (GEMM_CONFIG)."""
+    monkeypatch.setattr(matmul, "FEW_CONFIG", few)
+    monkeypatch.setattr(matmul, "FEW_T", 3)
+    assert matmul.config_for(kind, 3, N, False, K)[::2] == few[::2]
+    assert matmul.config_for(kind, 4, N, False, K)[::2] == matmul.GEMM_CONFIG[::2]
+    monkeypatch.setattr(matmul, "FEW_NK", N * K - 1)
+    assert matmul.config_for(kind, 3, N, False, K)[::2] == matmul.GEMM_CONFIG[::2]
+    monkeypatch.setattr(matmul, "FEW_NK", N * K)
+    rng = np.random.default_rng(N + K)
+    _check_rows_alone(rng, kind, N, K, group, 3, range(3))
+    arrays, _ = make_weight(np.random.default_rng(N + K), kind, N, K, group)
+    dev = {k: D(v) for k, v in arrays.items()}
+    x = np.random.default_rng(7).standard_normal((5, K)).astype(np.float32)
+    outs = []
+    for T in (3, 5):
+        o = D(np.full((T, N), np.nan, np.float32))
+        matmul.matmul(o, D(x[:T]), dev["w"], dev.get("scales"), dev.get("zeros"))
+        outs.append(host(o))
+    assert np.array_equal(outs[0], outs[1][:3])
+
+
 def test_flat_addressing_rule(monkeypatch):
     """One-row launches address the weight as flat arrays, whatever its width; many-row launches
     use 2-D indexing. (The batch-invariance tests above compare the two addressings bit for bit: a

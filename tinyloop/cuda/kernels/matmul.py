@@ -126,6 +126,11 @@ GEMV_LONG_CONFIG = (1, 2, 16, 6144)
 LONG_K = 4096
 #: T > 1 (same tuning run: (2, 8, 4) beat (4, 4, 4) by 3-9% at T = 16 and 128 on every shape).
 GEMM_CONFIG = (2, 8, 4, 1024)
+#: 2 <= T <= FEW_T rows of a weight with at most FEW_NK elements (tree levels, verify rows and
+#: small lockstep batches on small models): to be tuned (bench/matmul_tune.py --few).
+FEW_CONFIG = GEMM_CONFIG
+FEW_T = 16
+FEW_NK = 1 << 21
 #: Largest TT * R * E (fmas per lane per word) the compiler still unrolls fully (read off the
 #: PTX); beyond it the accumulators are indexed at run time and live in local memory, so R is
 #: lowered to fit.
@@ -142,6 +147,8 @@ def config_for(kind: str, T: int, N: int = 0, pair: bool = False, K: int = 0):
         TT, R, NW, KC = (GEMV_LONG_CONFIG if N >= WIDE_N and K > LONG_K else
                          GEMV_XWIDE_CONFIG if N >= XWIDE_N else
                          GEMV_WIDE_CONFIG if N >= WIDE_N else GEMV_CONFIG)
+    elif T <= FEW_T and N * K <= FEW_NK:
+        TT, R, NW, KC = FEW_CONFIG
     else:
         TT, R, NW, KC = GEMM_CONFIG
     E = WORD_ELEMS[kind]
