@@ -67,7 +67,7 @@ def main(argv=None) -> int:
 
     rows = []
     base = (km.GEMV_CONFIG, km.GEMV_WIDE_CONFIG, km.GEMV_XWIDE_CONFIG, km.GEMV_LONG_CONFIG, km.GEMM_CONFIG,
-            km.FEW_CONFIG)
+            dict(km.FEW_CONFIGS))
     rule = km.flat_for
     if args.flat != "rule":
         km.flat_for = lambda T: T == 1 and args.flat == "on"
@@ -90,7 +90,8 @@ def main(argv=None) -> int:
                         # (weights of N >= XWIDE_N also get its register cap)
                         km.GEMV_CONFIG = km.GEMV_WIDE_CONFIG = km.GEMV_XWIDE_CONFIG = km.GEMV_LONG_CONFIG = cfg
                     else:
-                        km.GEMM_CONFIG = km.FEW_CONFIG = cfg
+                        km.GEMM_CONFIG = cfg
+                        km.FEW_CONFIGS = dict.fromkeys(base[5], cfg)
                     used = km.config_for(kind, T, N, False, K)
 
                     def fn():
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
                           f"identical={same}", flush=True)
     finally:
         (km.GEMV_CONFIG, km.GEMV_WIDE_CONFIG, km.GEMV_XWIDE_CONFIG, km.GEMV_LONG_CONFIG, km.GEMM_CONFIG,
-         km.FEW_CONFIG) = base
+         km.FEW_CONFIGS) = base
         km.flat_for = rule
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows}, indent=2))

@@ -322,13 +322,13 @@ def test_matmul_long_gemv_config_is_batch_invariant(monkeypatch, kind, N, K, gro
     _check_rows_alone(np.random.default_rng(N + K), kind, N, K, group, 3, range(3))
 
 
-@pytest.mark.parametrize("few", [(1, 2, 8, 4096), (2, 2, 8, 4096)])
+@pytest.mark.parametrize("few", [(1, 1, 8, 4096), (1, 2, 8, 4096), (2, 4, 4, 1024)])
 @pytest.mark.parametrize("kind,N,K,group", [("q4", 21, 1600, 32), ("f16", 11, 36, 0)])
 def test_matmul_few_rows_config_is_batch_invariant(monkeypatch, few, kind, N, K, group):
-    """Launches of 2 .. FEW_T rows of a small weight use FEW_CONFIG, larger ones GEMM_CONFIG: every
+    """Launches of 2 .. FEW_T rows of a small weight use FEW_CONFIGS, larger ones GEMM_CONFIG: every
     row of a FEW launch is the reference and the same bits as the row alone (one-row config) and
     inside a launch of more rows (GEMM_CONFIG)."""
-    monkeypatch.setattr(matmul, "FEW_CONFIG", few)
+    monkeypatch.setattr(matmul, "FEW_CONFIGS", dict.fromkeys(matmul.FEW_CONFIGS, few))
     monkeypatch.setattr(matmul, "FEW_T", 3)
     assert matmul.config_for(kind, 3, N, False, K)[::2] == few[::2]
     assert matmul.config_for(kind, 4, N, False, K)[::2] == matmul.GEMM_CONFIG[::2]
@@ -346,6 +346,20 @@ def test_matmul_few_rows_config_is_batch_invariant(monkeypatch, few, kind, N, K,
         matmul.matmul(o, D(x[:T]), dev["w"], dev.get("scales"), dev.get("zeros"))
         outs.append(host(o))
     assert np.array_equal(outs[0], outs[1][:3])
+
+
+def test_few_rows_rule():
+    """The few-row table is keyed by (T <= FEW_SMALL_T, N <= FEW_N) inside 2 <= T <= FEW_T and
+    N * K <= FEW_NK; everything else with T > 1 is GEMM_CONFIG."""
+    f, cfg = matmul.FEW_CONFIGS, matmul.config_for
+    n_small, n_big, k = matmul.FEW_N, matmul.FEW_N + 64, 384
+    assert cfg("f16", 2, n_small, False, k) == f[(True, True)]
+    assert cfg("f16", matmul.FEW_SMALL_T, n_big, False, k) == f[(True, False)]
+    assert cfg("f16", matmul.FEW_SMALL_T + 1, n_small, False, k) == f[(False, True)]
+    assert cfg("f16", matmul.FEW_T, n_big, False, k) == f[(False, False)] == matmul.GEMM_CONFIG
+    assert cfg("f16", matmul.FEW_T + 1, n_small, False, k) == matmul.GEMM_CONFIG
+    assert cfg("f16", 2, matmul.FEW_NK // 512 + 1, False, 512) == matmul.GEMM_CONFIG
+    assert cfg("f16", 2, n_small, True, k)[1] % 2 == 0          # pairs: whole pairs per warp
 
 
 def test_flat_addressing_rule(monkeypatch):

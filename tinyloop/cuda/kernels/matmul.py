@@ -127,9 +127,18 @@ LONG_K = 4096
 #: T > 1 (same tuning run: (2, 8, 4) beat (4, 4, 4) by 3-9% at T = 16 and 128 on every shape).
 GEMM_CONFIG = (2, 8, 4, 1024)
 #: 2 <= T <= FEW_T rows of a weight with at most FEW_NK elements (tree levels, verify rows and
-#: small lockstep batches on small models): to be tuned (bench/matmul_tune.py --few).
-FEW_CONFIG = GEMM_CONFIG
+#: small lockstep batches on small models such as the demo model). These launches are latency-
+#: bound: GEMM_CONFIG gives the demo model's 384-row weights 12-24 blocks. H100, q4 g64 / f16
+#: head, weights L2-resident (bench/matmul_tune.py --shapes demo --few, docs/KERNELS.md), us per
+#: launch against GEMM_CONFIG: at T = 2-4, N <= FEW_N (q|k|v 640, wo 384, down 384) (1, 1, 8)
+#: 2.7-3.2 against 5.3-6.4; N > FEW_N (gate|up 2048, head 4096) (2, 4, 4) 4.2-5.8 against
+#: 5.5-6.6; at T = 5-16, N <= FEW_N (1, 2, 8) 3.3-6.1 against 5.4-6.9, while for N > FEW_N
+#: GEMM_CONFIG stays the best of the nine candidates. Keyed (T <= FEW_SMALL_T, N <= FEW_N).
+FEW_CONFIGS = {(True, True): (1, 1, 8, 4096), (False, True): (1, 2, 8, 4096),
+               (True, False): (2, 4, 4, 1024), (False, False): GEMM_CONFIG}
 FEW_T = 16
+FEW_SMALL_T = 4
+FEW_N = 1024
 FEW_NK = 1 << 21
 #: Largest TT * R * E (fmas per lane per word) the compiler still unrolls fully (read off the
 #: PTX); beyond it the accumulators are indexed at run time and live in local memory, so R is
@@ -148,7 +157,7 @@ def config_for(kind: str, T: int, N: int = 0, pair: bool = False, K: int = 0):
                          GEMV_XWIDE_CONFIG if N >= XWIDE_N else
                          GEMV_WIDE_CONFIG if N >= WIDE_N else GEMV_CONFIG)
     elif T <= FEW_T and N * K <= FEW_NK:
-        TT, R, NW, KC = FEW_CONFIG
+        TT, R, NW, KC = FEW_CONFIGS[(T <= FEW_SMALL_T, N <= FEW_N)]
     else:
         TT, R, NW, KC = GEMM_CONFIG
     E = WORD_ELEMS[kind]
@@ -867,7 +876,10 @@ def ptx_signatures(epilogues=()):
         for kind in WORD_ELEMS:
             # (T, N, K, prefetch): every one-row configuration, GEMV_CONFIG also with the prefetch
             for T, n, kk, pf in ((1, 0, 0, False), (1, 0, 0, True), (1, WIDE_N, 0, False),
-                                 (1, XWIDE_N, 0, False), (1, WIDE_N, 2 * LONG_K, False), (2, 0, 0, False)):
+                                 (1, XWIDE_N, 0, False), (1, WIDE_N, 2 * LONG_K, False),
+                                 # many rows: each FEW_CONFIGS entry, and GEMM_CONFIG
+                                 (2, 0, 0, False), (FEW_SMALL_T + 1, 0, 0, False), (2, FEW_N + 1, 0, False),
+                                 (FEW_T + 1, 0, 0, False)):
                 if pf and not kind.startswith("q"):
                     continue
                 cfg = config_for(kind, T, n, epi is not None, kk)
