@@ -50,11 +50,13 @@ LAYOUTS = {
 TORCH_ROW = "compiled_graph_decode_ms_per_token"
 
 
-def bench_torch(path: str, prompt, new: int, depths, repeats: int, scope: str = "step") -> dict:
+def bench_torch(path: str, prompt, new: int, depths, repeats: int, scope: str = "step", into=None,
+                on_row=None) -> dict:
     """The compiled INT4 PyTorch step at each depth (decode_bench.bench_torch_int4): the weights
-    are packed for tinygemm once and reused at every depth; ``scope`` is its compile_scope."""
+    are packed for tinygemm once and reused at every depth; ``scope`` is its compile_scope. Rows go
+    into ``into`` (a new dict by default) as they are measured, ``on_row()`` called after each."""
     from bench.decode_bench import bench_torch_int4, free_prepared
-    out = {}
+    out = {} if into is None else into
     prepared = {}
     try:
         for L in depths:
@@ -63,6 +65,8 @@ def bench_torch(path: str, prompt, new: int, depths, repeats: int, scope: str = 
             out[L] = {k: r.get(k) for k in (TORCH_ROW, "graph_decode_ms_per_token", "weights", "logits_vs_bf16",
                                             "compile_errors", "compile_scope")}
             log(f"  torch L={L}: {r.get(TORCH_ROW)} ms/token")
+            if on_row is not None:
+                on_row()
     finally:
         free_prepared(prepared)
     return out
@@ -130,6 +134,13 @@ def main(argv=None) -> int:
         ap.error(f"unknown layout(s) {unknown}; choose from {list(LAYOUTS)}")
     from tinyloop.cli.synth import synth_model
     rows = {}
+
+    def dump():           # after every stage, so a run cut off by a time limit keeps what it measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"commit": _commit(), "date": time.strftime("%Y-%m-%d"), "backend": args.backend,
+                           "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
+                           "rows": rows}, f, indent=1)
     if args.model_dir:
         os.makedirs(args.model_dir, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -148,9 +159,11 @@ def main(argv=None) -> int:
             prompt = [int(i) for i in np.random.default_rng(0).integers(0, cfg.vocab_size, args.prompt_len)]
             rows[name] = bench_layout(path, args.backend, prompt, args.new_tokens, depths, args.repeats)
             rows[name]["group_size"] = group
+            dump()
             if args.torch:
-                rows[name]["torch"] = bench_torch(path, prompt, args.new_tokens, depths, args.repeats,
-                                                  args.torch_compile)
+                rows[name]["torch"] = {}
+                bench_torch(path, prompt, args.new_tokens, depths, args.repeats, args.torch_compile,
+                            into=rows[name]["torch"], on_row=dump)
             if not args.model_dir:
                 os.unlink(path)
     print(f"{'layout':<14} {'L':>4} {'ms/token':>9} {'torch ms':>9} {'x torch':>8} {'prefill ms':>11} "
@@ -161,11 +174,7 @@ def main(argv=None) -> int:
             ts, ratio = (f"{t:.3f}", f"{t / d['decode_ms_per_token']:.2f}") if t else ("-", "-")
             print(f"{name:<14} {L:>4} {d['decode_ms_per_token']:>9.3f} {ts:>9} {ratio:>8} "
                   f"{d['prefill_ms']:>11.1f} {r['weights_bytes'] / 1e9:>11.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"commit": _commit(), "date": time.strftime("%Y-%m-%d"), "backend": args.backend,
-                       "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
-                       "rows": rows}, f, indent=1)
+    dump()
     return 0
 
 
