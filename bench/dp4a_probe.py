@@ -58,7 +58,9 @@ SHAPES = {
     "big": {"huginn-like wo 5120x5120": (5120, 5120), "huginn-like gate|up 35840x5120": (35840, 5120),
             "huginn-like down 5120x17920": (5120, 17920 - 17920 % GS)},
 }
-CONFIGS = ((1, 4), (2, 4), (4, 4), (2, 8))      # (R rows per warp, NWD warps per block)
+#: (R rows per warp, NWD warps per block, weight loads hoisted)
+CONFIGS = ((1, 4, False), (2, 4, False), (4, 4, False), (2, 8, False), (1, 4, True), (2, 4, True), (4, 4, True),
+           (2, 8, True))
 
 # ----------------------------------------------------------------------------- dp4a
 if config.ENABLE_CUDASIM:
@@ -142,13 +144,28 @@ def prep_dp4a(x, xq8, zf, sc, G):
 _MM = {}
 
 
-def make_dp4a(R: int, NWD: int, GMAX: int):
-    """The T = 1 dp4a matmul for R rows per warp, NWD warps per block and at most GMAX groups per
-    row (the shared buffer of group contributions), all compile-time."""
-    key = (R, NWD, GMAX)
+#: weight words a lane may hold loaded ahead (the hoisted form's register budget)
+WREG = 64
+
+
+def hoist_for(R: int, G: int, hoist: bool) -> int:
+    """Steps (of 8 groups) whose weight words a lane loads before using any: 1, or as many as
+    WREG registers hold."""
+    steps = -(-G // 8)
+    return max(1, min(steps, WREG // (4 * R), 8 if R == 1 else 4)) if hoist else 1   # (fully unrolled: no local memory)
+
+
+def make_dp4a(R: int, NWD: int, GMAX: int, HI: int):
+    """The T = 1 dp4a matmul for R rows per warp, NWD warps per block, at most GMAX groups per
+    row (the shared buffer of group contributions) and HI steps of weight words loaded before
+    any is used (HI = 1: each row's 16 bytes loaded just before its dp4a), all compile-time.
+    HI > 1 tests whether the kernel is bound by loads in flight: a lane issues HI * R independent
+    16-byte loads back to back, then decodes them."""
+    key = (R, NWD, GMAX, HI)
     if key in _MM:
         return _MM[key]
     assert R * 8 <= 32
+    WB = HI * R * 4
 
     @cuda.jit
     def mm(out, wq, scales, zeros, xq, zf, sc, N, G, KS):
@@ -161,45 +178,64 @@ def make_dp4a(R: int, NWD: int, GMAX: int):
         cs = cuda.shared.array((NWD, R, GMAX), float64)
         ps = cuda.shared.array((NWD, R, 8), float64)
         xr = cuda.local.array(24, int32)
+        wb = cuda.local.array(WB, int32)
         if row0 < N:
-            for it in range((G + 7) // 8):
-                g = it * 8 + gl
-                on = g < G
-                if on:
-                    xb = (g * 4 + sub) * 24
-                    for v in range(6):
-                        a0, a1, a2, a3 = ldg4(xq, xb + 4 * v)
-                        xr[4 * v] = a0
-                        xr[4 * v + 1] = a1
-                        xr[4 * v + 2] = a2
-                        xr[4 * v + 3] = a3
-                for r in range(R):
-                    row = row0 + r
-                    s0 = int32(0)
-                    s1 = int32(0)
-                    s2 = int32(0)
-                    if on and row < N:
-                        w0, w1, w2, w3 = ldg4(wq, row * KW + g * 16 + sub * 4)
-                        for j in range(4):
-                            wd = w0 if j == 0 else (w1 if j == 1 else (w2 if j == 2 else w3))
-                            lo = int32(wd & M4)
-                            hi = int32((wd >> 4) & M4)
-                            s0 = dp4a_us(lo, xr[j], s0)
-                            s0 = dp4a_us(hi, xr[4 + j], s0)
-                            s1 = dp4a_us(lo, xr[8 + j], s1)
-                            s1 = dp4a_us(hi, xr[12 + j], s1)
-                            s2 = dp4a_us(lo, xr[16 + j], s2)
-                            s2 = dp4a_us(hi, xr[20 + j], s2)
-                    s0 += cuda.shfl_xor_sync(FULL, s0, 1)
-                    s1 += cuda.shfl_xor_sync(FULL, s1, 1)
-                    s2 += cuda.shfl_xor_sync(FULL, s2, 1)
-                    s0 += cuda.shfl_xor_sync(FULL, s0, 2)
-                    s1 += cuda.shfl_xor_sync(FULL, s1, 2)
-                    s2 += cuda.shfl_xor_sync(FULL, s2, 2)
-                    if on and sub == 0 and row < N:
-                        d = (float64(s2) * 65536.0 + float64(s1) * 256.0 + float64(s0)) \
-                            - float64(zeros[row, g]) * zf[0, g]
-                        cs[w, r, g] = (d * float64(scales[row, g])) * sc[0, g]
+            steps = (G + 7) // 8
+            for ch in range((steps + HI - 1) // HI):
+                for i in range(HI):
+                    g = (ch * HI + i) * 8 + gl
+                    for r in range(R):
+                        row = row0 + r
+                        if g < G and row < N:
+                            w0, w1, w2, w3 = ldg4(wq, row * KW + g * 16 + sub * 4)
+                        else:
+                            w0 = int32(0)
+                            w1 = int32(0)
+                            w2 = int32(0)
+                            w3 = int32(0)
+                        o = (i * R + r) * 4
+                        wb[o] = w0
+                        wb[o + 1] = w1
+                        wb[o + 2] = w2
+                        wb[o + 3] = w3
+                for i in range(HI):
+                    g = (ch * HI + i) * 8 + gl
+                    on = g < G
+                    if on:
+                        xb = (g * 4 + sub) * 24
+                        for v in range(6):
+                            a0, a1, a2, a3 = ldg4(xq, xb + 4 * v)
+                            xr[4 * v] = a0
+                            xr[4 * v + 1] = a1
+                            xr[4 * v + 2] = a2
+                            xr[4 * v + 3] = a3
+                    for r in range(R):
+                        row = row0 + r
+                        s0 = int32(0)
+                        s1 = int32(0)
+                        s2 = int32(0)
+                        if on and row < N:
+                            o = (i * R + r) * 4
+                            for j in range(4):
+                                wd = wb[o + j]
+                                lo = int32(wd & M4)
+                                hi = int32((wd >> 4) & M4)
+                                s0 = dp4a_us(lo, xr[j], s0)
+                                s0 = dp4a_us(hi, xr[4 + j], s0)
+                                s1 = dp4a_us(lo, xr[8 + j], s1)
+                                s1 = dp4a_us(hi, xr[12 + j], s1)
+                                s2 = dp4a_us(lo, xr[16 + j], s2)
+                                s2 = dp4a_us(hi, xr[20 + j], s2)
+                        s0 += cuda.shfl_xor_sync(FULL, s0, 1)
+                        s1 += cuda.shfl_xor_sync(FULL, s1, 1)
+                        s2 += cuda.shfl_xor_sync(FULL, s2, 1)
+                        s0 += cuda.shfl_xor_sync(FULL, s0, 2)
+                        s1 += cuda.shfl_xor_sync(FULL, s1, 2)
+                        s2 += cuda.shfl_xor_sync(FULL, s2, 2)
+                        if on and sub == 0 and row < N:
+                            d = (float64(s2) * 65536.0 + float64(s1) * 256.0 + float64(s0)) \
+                                - float64(zeros[row, g]) * zf[0, g]
+                            cs[w, r, g] = (d * float64(scales[row, g])) * sc[0, g]
             cuda.syncwarp()
             rr = lane >> 3
             c = lane & 7
@@ -222,13 +258,14 @@ def make_dp4a(R: int, NWD: int, GMAX: int):
 class Dp4a:
     """Device buffers and launchers of the dp4a path for one (N, K) weight at T = 1."""
 
-    def __init__(self, K, ks, R=2, NWD=4):
+    def __init__(self, K, ks, R=2, NWD=4, hoist=False):
         self.K, self.G, self.ks, self.R, self.NWD = K, K // GS, ks, R, NWD
         self.xq8 = cuda.to_device(np.zeros(96 * self.G * 4, np.uint8))
         self.xq = self.xq8.view(np.int32)
         self.zf = cuda.to_device(np.zeros((1, self.G), np.float64))
         self.sc = cuda.to_device(np.zeros((1, self.G), np.float64))
-        self.kern = make_dp4a(R, NWD, -(-self.G // 32) * 32)
+        self.hi = hoist_for(R, self.G, hoist)
+        self.kern = make_dp4a(R, NWD, -(-self.G // 32) * 32, self.hi)
 
     def prep(self, x, stream):
         prep_dp4a[(self.G, 1), 32, stream](x, self.xq8, self.zf, self.sc, self.G)
@@ -291,8 +328,10 @@ def main(argv=None) -> int:
         print(f"{name}: setup {time.time() - t0:.1f}s, KS={ks}", flush=True)
         out = cuda.device_array((1, N), np.float32)
         n = args.reps
-        for (R, NWD) in CONFIGS:
-            dp = Dp4a(K, ks, R, NWD)
+        dps = {}
+        for (R, NWD, hoist) in CONFIGS:
+            key = f"{R}x{NWD}" + ("h" if hoist else "")
+            dp = dps[key] = Dp4a(K, ks, R, NWD, hoist)
             dp.prep(x_d, stream)
             dp.mm(out, wq_d, s_d, z_d, N, stream)
             stream.synchronize()
@@ -303,27 +342,31 @@ def main(argv=None) -> int:
             if not exact:
                 bad = np.argwhere(got.view(np.uint32) != ref.view(np.uint32))
                 cfg["mismatches"] = int(len(bad))
-                print(f"  MISMATCH R={R} NWD={NWD}: {len(bad)}, first {bad[:3].tolist()} "
+                print(f"  MISMATCH {key}: {len(bad)}, first {bad[:3].tolist()} "
                       f"got {got[tuple(bad[0])]} ref {ref[tuple(bad[0])]}", flush=True)
             if not args.check_only:
                 cfg["us"] = ip.graph_us(stream, lambda: [dp.mm(out, wq_d, s_d, z_d, N, stream) for _ in range(n)], n)
                 cfg["prep_us"] = ip.graph_us(stream, lambda: [dp.prep(x_d, stream) for _ in range(n)], n)
-            row["configs"][f"{R}x{NWD}"] = cfg
-            print(f"  dp4a R={R} NWD={NWD}: exact={exact} err64={cfg['relerr_vs_f64']:.2e}"
+            cfg["hoisted_steps"] = dp.hi
+            row["configs"][key] = cfg
+            print(f"  dp4a {key} (hoisted steps {dp.hi}): exact={exact} err64={cfg['relerr_vs_f64']:.2e}"
                   + (f" {cfg['us']:.2f} us (prep {cfg['prep_us']:.2f})" if "us" in cfg else ""), flush=True)
         if args.check_only:
             report["rows"].append(row)
             continue
         best = min(row["configs"], key=lambda k: row["configs"][k]["us"])
-        row["best"] = best
-        R, NWD = (int(v) for v in best.split("x"))
-        dp = Dp4a(K, ks, R, NWD)
+        best_plain = min((k for k in row["configs"] if not k.endswith("h")), key=lambda k: row["configs"][k]["us"])
+        best_hoist = min((k for k in row["configs"] if k.endswith("h")), key=lambda k: row["configs"][k]["us"])
+        row.update(best=best, best_plain=best_plain, best_hoisted=best_hoist)
+        dp, dph = dps[best_plain], dps[best_hoist]
         dp.prep(x_d, stream)
+        dph.prep(x_d, stream)
         tl = cuda.device_array((1, N), np.float32)
         km.matmul(tl, x_d, q_d, s_d, z_d, stream=stream)
         stream.synchronize()
         row["tinyloop_relerr_vs_f64"] = ip.rel_err(tl.copy_to_host(), ref64)
-        row["dp4a_us"] = row["configs"][best]["us"]
+        row["dp4a_us"] = row["configs"][best_plain]["us"]
+        row["dp4a_hoisted_us"] = row["configs"][best_hoist]["us"]
         row["tinyloop_us"] = ip.graph_us(stream, lambda: [km.matmul(tl, x_d, q_d, s_d, z_d, stream=stream)
                                                           for _ in range(n)], n)
         im = ip.Imma(1, K, ks)
@@ -349,6 +392,9 @@ def main(argv=None) -> int:
             row["dp4a_hbm_us"] = ip.graph_us(stream, lambda: [dp.mm(out, cop[i % nc][0], cop[i % nc][1],
                                                                     cop[i % nc][2], N, stream)
                                                               for i in range(nn)], nn)
+            row["dp4a_hoisted_hbm_us"] = ip.graph_us(stream, lambda: [dph.mm(out, cop[i % nc][0], cop[i % nc][1],
+                                                                             cop[i % nc][2], N, stream)
+                                                                       for i in range(nn)], nn)
             row["tinyloop_hbm_us"] = ip.graph_us(stream, lambda: [km.matmul(tl, x_d, cop[i % nc][3], cop[i % nc][1],
                                                                             cop[i % nc][2], stream=stream)
                                                                   for i in range(nn)], nn)
@@ -363,21 +409,24 @@ def main(argv=None) -> int:
                 except Exception as e:   # noqa: BLE001
                     print("  tinygemm hbm failed:", e)
             row["dp4a_hbm_GBps"] = nbytes / (row["dp4a_hbm_us"] * 1e-6) / 1e9
+            row["dp4a_hoisted_hbm_GBps"] = nbytes / (row["dp4a_hoisted_hbm_us"] * 1e-6) / 1e9
         report["rows"].append(row)
         g = lambda k: f"{row[k]:8.2f}" if k in row else "     n/a"   # noqa: E731
-        print(f"  best {best}: dp4a {g('dp4a_us')} tinyloop {g('tinyloop_us')} imma {g('imma_us')} "
-              f"tinygemm {g('tinygemm_us')} | HBM dp4a {g('dp4a_hbm_us')} tinyloop {g('tinyloop_hbm_us')} "
+        print(f"  best {best_plain} / {best_hoist}: dp4a {g('dp4a_us')} hoisted {g('dp4a_hoisted_us')} tinyloop {g('tinyloop_us')} imma {g('imma_us')} "
+              f"tinygemm {g('tinygemm_us')} | HBM dp4a {g('dp4a_hbm_us')} hoisted {g('dp4a_hoisted_hbm_us')} tinyloop {g('tinyloop_hbm_us')} "
               f"tinygemm {g('tinygemm_hbm_us')}", flush=True)
     report["all_exact"] = all_ok
     report["wall_s"] = time.time() - t_start
     if not args.check_only:
-        print("\nshape (T = 1, us)              best   dp4a  prep  tinyloop   imma  tinygemm | HBM: dp4a tinyloop tinygemm  dp4a GB/s")
+        print("\nshape (T = 1, us)              dp4a hoisted  prep  tinyloop   imma  tinygemm | HBM: dp4a hoisted "
+              "tinyloop tinygemm | GB/s dp4a hoisted")
         for r in report["rows"]:
             g = lambda k: f"{r[k]:7.2f}" if k in r else "    n/a"   # noqa: E731
-            pre = r["configs"][r["best"]]["prep_us"]
-            print(f"{r['shape']:30} {r['best']:>5} {g('dp4a_us')} {pre:5.2f} {g('tinyloop_us')} {g('imma_us')} "
-                  f"{g('tinygemm_us')} | {g('dp4a_hbm_us')} {g('tinyloop_hbm_us')} {g('tinygemm_hbm_us')} "
-                  f"{r.get('dp4a_hbm_GBps', 0):8.0f}")
+            pre = r["configs"][r["best_plain"]]["prep_us"]
+            print(f"{r['shape']:30} {g('dp4a_us')} {g('dp4a_hoisted_us')} {pre:5.2f} {g('tinyloop_us')} "
+                  f"{g('imma_us')} {g('tinygemm_us')} | {g('dp4a_hbm_us')} {g('dp4a_hoisted_hbm_us')} "
+                  f"{g('tinyloop_hbm_us')} {g('tinygemm_hbm_us')} | {r.get('dp4a_hbm_GBps', 0):6.0f} "
+                  f"{r.get('dp4a_hoisted_hbm_GBps', 0):6.0f}")
     print(f"all exact: {all_ok}; wall {report['wall_s']:.0f}s")
     dest = args.json or (os.path.join(os.environ["OUT"], "dp4a_probe.json") if os.environ.get("OUT") else None)
     if dest:
