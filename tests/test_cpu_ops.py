@@ -1,6 +1,7 @@
-"""The CPU backend's many-row matmul (`ops.matmul_rows`) gives the bits of the one-row kernel
-(`ops.matmul`) for every row, whatever the block size, the row count and the values; the backend
-picks it by shape only."""
+"""The CPU backend's matmuls on row-blocked weights (`ops.matmul`, output rows in the vector
+lanes; `ops.matmul_rows`, input rows in the vector lanes) give the bits of the row-wise reference
+(`ops.matmul_rowwise`) for every element, whatever the block size, the row count and the values;
+the backend picks one by shape only."""
 
 from __future__ import annotations
 
@@ -13,11 +14,58 @@ from tinyloop.cpu import ops
 
 def _both(x, W, T, accumulate, base, tb):
     a = base.copy()
-    ops.matmul(x, W, a, T, accumulate)
+    ops.matmul_rowwise(x, W, a, T, accumulate)
     b = base.copy()
     xt = np.full(-(-T // tb) * tb * W.shape[1] + 3, np.nan, np.float32)   # stale scratch
-    ops.matmul_rows(x, W, b, T, accumulate, xt, tb)
+    ops.matmul_rows(x, ops.block_rows(W), W.shape[0], b, T, accumulate, xt, tb)
     return a, b
+
+
+def _blocked(x, W, T, accumulate, base):
+    a = base.copy()
+    ops.matmul_rowwise(x, W, a, T, accumulate)
+    b = base.copy()
+    ops.matmul(x, ops.block_rows(W), W.shape[0], b, T, accumulate)
+    return a, b
+
+
+def _values(rng, shape, spread):
+    return (rng.standard_normal(shape) * np.exp2(rng.integers(-spread, spread + 1, shape))).astype(np.float32)
+
+
+@settings(max_examples=40, deadline=None)
+@given(N=st.integers(1, 100), K=st.integers(1, 150), T=st.integers(1, 20), accumulate=st.booleans(),
+       seed=st.integers(0, 2 ** 31), spread=st.integers(0, 60))
+def test_blocked_matmul_equals_rowwise_bit_for_bit(N, K, T, accumulate, seed, spread):
+    """Output rows in the vector lanes (N not a multiple of LANES: a padded last block; K not a
+    multiple of 8: the tail in order), values over many binades: the reference's bits; rows past T
+    and columns past N untouched."""
+    rng = np.random.default_rng(seed)
+    x, W = _values(rng, (T + 2, K), spread), _values(rng, (N, K), spread)
+    base = rng.standard_normal((T + 2, N + 3)).astype(np.float32)
+    a, b = base.copy(), base.copy()
+    ops.matmul_rowwise(x, W, a[:, :N], T, accumulate)
+    ops.matmul(x, ops.block_rows(W), N, b, T, accumulate)
+    _same(a, b)
+    assert np.array_equal(b[T:], base[T:]) and np.array_equal(b[:, N:], base[:, N:])
+
+
+def test_block_rows_layout():
+    """Block b, column l is row b * LANES + l; zeros past N; unblock_rows inverts it; the embedding
+    kernel reads rows out of it."""
+    rng = np.random.default_rng(5)
+    for N in (1, ops.LANES - 1, ops.LANES, 2 * ops.LANES + 3):
+        W = rng.standard_normal((N, 7)).astype(np.float32)
+        Wb = ops.block_rows(W)
+        assert Wb.shape == (-(-N // ops.LANES), 7, ops.LANES)
+        for n in range(N):
+            assert np.array_equal(Wb[n // ops.LANES, :, n % ops.LANES], W[n])
+        assert not Wb[-1, :, N - (Wb.shape[0] - 1) * ops.LANES:].any()
+        assert np.array_equal(ops.unblock_rows(Wb, N), W)
+        ids = rng.integers(0, N, 5)
+        out = np.zeros((5, 7), np.float32)
+        ops.embed(Wb, ids, out, 5)
+        assert np.array_equal(out, W[ids])
 
 
 def _same(a, b):
@@ -34,8 +82,7 @@ def test_matmul_rows_equals_matmul_bit_for_bit(N, K, T, accumulate, tb, seed, sp
     launcher's own), values over many binades; rows past T untouched."""
     rng = np.random.default_rng(seed)
     tb = tb or ops.row_block(T, 1 << 20, 1) or 8
-    x = (rng.standard_normal((T + 2, K)) * np.exp2(rng.integers(-spread, spread + 1, (T + 2, K)))).astype(np.float32)
-    W = (rng.standard_normal((N, K)) * np.exp2(rng.integers(-spread, spread + 1, (N, K)))).astype(np.float32)
+    x, W = _values(rng, (T + 2, K), spread), _values(rng, (N, K), spread)
     base = rng.standard_normal((T + 2, N)).astype(np.float32)
     a, b = _both(x, W, T, accumulate, base, tb)
     _same(a, b)
@@ -43,7 +90,8 @@ def test_matmul_rows_equals_matmul_bit_for_bit(N, K, T, accumulate, tb, seed, sp
 
 
 def test_matmul_rows_special_values():
-    """inf, nan, signed zeros and subnormals in x and W: the same results as the one-row kernel."""
+    """inf, nan, signed zeros and subnormals in x and W: the same results as the row-wise kernel,
+    for both blocked kernels."""
     rng = np.random.default_rng(3)
     N, K, T = 33, 37, 40
     x = rng.standard_normal((T, K)).astype(np.float32)
@@ -52,6 +100,8 @@ def test_matmul_rows_special_values():
     x.flat[rng.integers(0, x.size, 60)] = rng.choice(specials, 60)
     W.flat[rng.integers(0, W.size, 60)] = rng.choice(specials, 60)
     a, b = _both(x, W, T, False, np.zeros((T, N), np.float32), ops.row_block(T, 1 << 20, 1))
+    _same(a, b)
+    a, b = _blocked(x, W, 3, False, np.zeros((T, N), np.float32))
     _same(a, b)
 
 
@@ -77,7 +127,7 @@ def test_row_block_rule():
 def test_backend_rows_alone_equal_rows_in_a_launch(T):
     """Through the CPU backend (its scratch from the workspace, the widest in_features): row t of
     a T-row product equals the row computed alone (one-row kernel), bit for bit."""
-    from tinyloop.cpu.backend import CPUBackend
+    from tinyloop.cpu.backend import CPUBackend, RowBlocks
     from tinyloop.model.arch import ModelConfig
     from tinyloop.model.presets import get_preset
     cfg = ModelConfig.from_dict(get_preset("small").config)
@@ -87,11 +137,15 @@ def test_backend_rows_alone_equal_rows_in_a_launch(T):
     N, K = 3 * cfg.d_model, cfg.d_ff
     x = rng.standard_normal((T, K)).astype(np.float32)
     W = rng.standard_normal((N, K)).astype(np.float32)
+    Wb = RowBlocks(W)
     out = np.zeros((T, N), np.float32)
-    be.matmul(x, W, out, T)
+    be.matmul(x, Wb, out, T)
+    ref = np.zeros((T, N), np.float32)
+    be.matmul(x, W, ref, T)                      # a plain array: the row-wise reference kernel
+    assert np.array_equal(out.view(np.uint32), ref.view(np.uint32))
     for t in range(T):
         one = np.zeros((1, N), np.float32)
-        be.matmul(x[t:t + 1], W, one, 1)
+        be.matmul(x[t:t + 1], Wb, one, 1)
         assert np.array_equal(one[0], out[t])
     # the workspace's scratch is large enough for the widest matmul at every T: the blocked kernel ran
     assert (ops.row_block(T, N, K) == 0) == (T < ops.ROWS_MIN)

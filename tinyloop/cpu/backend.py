@@ -2,7 +2,8 @@
 
 Weights: every tensor is held as a float32 copy (float32 tensors copied, f16 and quantized ones
 dequantized once at load; the file is closed after loading) (measured in docs/BENCHMARKS.md: the float32 GEMV in
-tinyloop.cpu.ops runs at ~23 GB/s on one core, faster than unpacking INT4 per token in numba).
+tinyloop.cpu.ops runs at ~23 GB/s on one core, faster than unpacking INT4 per token in numba), the
+matrices in tinyloop.cpu.ops' row-block layout (:class:`RowBlocks`), vectors as they are.
 Activations are float32; the KV cache is stored per layer group in its codec (tinyloop/cpu/kv_codecs.py:
 float32, IEEE fp16 as uint16 bit patterns, int8 or int4 codes with per-row scales).
 """
@@ -56,6 +57,34 @@ def check_host_memory(nbytes: int, what: str) -> None:
     if avail is not None and nbytes > avail:
         raise OutOfMemoryError(f"{what} needs {nbytes / 2**20:.1f} MiB of host memory, but only "
                                f"{avail / 2**20:.1f} MiB are available")
+
+
+class RowBlocks:
+    """A weight matrix of logical shape (N, K) held as ops.block_rows' (ceil(N / LANES), K, LANES)
+    float32 blocks, the layout the CPU matmul and embedding kernels read."""
+
+    __slots__ = ("blocks", "shape")
+
+    def __init__(self, W: np.ndarray):
+        self.blocks = ops.block_rows(W)
+        self.shape = tuple(int(n) for n in W.shape)
+
+    @staticmethod
+    def nbytes_for(shape) -> int:
+        N, K = shape
+        return 4 * -(-N // ops.LANES) * ops.LANES * K
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes
+
+    @property
+    def dtype(self):
+        return self.blocks.dtype
+
+    def to_array(self) -> np.ndarray:
+        """The (N, K) matrix."""
+        return ops.unblock_rows(self.blocks, self.shape[0])
 
 
 class CPUCache:
@@ -112,15 +141,17 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
 
     # ------------------------------------------------------------------ memory
     def load_weights(self, model_file) -> ModelWeights:
-        check_host_memory(sum(4 * int(np.prod(s)) for s in required_tensors(self.cfg).values()),
-                          "the float32 weights")
+        check_host_memory(sum(RowBlocks.nbytes_for(s) if len(s) == 2 else 4 * int(np.prod(s))
+                              for s in required_tensors(self.cfg).values()), "the float32 weights")
         handles = {}
         nbytes = 0
         for name, tq in model_file.header.quant.items():
             # a copy, never a view of the file's memory map: the file is closed after loading, and
             # a file rewritten under a loaded model must not reach it (docs/FORMAT.md)
             arr = np.ascontiguousarray(model_file.logical(name), dtype=np.float32)
-            if tq.type == "f32":
+            if arr.ndim == 2:
+                arr = RowBlocks(arr)                 # (a copy: the blocked layout)
+            elif tq.type == "f32":
                 arr = arr.copy()                     # logical() of an f32 tensor is the view itself
             nbytes += arr.nbytes
             handles[name] = arr
@@ -272,7 +303,10 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
 
     # ------------------------------------------------------------------ ops
     def embed(self, table, ids, out, T: int) -> None:
-        ops.embed(table, ids, out, T)
+        if isinstance(table, RowBlocks):
+            ops.embed(table.blocks, ids, out, T)
+        else:
+            out[:T] = table[ids[:T]]
         if self.cfg.embed_scale != 1.0:
             out[:T] *= np.float32(self.cfg.embed_scale)
 
@@ -286,14 +320,18 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
         ops.norm_add(x, y, w, T, self.cfg.norm_eps)
 
     def matmul(self, x, W, out, T: int, accumulate: bool = False) -> None:
+        if not isinstance(W, RowBlocks):             # a plain (N, K) array: the row-wise reference form
+            with self._par:
+                ops.matmul_rowwise(x, W, out, T, accumulate)
+            return
         N, K = W.shape
         tb = ops.row_block(T, N, K)
         with self._par:
             if tb and -(-T // tb) * tb * K <= self._mm_rows.size:
-                # many rows: the vectorized kernel, the same bits (ops.matmul_rows)
-                ops.matmul_rows(x, W, out, T, accumulate, self._mm_rows, tb)
+                # many rows: x rows in the vector lanes, the same bits (ops.matmul_rows)
+                ops.matmul_rows(x, W.blocks, N, out, T, accumulate, self._mm_rows, tb)
             else:
-                ops.matmul(x, W, out, T, accumulate)
+                ops.matmul(x, W.blocks, N, out, T, accumulate)
 
     def rope_kv_append(self, q, k, v, cache: CPUCache, layer: int, pos, T: int) -> None:
         c = self.cfg

@@ -8,9 +8,17 @@ Reduction order. Every dot product runs over k in 8 interleaved float32 partial 
 order. Attention reduces over cache slots 0..p in slot order. None of these depend on T, on which
 thread computes the element, or on how many threads run, so row t of a T-row launch equals the same
 row computed alone (prefill == decode == uncached, bit for bit). fastmath stays off: reassociation
-would let LLVM change the order. `matmul_rows` (launches of ROWS_MIN rows or more: prefill, wide
-lockstep batches) runs the same partial sums for up to 128 rows at once, the rows in the vector
-lanes, so each row's sums keep their order and its bits.
+would let LLVM change the order.
+
+Weight layout. The backend holds every weight matrix in row blocks (`block_rows`): block b is the
+(K, LANES) transpose of rows b*LANES .. b*LANES + LANES - 1 (rows past N zero), so the LANES output
+rows of a block sit in the vector lanes. `matmul` (up to ROWS_MIN - 1 input rows: decode, verify,
+small batches) keeps each output row's 8 partial sums as 8 vectors of LANES accumulators, one
+lane per output row: LLVM vectorizes over the lanes without reordering any sum (the scalar form,
+`matmul_rowwise` on an (N, K) matrix, kept as the reference and for plain arrays, is 2-2.5x
+slower: LLVM does not vectorize its 8 scalar chains). `matmul_rows` (ROWS_MIN rows or more:
+prefill, wide lockstep batches) runs the same partial sums for up to 128 input rows at once, the
+input rows in the vector lanes. Both give every element the bits of `matmul_rowwise`.
 
 KV caches are read through a codec's inline load function (the built-ins' below, beside their
 attention kernels; tinyloop.cpu.kv_codecs); the fp16 cache is stored as uint16 bit patterns (numba
@@ -51,9 +59,70 @@ def _dot(a, b, K):
     return s
 
 
+#: Output rows per block of the blocked weight layout: the vector lanes of `matmul`'s
+#: accumulators. 2-core development machine (AVX2), demo shapes, one input row, against the
+#: row-wise kernel: 8 lanes 0.9-1.0x, 16 1.1-1.3x, 32 2.1-2.3x, 64 1.9-2.6x, 128 2.0-3.0x (slower
+#: than 32 on some shapes); docs/BENCHMARKS.md "CPU: blocked weights".
+LANES = 32
+
+
+def block_rows(W: np.ndarray) -> np.ndarray:
+    """The (ceil(N / LANES), K, LANES) float32 blocked copy of an (N, K) matrix (module doc): block
+    b, column l holds row b * LANES + l, zeros past N."""
+    N, K = W.shape
+    nb = -(-N // LANES)
+    out = np.zeros((nb, K, LANES), np.float32)
+    full = N // LANES
+    if full:
+        out[:full] = np.asarray(W[:full * LANES], np.float32).reshape(full, LANES, K).transpose(0, 2, 1)
+    if N % LANES:
+        out[full, :, :N % LANES] = np.asarray(W[full * LANES:], np.float32).T
+    return out
+
+
+def unblock_rows(Wb: np.ndarray, N: int) -> np.ndarray:
+    """The (N, K) matrix of a blocked copy (`block_rows`' inverse)."""
+    nb, K, L = Wb.shape
+    return np.ascontiguousarray(Wb.transpose(0, 2, 1).reshape(nb * L, K)[:N])
+
+
 @njit(**_PAR)
-def matmul(x, W, out, T, accumulate):
-    """out[t, n] (+)= sum_k x[t, k] * W[n, k] for t < T; x (rows, K), W (N, K), out (rows, N)."""
+def matmul(x, Wb, N, out, T, accumulate):
+    """out[t, n] (+)= sum_k x[t, k] * W[n, k] for t < T, n < N; x (rows, K), W blocked (`block_rows`:
+    (ceil(N / LANES), K, LANES)), out (rows, N). The bits of `matmul_rowwise` (module doc)."""
+    NB, K, L = Wb.shape
+    K8 = K - K % 8
+    for b in prange(NB):
+        P = np.empty((9, L), np.float32)
+        wb = Wb[b]
+        for t in range(T):
+            xr = x[t]
+            for j in range(8):
+                for l in range(L):
+                    P[j, l] = float32(0.0)
+            for k0 in range(0, K8, 8):
+                for j in range(8):
+                    xv = xr[k0 + j]
+                    for l in range(L):
+                        P[j, l] += xv * wb[k0 + j, l]
+            for l in range(L):
+                P[8, l] = (((P[0, l] + P[1, l]) + (P[2, l] + P[3, l]))
+                           + ((P[4, l] + P[5, l]) + (P[6, l] + P[7, l])))
+            for k in range(K8, K):
+                xv = xr[k]
+                for l in range(L):
+                    P[8, l] += xv * wb[k, l]
+            for l in range(min(L, N - b * L)):
+                if accumulate:
+                    out[t, b * L + l] += P[8, l]
+                else:
+                    out[t, b * L + l] = P[8, l]
+
+
+@njit(**_PAR)
+def matmul_rowwise(x, W, out, T, accumulate):
+    """out[t, n] (+)= sum_k x[t, k] * W[n, k] for t < T; x (rows, K), W (N, K), out (rows, N): the
+    reference form of the order (one scalar dot product per element)."""
     N, K = W.shape
     # weight row outermost: each W row is read from memory once and reused for every input row
     for n in prange(N):
@@ -97,15 +166,16 @@ def rows_scratch(rows: int, K: int) -> int:
 
 
 @njit(**_PAR)
-def matmul_rows(x, W, out, T, accumulate, xt, TB):
+def matmul_rows(x, Wb, N, out, T, accumulate, xt, TB):
     """`matmul` for many rows, bit for bit: the same 8 interleaved partial sums per (t, n) in the
     same order (partial j over k = j, j + 8, ...; then ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7)); then
     the tail k in order), computed for TB rows at once. x is first copied into the scratch `xt`
     (float32, at least ceil(T / TB) * TB * K elements) as blocks of (K, TB), rows past T zero, so
     the innermost loop runs over the TB rows of one k: independent accumulators, which LLVM turns
     into vector multiplies and adds without reordering any sum (fastmath stays off; the trip count
-    is a run-time value so the loop is vectorized instead of unrolled)."""
-    N, K = W.shape
+    is a run-time value so the loop is vectorized instead of unrolled). Wb: blocked (`block_rows`),
+    N its rows."""
+    _, K, L = Wb.shape
     nb = (T + TB - 1) // TB
     K8 = K - K % 8
     xb3 = xt[:nb * K * TB].reshape((nb, K, TB))
@@ -117,8 +187,11 @@ def matmul_rows(x, W, out, T, accumulate, xt, TB):
     n_tasks = (N + _ROWS_TASK - 1) // _ROWS_TASK
     for task in prange(n_tasks):
         P = np.empty((9, TB), np.float32)
+        wr = np.empty(K, np.float32)
         for n in range(task * _ROWS_TASK, min(N, (task + 1) * _ROWS_TASK)):
-            wr = W[n]
+            wb = Wb[n // L]
+            for k in range(K):                  # the weight row, contiguous (one strided read per element)
+                wr[k] = wb[k, n % L]
             for b in range(nb):
                 xb = xb3[b]
                 for j in range(8):
@@ -171,9 +244,11 @@ def norm_add(x, y, w, T, eps):
 
 @njit(**_SEQ)
 def embed(table, ids, out, T):
-    """out[t] = table[ids[t]]."""
+    """out[t] = table[ids[t]]; table blocked (`block_rows`)."""
+    L = table.shape[2]
     for t in range(T):
-        out[t, :] = table[ids[t]]
+        i = ids[t]
+        out[t, :] = table[i // L, :, i % L]
 
 
 @njit(**_SEQ)
