@@ -102,27 +102,13 @@ def prep_dp4a(x, xq8, zf, sc, G):
     grp = cuda.blockIdx.x
     tok = cuda.blockIdx.y
     lane = cuda.threadIdx.x
-    base = grp * GS + 4 * lane
-    v0 = x[tok, base]
-    v1 = x[tok, base + 1]
-    v2 = x[tok, base + 2]
-    v3 = x[tok, base + 3]
-    mx = max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3)))
-    for o in (16, 8, 4, 2, 1):
-        mx = max(mx, cuda.shfl_xor_sync(FULL, mx, o))
-    bexp = (cuda.libdevice.float_as_int(mx) >> 23) & 255
-    e = max(bexp, 1) - 126
-    up = cuda.libdevice.longlong_as_double(types.int64(1023 + P - e) << 52)
+    v0, v1, v2, v3, e, up = ip.group_values(x, tok, grp, lane)
     zsum = 0
     tbase = tok * 96 * G
     for i in range(4):
         v = v0 if i == 0 else (v1 if i == 1 else (v2 if i == 2 else v3))
-        m = int32(cuda.libdevice.rint(float64(v) * up))
+        m, d0, d1, d2 = ip.digits(v, up)
         zsum += m
-        d0 = ((m + 128) & 255) - 128
-        m1 = (m - d0) >> 8
-        d1 = ((m1 + 128) & 255) - 128
-        d2 = (m1 - d1) >> 8
         kk = 4 * lane + i
         jw = kk >> 3
         r = kk & 7
@@ -134,11 +120,7 @@ def prep_dp4a(x, xq8, zf, sc, G):
             d = d0 if p == 0 else (d1 if p == 1 else d2)
             idx = tbase + ((grp * 4 + sub) * 6 + 2 * p + h) * 4 + wi
             xq8[idx * 4 + byte] = types.uint8(d & 255)
-    for o in (16, 8, 4, 2, 1):
-        zsum += cuda.shfl_xor_sync(FULL, zsum, o)
-    if lane == 0:
-        zf[tok, grp] = float64(zsum)
-        sc[tok, grp] = cuda.libdevice.longlong_as_double(types.int64(1023 + e - P) << 52)
+    ip.store_group(zsum, e, zf, sc, tok, grp, lane)
 
 
 _MM = {}

@@ -149,13 +149,9 @@ def layout_test(out, a, b, c_in):
     out[g + 8, 2 * t + 1] = d3
 
 
-@cuda.jit
-def prep(x, xd8, zf, sc, G):
-    """Grid (G, T), one warp: token t = blockIdx.y, group blockIdx.x. Writes the 3 digit planes
-    into xd8 (uint8, layout [m-tile][group][s][lane][16 bytes]), Z (float64) and 2^(e-P)."""
-    grp = cuda.blockIdx.x
-    tok = cuda.blockIdx.y
-    lane = cuda.threadIdx.x
+@cuda.jit(device=True, inline=True)
+def group_values(x, tok, grp, lane):
+    """One warp over one (token, group): lane's 4 values and the group's e and 2^(P - e)."""
     base = grp * GS + 4 * lane
     v0 = x[tok, base]
     v1 = x[tok, base + 1]
@@ -166,18 +162,44 @@ def prep(x, xd8, zf, sc, G):
         mx = max(mx, cuda.shfl_xor_sync(FULL, mx, o))
     bexp = (cuda.libdevice.float_as_int(mx) >> 23) & 255
     e = max(bexp, 1) - 126
-    up = cuda.libdevice.longlong_as_double(types.int64(1023 + P - e) << 52)
+    return v0, v1, v2, v3, e, cuda.libdevice.longlong_as_double(types.int64(1023 + P - e) << 52)
+
+
+@cuda.jit(device=True, inline=True)
+def digits(v, up):
+    """m = rint(v * 2^(P - e)) and its balanced signed byte digits d0, d1, d2."""
+    m = int32(cuda.libdevice.rint(float64(v) * up))
+    d0 = ((m + 128) & 255) - 128
+    m1 = (m - d0) >> 8
+    d1 = ((m1 + 128) & 255) - 128
+    return m, d0, d1, (m1 - d1) >> 8
+
+
+@cuda.jit(device=True, inline=True)
+def store_group(zsum, e, zf, sc, tok, grp, lane):
+    """The warp's sum of m as Z, and 2^(e - P), for (token, group)."""
+    for o in (16, 8, 4, 2, 1):
+        zsum += cuda.shfl_xor_sync(FULL, zsum, o)
+    if lane == 0:
+        zf[tok, grp] = float64(zsum)
+        sc[tok, grp] = cuda.libdevice.longlong_as_double(types.int64(1023 + e - P) << 52)
+
+
+@cuda.jit
+def prep(x, xd8, zf, sc, G):
+    """Grid (G, T), one warp: token t = blockIdx.y, group blockIdx.x. Writes the 3 digit planes
+    into xd8 (uint8, layout [m-tile][group][s][lane][16 bytes]), Z (float64) and 2^(e-P)."""
+    grp = cuda.blockIdx.x
+    tok = cuda.blockIdx.y
+    lane = cuda.threadIdx.x
+    v0, v1, v2, v3, e, up = group_values(x, tok, grp, lane)
     mt = tok >> 2
     tt = tok & 3
     zsum = 0
     for i in range(4):
         v = v0 if i == 0 else (v1 if i == 1 else (v2 if i == 2 else v3))
-        m = int32(cuda.libdevice.rint(float64(v) * up))
+        m, d0, d1, d2 = digits(v, up)
         zsum += m
-        d0 = ((m + 128) & 255) - 128
-        m1 = (m - d0) >> 8
-        d1 = ((m1 + 128) & 255) - 128
-        d2 = (m1 - d1) >> 8
         kk = 4 * lane + i
         j8 = kk >> 3
         r = kk & 7
@@ -190,11 +212,7 @@ def prep(x, xd8, zf, sc, G):
         xd8[(ebase + tt * 4 + tq) * 16 + byte] = types.uint8(d0 & 255)
         xd8[(ebase + (tt + 4) * 4 + tq) * 16 + byte] = types.uint8(d1 & 255)
         xd8[(ebase + tt * 4 + tq) * 16 + byte + 4] = types.uint8(d2 & 255)
-    for o in (16, 8, 4, 2, 1):
-        zsum += cuda.shfl_xor_sync(FULL, zsum, o)
-    if lane == 0:
-        zf[tok, grp] = float64(zsum)
-        sc[tok, grp] = cuda.libdevice.longlong_as_double(types.int64(1023 + e - P) << 52)
+    store_group(zsum, e, zf, sc, tok, grp, lane)
 
 
 _MM = {}

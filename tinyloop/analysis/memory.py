@@ -5,7 +5,10 @@ Components (bytes):
 
 * **weights** -- backend "cuda" (and any backend that keeps weights packed): the physical tensors as
   stored in the file (quantized ``.q``/``.scales``/``.zeros`` parts, f16, f32). Backend "cpu": every
-  logical tensor dequantized to float32, i.e. ``4 * parameter_count``.
+  logical tensor dequantized to float32, the matrices padded to whole blocks of 32 rows (its
+  row-block layout): ``4 * parameter_count`` plus the padding. A backend that lays its weights out
+  its own way says so through ``Backend.weights_nbytes``; otherwise the entry's ``weights_dtype``
+  picks one of the two formulas ("dequantized": ``4 * parameter_count``).
 * **kv_cache** -- ``batch * n_layers(loops) * slots * 2 (K and V) * kv_dim * kv_bytes_per_element``,
   slots = the cache slots the backend allocates for a request of max_seq_len (``Backend.cache_slots``:
   max_seq_len on the CPU, rounded up to a power of two >= 128 on CUDA),
@@ -105,7 +108,8 @@ def estimate_memory(source, max_seq_len: int, loops: Optional[int] = None,
         raise ConfigError(f"kv_bytes_per_element={kv_bytes_per_element!r} must be positive")
 
     params = parameter_count(cfg)
-    weights = params * 4 if dequantized else stored
+    held = entry.weights_model(cfg)
+    weights = held if held is not None else params * 4 if dequantized else stored
     n_layers = cfg.n_layers(loops)
     if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or not 0 <= prefill_chunk <= 1 << 20:
         raise ConfigError(f"prefill_chunk={prefill_chunk!r} must be an integer in [0, 1048576] (0 = automatic)")

@@ -123,7 +123,6 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
     def __init__(self, cfg, max_seq_len: int):
         super().__init__(cfg)
         self.max_seq_len = max_seq_len
-        D = cfg.head_dim
         inv_freq = rope_inv_freq(cfg)
         # speculative drafts run up to 64 positions (draft_ahead <= 64) past the last emitted token
         ang = np.arange(max_seq_len + 65, dtype=np.float64)[:, None] * inv_freq[None, :]
@@ -140,9 +139,14 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
         self._par = threads.Region(self.threads)
 
     # ------------------------------------------------------------------ memory
+    @classmethod
+    def weights_nbytes(cls, cfg) -> int:
+        """float32 vectors, and matrices in row blocks (padded to whole blocks of ops.LANES rows)."""
+        return sum(RowBlocks.nbytes_for(s) if len(s) == 2 else 4 * int(np.prod(s))
+                   for s in required_tensors(cfg).values())
+
     def load_weights(self, model_file) -> ModelWeights:
-        check_host_memory(sum(RowBlocks.nbytes_for(s) if len(s) == 2 else 4 * int(np.prod(s))
-                              for s in required_tensors(self.cfg).values()), "the float32 weights")
+        check_host_memory(self.weights_nbytes(self.cfg), "the float32 weights")
         handles = {}
         nbytes = 0
         for name, tq in model_file.header.quant.items():

@@ -59,6 +59,31 @@ def _dot(a, b, K):
     return s
 
 
+@njit(inline="always", **_SEQ)
+def _lane_dots(v, A, P, K, L):
+    """P[8, l] = sum_k v[k] * A[k, l] for l < L (A (K, >= L), P (9, >= L) scratch) in the module's
+    order: partial j (P[j]) over k = j, j + 8, ... ascending, then ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7)),
+    then the tail k in order. The lanes are independent accumulators, so LLVM vectorizes the l loops
+    (a run-time L: vectorized rather than unrolled) without reordering any sum. (v[k] * A[k, l] and
+    A[k, l] * v[k] are the same float product.)"""
+    K8 = K - K % 8
+    for j in range(8):
+        for l in range(L):
+            P[j, l] = float32(0.0)
+    for k0 in range(0, K8, 8):
+        for j in range(8):
+            vv = v[k0 + j]
+            for l in range(L):
+                P[j, l] += vv * A[k0 + j, l]
+    for l in range(L):
+        P[8, l] = (((P[0, l] + P[1, l]) + (P[2, l] + P[3, l]))
+                   + ((P[4, l] + P[5, l]) + (P[6, l] + P[7, l])))
+    for k in range(K8, K):
+        vv = v[k]
+        for l in range(L):
+            P[8, l] += vv * A[k, l]
+
+
 #: Output rows per block of the blocked weight layout: the vector lanes of `matmul`'s
 #: accumulators. 2-core development machine (AVX2), demo shapes, one input row, against the
 #: row-wise kernel: 8 lanes 0.9-1.0x, 16 1.1-1.3x, 32 2.1-2.3x, 64 1.9-2.6x, 128 2.0-3.0x (slower
@@ -91,27 +116,11 @@ def matmul(x, Wb, N, out, T, accumulate):
     """out[t, n] (+)= sum_k x[t, k] * W[n, k] for t < T, n < N; x (rows, K), W blocked (`block_rows`:
     (ceil(N / LANES), K, LANES)), out (rows, N). The bits of `matmul_rowwise` (module doc)."""
     NB, K, L = Wb.shape
-    K8 = K - K % 8
     for b in prange(NB):
         P = np.empty((9, L), np.float32)
         wb = Wb[b]
         for t in range(T):
-            xr = x[t]
-            for j in range(8):
-                for l in range(L):
-                    P[j, l] = float32(0.0)
-            for k0 in range(0, K8, 8):
-                for j in range(8):
-                    xv = xr[k0 + j]
-                    for l in range(L):
-                        P[j, l] += xv * wb[k0 + j, l]
-            for l in range(L):
-                P[8, l] = (((P[0, l] + P[1, l]) + (P[2, l] + P[3, l]))
-                           + ((P[4, l] + P[5, l]) + (P[6, l] + P[7, l])))
-            for k in range(K8, K):
-                xv = xr[k]
-                for l in range(L):
-                    P[8, l] += xv * wb[k, l]
+            _lane_dots(x[t], wb, P, K, L)
             for l in range(min(L, N - b * L)):
                 if accumulate:
                     out[t, b * L + l] += P[8, l]
@@ -177,7 +186,6 @@ def matmul_rows(x, Wb, N, out, T, accumulate, xt, TB):
     N its rows."""
     _, K, L = Wb.shape
     nb = (T + TB - 1) // TB
-    K8 = K - K % 8
     xb3 = xt[:nb * K * TB].reshape((nb, K, TB))
     for b in prange(nb):
         for k in range(K):
@@ -193,22 +201,7 @@ def matmul_rows(x, Wb, N, out, T, accumulate, xt, TB):
             for k in range(K):                  # the weight row, contiguous (one strided read per element)
                 wr[k] = wb[k, n % L]
             for b in range(nb):
-                xb = xb3[b]
-                for j in range(8):
-                    for l in range(TB):
-                        P[j, l] = float32(0.0)
-                for k0 in range(0, K8, 8):
-                    for j in range(8):
-                        w = wr[k0 + j]
-                        for l in range(TB):
-                            P[j, l] += xb[k0 + j, l] * w
-                for l in range(TB):
-                    P[8, l] = (((P[0, l] + P[1, l]) + (P[2, l] + P[3, l]))
-                               + ((P[4, l] + P[5, l]) + (P[6, l] + P[7, l])))
-                for k in range(K8, K):
-                    w = wr[k]
-                    for l in range(TB):
-                        P[8, l] += xb[k, l] * w
+                _lane_dots(wr, xb3[b], P, K, TB)
                 for l in range(min(TB, T - b * TB)):
                     t = b * TB + l
                     if accumulate:

@@ -195,6 +195,13 @@ class Backend(ABC):
                    for shape, dt in cls.workspace_layout(cfg, rows, max_seq_len).values())
 
     @classmethod
+    def weights_nbytes(cls, cfg: ModelConfig):
+        """Bytes load_weights will hold for a model of `cfg`, where the backend lays its weights out
+        in a way the file does not tell (padding, a blocked copy); None: estimate_memory's formula
+        for the entry's ``weights_dtype``."""
+        return None
+
+    @classmethod
     def cache_slots(cls, n_slots: int, window: int = 0) -> int:
         """Slots alloc_cache allocates per layer for a spec of n_slots (a backend may round up)."""
         return n_slots
@@ -794,6 +801,12 @@ class BackendEntry:
         except NotImplementedError:
             ws = None
         return ws, be.cache_slots(max_seq_len)
+
+    @classmethod
+    def weights_model(cls, cfg: ModelConfig):
+        """Backend.weights_nbytes of the backend (imports the backend class): the bytes its weights
+        take once loaded, or None where the weights_dtype formula applies."""
+        return cls.load_class().weights_nbytes(cfg)
 
     @classmethod
     def load_class(cls) -> type:
