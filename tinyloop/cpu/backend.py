@@ -130,7 +130,6 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
         self.sin = np.sin(ang).astype(np.float32)
         self._held = 0
         self._scores = None
-        self._mm_rows = np.zeros(0, np.float32)
         self._rows = 0
         self._exit_run, self._exit_at, self._exit_prev = 0, 0, None     # guarded steps (early exit)
         self._exit_queued = 0
@@ -172,9 +171,6 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
         out["ids"] = ((rows,), np.int64)
         # attention scores of every (row, head) over the keys (+ a margin for a speculative verify)
         out["scores"] = ((rows * cfg.n_heads, max_seq_len + 65), f)
-        # x of a many-row matmul in ops.matmul_rows' blocked layout (the widest in_features)
-        kmax = max(shape[-1] for shape in required_tensors(cfg).values() if len(shape) == 2)
-        out["mm_rows"] = ((ops.rows_scratch(rows, kmax),), f)
         return out
 
     def alloc_workspace(self, rows: int) -> Workspace:
@@ -183,10 +179,9 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
         arrays = {n: np.zeros(shape, dt)
                   for n, (shape, dt) in self.workspace_layout(self.cfg, rows, self.max_seq_len).items()}
         self._scores = arrays.pop("scores")
-        self._mm_rows = arrays.pop("mm_rows")
         self._rows = rows
         ws = Workspace(rows=rows, **arrays)
-        self._held += sum(a.nbytes for a in arrays.values()) + self._scores.nbytes + self._mm_rows.nbytes
+        self._held += sum(a.nbytes for a in arrays.values()) + self._scores.nbytes
         return ws
 
     def alloc_cache(self, spec) -> CPUCache:
@@ -280,7 +275,6 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
 
     def free(self) -> None:
         self._scores = None
-        self._mm_rows = np.zeros(0, np.float32)
         self._held = 0
 
     # ------------------------------------------------------------------ positions / transfer
@@ -328,14 +322,8 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
             with self._par:
                 ops.matmul_rowwise(x, W, out, T, accumulate)
             return
-        N, K = W.shape
-        tb = ops.row_block(T, N, K)
         with self._par:
-            if tb and -(-T // tb) * tb * K <= self._mm_rows.size:
-                # many rows: x rows in the vector lanes, the same bits (ops.matmul_rows)
-                ops.matmul_rows(x, W.blocks, N, out, T, accumulate, self._mm_rows, tb)
-            else:
-                ops.matmul(x, W.blocks, N, out, T, accumulate)
+            ops.matmul(x, W.blocks, W.shape[0], out, T, accumulate)
 
     def rope_kv_append(self, q, k, v, cache: CPUCache, layer: int, pos, T: int) -> None:
         c = self.cfg

@@ -12,13 +12,13 @@ would let LLVM change the order.
 
 Weight layout. The backend holds every weight matrix in row blocks (`block_rows`): block b is the
 (K, LANES) transpose of rows b*LANES .. b*LANES + LANES - 1 (rows past N zero), so the LANES output
-rows of a block sit in the vector lanes. `matmul` (up to ROWS_MIN - 1 input rows: decode, verify,
-small batches) keeps each output row's 8 partial sums as 8 vectors of LANES accumulators, one
-lane per output row: LLVM vectorizes over the lanes without reordering any sum (the scalar form,
-`matmul_rowwise` on an (N, K) matrix, kept as the reference and for plain arrays, is 2-2.5x
-slower: LLVM does not vectorize its 8 scalar chains). `matmul_rows` (ROWS_MIN rows or more:
-prefill, wide lockstep batches) runs the same partial sums for up to 128 input rows at once, the
-input rows in the vector lanes. Both give every element the bits of `matmul_rowwise`.
+rows of a block sit in the vector lanes. `matmul` keeps each output row's 8 partial sums as 8
+vectors of LANES accumulators, one lane per output row: LLVM vectorizes over the lanes without
+reordering any sum. The scalar form, `matmul_rowwise` on an (N, K) matrix (kept as the reference
+and for plain arrays), is 2.2-2.9x slower at 1-128 rows on the demo shapes and 2.5-5.7x slower on
+the 360m shapes at one row: LLVM does not vectorize its 8 scalar chains. (A many-row kernel with
+the input rows in the lanes, `matmul_rows`, served launches of 16 rows or more until the blocked
+layout beat it at every row count measured, 16 to 512: it was removed.)
 
 KV caches are read through a codec's inline load function (the built-ins' below, beside their
 attention kernels; tinyloop.cpu.kv_codecs); the fp16 cache is stored as uint16 bit patterns (numba
@@ -64,8 +64,7 @@ def _lane_dots(v, A, P, K, L):
     """P[8, l] = sum_k v[k] * A[k, l] for l < L (A (K, >= L), P (9, >= L) scratch) in the module's
     order: partial j (P[j]) over k = j, j + 8, ... ascending, then ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7)),
     then the tail k in order. The lanes are independent accumulators, so LLVM vectorizes the l loops
-    (a run-time L: vectorized rather than unrolled) without reordering any sum. (v[k] * A[k, l] and
-    A[k, l] * v[k] are the same float product.)"""
+    (a run-time L: vectorized rather than unrolled) without reordering any sum."""
     K8 = K - K % 8
     for j in range(8):
         for l in range(L):
@@ -142,72 +141,6 @@ def matmul_rowwise(x, W, out, T, accumulate):
                 out[t, n] += s
             else:
                 out[t, n] = s
-
-
-#: Fewest rows for which the backend runs `matmul_rows` instead of `matmul` (see `row_block`).
-ROWS_MIN = 16
-#: Most rows of one vector block of `matmul_rows`.
-ROWS_BLOCK = 128
-#: Fewest weight elements (N * K) for `matmul_rows`: below, the copy of x costs more than it saves.
-ROWS_MIN_WEIGHTS = 4096
-#: Weight rows each parallel task of `matmul_rows` takes (its accumulators are allocated per task).
-_ROWS_TASK = 16
-
-
-def row_block(T: int, N: int, K: int) -> int:
-    """Rows per vector block of `matmul_rows` for a T-row product with an (N, K) weight (the blocks
-    as even as whole multiples of 8 allow, at most ROWS_BLOCK rows), 0 when `matmul` is used
-    (T < ROWS_MIN, or a weight of fewer than ROWS_MIN_WEIGHTS elements).
-    Measured on this project's 2-core development machine (docs/BENCHMARKS.md, "CPU: many-row
-    matmul"): 1.3-1.6x at T = 16, 2-2.4x at T = 40, 2.2-3.5x at T = 128 on the demo and 360m
-    shapes; at T = 8 a block was no faster. Performance only: both kernels give the same bits."""
-    if T < ROWS_MIN or N * K < ROWS_MIN_WEIGHTS:
-        return 0
-    nb = -(-T // ROWS_BLOCK)
-    return -(-(-(-T // nb)) // 8) * 8
-
-
-def rows_scratch(rows: int, K: int) -> int:
-    """float32 elements of scratch `matmul_rows` needs for any T <= `rows` rows of K inputs."""
-    if rows < ROWS_MIN:
-        return 0
-    return (rows + 8 * -(-rows // ROWS_BLOCK)) * K
-
-
-@njit(**_PAR)
-def matmul_rows(x, Wb, N, out, T, accumulate, xt, TB):
-    """`matmul` for many rows, bit for bit: the same 8 interleaved partial sums per (t, n) in the
-    same order (partial j over k = j, j + 8, ...; then ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7)); then
-    the tail k in order), computed for TB rows at once. x is first copied into the scratch `xt`
-    (float32, at least ceil(T / TB) * TB * K elements) as blocks of (K, TB), rows past T zero, so
-    the innermost loop runs over the TB rows of one k: independent accumulators, which LLVM turns
-    into vector multiplies and adds without reordering any sum (fastmath stays off; the trip count
-    is a run-time value so the loop is vectorized instead of unrolled). Wb: blocked (`block_rows`),
-    N its rows."""
-    _, K, L = Wb.shape
-    nb = (T + TB - 1) // TB
-    xb3 = xt[:nb * K * TB].reshape((nb, K, TB))
-    for b in prange(nb):
-        for k in range(K):
-            for l in range(TB):
-                t = b * TB + l
-                xb3[b, k, l] = x[t, k] if t < T else float32(0.0)
-    n_tasks = (N + _ROWS_TASK - 1) // _ROWS_TASK
-    for task in prange(n_tasks):
-        P = np.empty((9, TB), np.float32)
-        wr = np.empty(K, np.float32)
-        for n in range(task * _ROWS_TASK, min(N, (task + 1) * _ROWS_TASK)):
-            wb = Wb[n // L]
-            for k in range(K):                  # the weight row, contiguous (one strided read per element)
-                wr[k] = wb[k, n % L]
-            for b in range(nb):
-                _lane_dots(wr, xb3[b], P, K, TB)
-                for l in range(min(TB, T - b * TB)):
-                    t = b * TB + l
-                    if accumulate:
-                        out[t, n] += P[8, l]
-                    else:
-                        out[t, n] = P[8, l]
 
 
 @njit(inline="always", **_SEQ)
