@@ -1,6 +1,6 @@
 """How the CPU kernels use threads: the threading layer and the thread count, decided here only.
 
-Two kernels run parallel regions (``prange``): ``ops.matmul`` (over weight rows) and the attention
+Two kernels run parallel regions (``prange``): ``ops.matmul`` (over blocks of weight rows) and the attention
 kernels (over row x head tasks). A decode step of the demo model runs ~80 such regions of
 ~20-500 µs each, and each one ends when the last thread of numba's team arrives. With as many
 threads as cores, one other busy process on the machine is enough for a team thread to wait a whole
