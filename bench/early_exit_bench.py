@@ -38,7 +38,10 @@ SWEEPS = [
     ("kl", "early_exit_threshold", [0.01, 0.03, 0.05, 0.075, 0.1, 0.2]),
     ("logit_margin", "early_exit_logit_margin", [1.0, 2.0, 4.0, 8.0]),
     ("argmax", None, [None]),
+    ("gate", "early_exit_threshold", [0.3, 0.5, 0.7, 0.8, 0.9]),     # models with a learned exit gate only
 ]
+#: Settings a criterion needs beside the bench's patience 1, min_L 2, peek_every 1.
+CRITERION_KW = {"gate": {"early_exit_min_L": 1}}
 PROMPTS = ["Once upon a time", "The little dog ran", "She opened the door and", "In the morning the sun"]
 
 
@@ -55,7 +58,7 @@ def _decode_ms(tl, m, prompts, cfg, repeats: int) -> float:
 
 
 def run(backend: str, model, preset: str, window: int, windows: int, new: int, repeats: int,
-        kv_policies, fixed) -> dict:
+        kv_policies, fixed, criteria=None) -> dict:
     import tinyloop as tl
     from tinyloop.analysis.evaluate import decoded_perplexity, perplexity
     from tinyloop.analysis.loopgain import HELDOUT_TEXT
@@ -80,8 +83,12 @@ def run(backend: str, model, preset: str, window: int, windows: int, new: int, r
         fixed_ppl = {r["loops"]: r["ppl"] for r in rows}
         for kv in kv_policies:
             for crit, field, values in SWEEPS:
+                if (criteria is not None and crit not in criteria) or (crit == "gate" and not m.cfg.exit_gate):
+                    continue
                 for v in values:
-                    kw = {} if field is None else {field: v}
+                    kw = dict(CRITERION_KW.get(crit, {}))
+                    if field is not None:
+                        kw[field] = v
                     cfg = base.replace(loops=L0, early_exit_patience=1, early_exit_criterion=crit, early_exit_kv=kv,
                                        **kw)
                     t = time.perf_counter()
@@ -140,7 +147,7 @@ def plot(res: dict, path: str) -> None:
     for r in fx:
         ax.annotate(f"L={r['loops']}", (r["mean_loops"], r["ppl"]), textcoords="offset points", xytext=(4, 4),
                     fontsize=7)
-    marks = {"hidden_l2": "s", "kl": "^", "logit_margin": "D", "argmax": "v"}
+    marks = {"hidden_l2": "s", "kl": "^", "logit_margin": "D", "argmax": "v", "gate": "o"}
     for kv in sorted({r["kv"] for r in res["rows"] if r["kind"] == "exit"}):
         for crit, mk in marks.items():
             pts = [r for r in res["rows"] if r["kind"] == "exit" and r["criterion"] == crit and r["kv"] == kv]
@@ -205,6 +212,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--kv", default="copy_last,recompute", help="K/V policies to sweep (comma-separated)")
     ap.add_argument("--fixed", default="1,2,3,4,5,6,7,8", help="fixed depths")
+    ap.add_argument("--criteria", default=None,
+                    help="criteria to sweep (comma-separated; default all; gate only on a model with an exit gate)")
     ap.add_argument("--oracle", action="store_true", help="also the bound of the module docstring")
     ap.add_argument("--oracle-only", action="store_true", help="only that bound (no sweep, no timing)")
     ap.add_argument("--json", default=None)
@@ -218,7 +227,8 @@ def main(argv=None) -> int:
         res = {"backend": a.backend, "model": a.model or a.preset, "rows": []}
     else:
         res = run(a.backend, model, a.preset, a.window, a.windows, a.new, a.repeats,
-                  [k for k in a.kv.split(",") if k], [int(x) for x in a.fixed.split(",") if x])
+                  [k for k in a.kv.split(",") if k], [int(x) for x in a.fixed.split(",") if x],
+                  None if a.criteria is None else [c for c in a.criteria.split(",") if c])
     if a.model is None:
         res["model"] = a.preset
     if a.oracle or a.oracle_only:

@@ -186,7 +186,8 @@ def test_ops_attention_matches_sdpa():
 
 def test_early_exit_bench_runs_and_writes_its_table_json_and_plot(tmp_path, monkeypatch):
     """bench/early_exit_bench.py end to end on the CPU at toy sizes: one fixed depth and every
-    criterion; the JSON rows and the PNG are written, the table prints."""
+    criterion the demo model can run (gate needs a learned exit gate: skipped, as is a criterion
+    --criteria leaves out); the JSON rows and the PNG are written, the table prints."""
     from bench import early_exit_bench as eb
     monkeypatch.setattr(eb, "SWEEPS", [(c, f, v[:1]) for c, f, v in eb.SWEEPS])
     js, png = tmp_path / "ee.json", tmp_path / "ee.png"
@@ -195,6 +196,9 @@ def test_early_exit_bench_runs_and_writes_its_table_json_and_plot(tmp_path, monk
     import json
     res = json.loads(js.read_text())
     kinds = [(r["kind"], r.get("criterion")) for r in res["rows"]]
-    assert kinds[:2] == [("fixed", None), ("fixed", None)] and len(kinds) == 2 + len(eb.SWEEPS)
+    assert kinds == [("fixed", None), ("fixed", None)] + [("exit", c) for c, _, _ in eb.SWEEPS if c != "gate"]
     assert all(1 <= r["mean_loops"] <= 4 and r["ppl"] > 1 for r in res["rows"])
     assert png.stat().st_size > 1000
+    assert eb.main(["--windows", "1", "--window", "16", "--new", "4", "--repeats", "1", "--kv", "copy_last",
+                    "--fixed", "4", "--criteria", "kl", "--json", str(js)]) == 0
+    assert [r.get("criterion") for r in json.loads(js.read_text())["rows"]] == [None, "kl"]

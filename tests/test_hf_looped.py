@@ -444,10 +444,11 @@ def _gate_depths(cfg, W, ids, loops, q, kv):
 
 
 @pytest.mark.parametrize("kv", ["copy_last", "recompute"])
-def test_ouro_exit_gate_criterion_follows_the_cumulative_rule(kv, tmp_path):
+def test_ouro_exit_gate_criterion_follows_the_cumulative_rule(kv, tmp_path, monkeypatch):
     """early_exit_criterion='gate' on a converted Ouro checkpoint: each decoded position leaves
     the loop where the oracle's cumulative gate probability first reaches the threshold, and the
-    logits at those depths are the oracle's."""
+    logits at those depths are the oracle's; the backend's guarded steps (the gate_cdf statistic
+    where the state lives) and the host probes give the same depths and logits."""
     from tinyloop.model.reference import reference_logits_exit
     c, t, src = _checkpoint(tmp_path, "ouro", seed=11)
     with torch.no_grad():                 # gates that open around the middle of the loop
@@ -468,6 +469,12 @@ def test_ouro_exit_gate_criterion_follows_the_cumulative_rule(kv, tmp_path):
             assert min(want[1:]) < 5
             ref = reference_logits_exit(model.cfg, W, ids, want, 5, kv)
             assert np.abs(got - ref).max() <= 2e-5 * np.abs(ref).max()
+            with monkeypatch.context() as mp:
+                caps = model.backend.capabilities
+                mp.setattr(type(model.backend), "capabilities", property(lambda self: caps - {"guarded_steps"}))
+                host = tl.GenerateStats()
+                assert np.array_equal(tl.score_decoded(model, ids, cfg, stats=host), got)
+                assert host.token_loops == want and host.exit_probes == st.exit_probes
     finally:
         tl.free_model(model)
 

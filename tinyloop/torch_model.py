@@ -345,11 +345,13 @@ class LoopedLM(nn.Module):
         s = self.config.embed_scale
         return x * s if s != 1.0 else x
 
-    def _trunk(self, x: torch.Tensor, loops: int, block_fn, linear=None, rows=None) -> torch.Tensor:
+    def _trunk(self, x: torch.Tensor, loops: int, block_fn, linear=None, rows=None, tap=None) -> torch.Tensor:
         """Runs the family's structure; block_fn(block, x, cache_layer) applies one block;
         `linear(x, name)` replaces F.linear with the named model-level matrix (the loop adapter);
         `rows` (a slice or an index tensor of positions) picks the rows of x's positions from
-        the random initial state (loop_init "random"; default: positions 0 .. T-1)."""
+        the random initial state (loop_init "random"; default: positions 0 .. T-1); `tap(d, x)`
+        sees the loop state after iteration d = 1 .. loops - 1 (the state a token exiting there
+        leaves the loop with)."""
         cfg = self.config
         if linear is None:
             def linear(v, name):
@@ -373,6 +375,13 @@ class LoopedLM(nn.Module):
                 x = block_fn(b, x, cfg.cache_layer("loop", j, iteration=it))
             if cfg.loop_norm == "every":
                 x = rms_norm(x, self.loop_norm, cfg.norm_eps)
+            if tap is not None and it < loops - 1:
+                tap(it + 1, x)
+        return self._after_loop(x, loops, block_fn)
+
+    def _after_loop(self, x: torch.Tensor, loops: int, block_fn) -> torch.Tensor:
+        """The structure after the loop's last iteration: the loop norm "after", the post blocks."""
+        cfg = self.config
         if cfg.loop_norm == "after":
             x = rms_norm(x, self.loop_norm, cfg.norm_eps)
         for i, b in enumerate(self.post):
@@ -388,6 +397,29 @@ class LoopedLM(nn.Module):
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         x = self._embed(ids)
         return self._trunk(x, loops, lambda b, x, layer: b(x, cos, sin))
+
+    def depth_states(self, ids: torch.Tensor, loops: Optional[int] = None):
+        """Every exit depth of one forward (deep supervision, exit-gate training):
+        ``(exits, top)``; ``exits`` a list over d = 1 .. loops - 1 of ``(state, hidden)``,
+        ``state`` (B, T, d_model) the loop state after iteration d (what the exit gate reads) and
+        ``hidden`` the final state had every token left the loop there (``hidden(ids, d)``: the
+        post blocks run on the depth-d state); ``top`` is ``hidden(ids, loops)``."""
+        loops = self._check_loops(loops)
+        ids, _ = self._check_ids(ids)
+        T = ids.shape[1]
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+
+        def block_fn(b, x, layer):
+            return b(x, cos, sin)
+        states = []
+        top = self._trunk(self._embed(ids), loops, block_fn, tap=lambda d, x: states.append(x))
+        return [(x, self._after_loop(x, d, block_fn)) for d, x in enumerate(states, 1)], top
+
+    def exit_gate_logit(self, state: torch.Tensor) -> torch.Tensor:
+        """The learned exit gate's logit of loop states (..., d_model) -> (...)."""
+        if not self.config.exit_gate:
+            raise ConfigError("this model has no exit gate (ModelConfig.exit_gate)")
+        return state @ self.exit_gate + self.exit_gate_bias
 
     def forward(self, ids: torch.Tensor, loops: Optional[int] = None) -> torch.Tensor:
         """Logits for every position of ids ((B, T) -> (B, T, V); (T,) -> (T, V)), no cache."""

@@ -1716,42 +1716,58 @@ def test_kv_codec_argument_errors():
 
 # =============================================================================== early exit
 from tinyloop.cuda.kernels import exit_probe, kv_layer_copy  # noqa: E402
-from tinyloop.runtime.early_exit import STATISTICS, is_stable  # noqa: E402
+from tinyloop.runtime.early_exit import GATE_CDF, STATISTICS, gate_cdf, gate_log_survival, is_stable  # noqa: E402
 
 
 @pytest.mark.parametrize("stat", sorted(exit_probe.MODES))
 def test_exit_probe_against_the_numpy_statistics(stat):
     """exit_probe's statistic, stability count and exit depth against the numpy references of
-    tinyloop.runtime.early_exit (rows longer than the block, a tie for argmax), the row stashed
-    as the next probe's previous one."""
+    tinyloop.runtime.early_exit (rows longer than the block, a tie for argmax; gate_cdf's running
+    log-survival over the probes), the row stashed as the next probe's previous one."""
     rng = np.random.default_rng(7)
     n = 77
     rows = [rng.standard_normal(n).astype(np.float32) * 3 for _ in range(4)]
     rows[2] = rows[1] + np.float32(0.01) * rng.standard_normal(n).astype(np.float32)   # a nearly stable step
     rows[3] = rows[2].copy()
     rows[3][5] = rows[3].max() + 1                               # argmax moves
+    gw = (rng.standard_normal(n) * 0.1).astype(np.float32)
+    gb = np.array([-0.7], np.float32)
+    gate = (cuda.to_device(gw), cuda.to_device(gb))
     state = cuda.to_device(np.zeros(2, np.int32))
+    acc = cuda.to_device(np.full(1, 5.0))
     prev = cuda.to_device(np.zeros(n + 3, np.float32))
     no = cuda.to_device(np.zeros(1, np.uint64))
-    threshold = {"rel_l2": 0.05, "top2_margin": 0.5, "kl": 0.01, "argmax_change": 0.5}[stat]
-    exit_probe.reset(state)
-    run, at = 0, 0
+    threshold = {"rel_l2": 0.05, "top2_margin": 0.5, "kl": 0.01, "argmax_change": 0.5, "gate_cdf": 0.6}[stat]
+    exit_probe.reset(state, acc)
+    assert acc.copy_to_host()[0] == 0.0
+    run, at, log_survival = 0, 0, 0.0
     for depth, r in enumerate(rows, start=1):
-        exit_probe.probe(cuda.to_device(r), prev, state, stat, threshold, 2, depth, depth > 1, no, 1)
+        exit_probe.probe(cuda.to_device(r), prev, state, stat, threshold, 2, depth, depth > 1, no, 1, gate=gate,
+                         acc=acc)
         got = state.copy_to_host()
         if depth > 1:
-            value = STATISTICS[stat][0](r.astype(np.float64), rows[depth - 2].astype(np.float64))
+            if stat == GATE_CDF:
+                log_survival += gate_log_survival(r.astype(np.float64), gw, float(gb[0]))
+                value = gate_cdf(log_survival)
+                np.testing.assert_allclose(acc.copy_to_host()[0], log_survival, rtol=1e-12)
+            else:
+                value = STATISTICS[stat][0](r.astype(np.float64), rows[depth - 2].astype(np.float64))
             run = run + 1 if is_stable(stat, value, threshold) else 0
             if run >= 2 and not at:
                 at = depth
         assert list(got) == [run, at], f"depth {depth}: {list(got)} != {[run, at]}"
         np.testing.assert_array_equal(prev.copy_to_host()[:n], r)
-    exit_probe.reset(state)
-    assert list(state.copy_to_host()) == [0, 0]
+    if stat == GATE_CDF:
+        assert at == 3          # the gate's probability passes the threshold within the rows
+    exit_probe.reset(state, acc)
+    assert list(state.copy_to_host()) == [0, 0] and acc.copy_to_host()[0] == 0.0
     with pytest.raises(BackendError, match="unknown statistic"):
-        exit_probe.probe(cuda.to_device(rows[0]), prev, state, "cosine", 0.1, 1, 1, True, no, 1)
+        exit_probe.probe(cuda.to_device(rows[0]), prev, state, "cosine", 0.1, 1, 1, True, no, 1, acc=acc)
     with pytest.raises(BackendError, match="fewer than the row"):
-        exit_probe.probe(cuda.to_device(np.zeros(n + 9, np.float32)), prev, state, stat, 0.1, 1, 1, True, no, 1)
+        exit_probe.probe(cuda.to_device(np.zeros(n + 9, np.float32)), prev, state, stat, 0.1, 1, 1, True, no, 1,
+                         gate=gate, acc=acc)
+    with pytest.raises(BackendError, match="gate_cdf needs"):
+        exit_probe.probe(cuda.to_device(rows[0]), prev, state, GATE_CDF, 0.1, 1, 1, True, no, 1, acc=acc)
 
 
 @pytest.mark.parametrize("ring", [False, True])

@@ -18,7 +18,7 @@ from ..model.arch import required_tensors, rope_inv_freq
 from ..model.init_state import random_state
 from ..runtime.backend import (Backend, CacheReuse, GuardedSteps, KVLayerCopy, LaneOps, ModelWeights, TokenMasks,
                                TreeOps, TreeRows, Workspace, fill_lane_paths, lane_tables)
-from ..runtime.early_exit import STATISTICS, is_stable
+from ..runtime.early_exit import GATE_CDF, STATISTICS, gate_cdf, gate_log_survival, is_stable
 from ..runtime.cache import shared_layers
 from ..errors import BackendError, OutOfMemoryError
 from . import ops, threads
@@ -132,6 +132,7 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
         self._scores = None
         self._rows = 0
         self._exit_run, self._exit_at, self._exit_prev = 0, 0, None     # guarded steps (early exit)
+        self._exit_log_survival = 0.0
         self._exit_queued = 0
         #: threads of the parallel kernels (TINYLOOP_CPU_THREADS; tinyloop/cpu/threads.py)
         self.threads = threads.configure()
@@ -235,15 +236,19 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
                         a[dst, slot] = a[src, slot]
 
     # ------------------------------------------------------------------ guarded steps (early exit)
-    exit_stats = frozenset(STATISTICS)
+    exit_stats = frozenset(STATISTICS) | {GATE_CDF}
 
     def exit_reset(self) -> None:
-        self._exit_run, self._exit_at = 0, 0
+        self._exit_run, self._exit_at, self._exit_log_survival = 0, 0, 0.0
 
-    def exit_probe(self, ws, src, stat, threshold, patience, depth, compare) -> None:
+    def exit_probe(self, ws, src, stat, threshold, patience, depth, compare, gate=None) -> None:
         cur = np.asarray(src[0], np.float64)
         if compare:
-            value = STATISTICS[stat][0](cur, self._exit_prev)
+            if stat == GATE_CDF:
+                self._exit_log_survival += gate_log_survival(cur, gate[0], float(gate[1][0]))
+                value = gate_cdf(self._exit_log_survival)
+            else:
+                value = STATISTICS[stat][0](cur, self._exit_prev)
             self._exit_run = self._exit_run + 1 if is_stable(stat, value, threshold) else 0
             if self._exit_run >= patience and not self._exit_at:
                 self._exit_at = depth

@@ -240,10 +240,11 @@ class CUDAWorkspace(Workspace):
     per-(row, head) arrival counters; amax_work (values, ids, counters) of the split argmax; mask
     (ceil(vocab / 32),) the token mask words of launch_masked_argmax, mask_host their pinned staging;
     exit_prev (max(d_model, vocab),) the previous early-exit probe's row, exit_state (2,) the probes'
-    [stable count, exit depth], exit_host (2,) pinned copies of the depth (a queued read, a waited
-    one); accept_rec (2 rows + 2,) a greedy draft cycle's record (launch_accept), accept_host (2, 2
-    rows + 2) its two pinned copies (a cycle read while the next one runs). The counters are zeroed
-    once at allocation, and every launch leaves them zero.
+    [stable count, exit depth], exit_acc (1,) float64 the exit gate's running log-survival,
+    exit_host (2,) pinned copies of the depth (a queued read, a waited one); accept_rec (2 rows +
+    2,) a greedy draft cycle's record (launch_accept), accept_host (2, 2 rows + 2) its two pinned
+    copies (a cycle read while the next one runs). The counters are zeroed once at allocation, and
+    every launch leaves them zero.
     """
 
     tok: Any = None
@@ -262,6 +263,7 @@ class CUDAWorkspace(Workspace):
     mask_host: Any = None
     exit_prev: Any = None
     exit_state: Any = None
+    exit_acc: Any = None
     exit_host: Any = None
     accept_rec: Any = None
     accept_host: Any = None
@@ -435,6 +437,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
                    moves=((2, rows), i32), mask=((-(-c.vocab_size // 32),), i32),
                    accept_rec=((k_accept.record_size(rows - 1),), i32),
                    exit_prev=((max(c.d_model, c.vocab_size),), f), exit_state=((2,), i32),
+                   exit_acc=((1,), np.float64),
                    # split-KV attention: per-split partials and per-(row, head) arrival counters
                    att_work=(k_attention.workspace_shape(rows, c.n_heads, c.head_dim), f),
                    att_count=(k_attention.counter_shape(rows, c.n_heads), i32))
@@ -872,16 +875,18 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
     exit_stats = frozenset(k_exit_probe.MODES)
 
     def exit_reset(self) -> None:
-        k_exit_probe.reset(self._ws.exit_state, stream=self.stream)
+        k_exit_probe.reset(self._ws.exit_state, self._ws.exit_acc, stream=self.stream)
 
-    def exit_probe(self, ws, src, stat, threshold, patience, depth, compare) -> None:
+    def exit_probe(self, ws, src, stat, threshold, patience, depth, compare, gate=None) -> None:
         g = self._guard
         if g is not None:               # capturing a guarded graph: an exit skips the stretches after this piece
             conts, first, fill = g.conts, g.piece, g.fill_handles.get(depth, 0)
         else:
             conts, first, fill = self._no_conts, self._no_conts.shape[0], 0
+        if gate is not None:
+            gate = (gate[0].w, gate[1].w)
         k_exit_probe.probe(src[0], ws.exit_prev, ws.exit_state, stat, threshold, patience, depth, compare,
-                           conts, first, fill, stream=self.stream)
+                           conts, first, fill, gate=gate, acc=ws.exit_acc, stream=self.stream)
 
     def exit_copy_last(self, cache: CUDACache, pos, loops: int) -> None:
         spec = cache.spec

@@ -130,6 +130,9 @@ class ModelWeights:
     """The loop-input adapter's halves (loop_inject "adapter"), else None."""
     loop_norm: Any = None
     """The loop's norm (loop_norm "after" / "every"), else None."""
+    exit_gate: Any = None
+    exit_gate_bias: Any = None
+    """The learned exit gate's weight (d_model,) and bias (1,) vectors (exit_gate), else None."""
 
     @classmethod
     def from_handles(cls, cfg: ModelConfig, h: Mapping[str, Any], nbytes: int = 0) -> "ModelWeights":
@@ -140,7 +143,8 @@ class ModelWeights:
                    post=blocks("post", cfg.n_post), final_norm=h.get("final_norm"),
                    head=h["embed"] if cfg.tied_embeddings else h["head"], nbytes=nbytes,
                    loop_adapter_x=h.get("loop_adapter_x"), loop_adapter_e=h.get("loop_adapter_e"),
-                   loop_norm=h.get("loop_norm"))
+                   loop_norm=h.get("loop_norm"), exit_gate=h.get("exit_gate"),
+                   exit_gate_bias=h.get("exit_gate_bias"))
 
 
 class Backend(ABC):
@@ -577,7 +581,10 @@ class GuardedSteps(ABC):
     host: the same decisions, one round trip per probe.
 
     Probe statistics (`stat`; numpy references in tinyloop.runtime.early_exit.STATISTICS, with the
-    direction a stable probe lies in): ``rel_l2``, ``top2_margin``, ``kl``, ``argmax_change``."""
+    direction a stable probe lies in): ``rel_l2``, ``top2_margin``, ``kl``, ``argmax_change``; and
+    ``gate_cdf`` (early_exit.GATE_CDF), the learned exit gate's cumulative exit probability
+    ``gate_cdf(sum of gate_log_survival)`` over the step's probes, stable at or above the
+    threshold."""
 
     #: The probe statistics this backend computes where the state lives.
     exit_stats: FrozenSet[str] = frozenset()
@@ -588,11 +595,14 @@ class GuardedSteps(ABC):
 
     @abstractmethod
     def exit_probe(self, ws: Workspace, src, stat: str, threshold: float, patience: int, depth: int,
-                   compare: bool) -> None:
+                   compare: bool, gate=None) -> None:
         """Queue a probe of row 0 of `src` (ws.x or ws.logits). With `compare`: statistic `stat` of
         it against the stashed previous probe, the count of consecutive stable probes updated
         (reset by an unstable one) and, when it reaches `patience`, the flag set and `depth`
-        recorded. Then the row is stashed as the previous probe."""
+        recorded. Then the row is stashed as the previous probe. For ``gate_cdf``, `gate` is the
+        (weight, bias) handles of ModelWeights.exit_gate / exit_gate_bias: the row's
+        log-survival is added to the step's running sum (cleared by exit_reset) and the
+        statistic is the cumulative exit probability."""
 
     @abstractmethod
     def exit_copy_last(self, cache, pos, loops: int) -> None:

@@ -33,6 +33,7 @@ in docs/ARCHITECTURE.md ("Early exit").
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar, Mapping, Optional, Tuple
 
@@ -70,6 +71,24 @@ def argmax_change(cur: np.ndarray, prev: np.ndarray) -> float:
     return 0.0 if int(np.argmax(cur)) == int(np.argmax(prev)) else 1.0
 
 
+def gate_log_survival(cur: np.ndarray, weight: np.ndarray, bias: float) -> float:
+    """log(1 - sigmoid(z)) = -softplus(z) of the exit gate's logit z = weight . cur + bias, in
+    float64: the log-probability that a token which reached this state does not exit here."""
+    z = float(np.dot(np.asarray(weight, np.float64), cur)) + float(bias)
+    return -(max(z, 0.0) + math.log1p(math.exp(-abs(z))))
+
+
+def gate_cdf(log_survival: float) -> float:
+    """The cumulative exit probability 1 - exp(S) of a running log-survival S (the sum of
+    gate_log_survival over the token's iterations so far)."""
+    return -math.expm1(log_survival)
+
+
+#: The cumulative statistic of a model's learned exit gate (the "gate" criterion): unlike those
+#: of STATISTICS it reads the gate's weights (passed to GuardedSteps.exit_probe) and a running
+#: log-survival that exit_reset clears; stable at or above the threshold.
+GATE_CDF = "gate_cdf"
+
 #: The probe statistics backends may compute where the state lives (GuardedSteps.exit_stats):
 #: name -> (numpy reference over float64 rows, True when a stable probe lies *below* the
 #: threshold, False when at or above it).
@@ -79,7 +98,7 @@ STATISTICS = {"rel_l2": (rel_l2, True), "top2_margin": (top2_margin, False), "kl
 
 def is_stable(stat_name: str, value: float, threshold: float) -> bool:
     """Whether a probe of statistic `stat_name` with `value` is stable under `threshold`."""
-    below = STATISTICS[stat_name][1]
+    below = False if stat_name == GATE_CDF else STATISTICS[stat_name][1]
     return value < threshold if below else value >= threshold
 
 
@@ -90,8 +109,9 @@ class ExitCriterion:
     ("hidden": the probed value is the residual row after the iteration; "logits": the head's
     logits of that row), ``needs_previous`` (the statistic compares with the previous probe),
     ``default_threshold`` (None: the criterion takes no threshold) and either ``stat`` (a name in
-    :data:`STATISTICS`: backends with the ``guarded_steps`` capability compute it where the
-    state lives, and the numpy reference is the default :meth:`statistic` / :meth:`stable`) or
+    :data:`STATISTICS`, or :data:`GATE_CDF`: backends with the ``guarded_steps`` capability
+    compute it where the state lives, and the numpy reference is the default :meth:`statistic` /
+    :meth:`stable`; a GATE_CDF criterion computes its own statistic on the host) or
     its own :meth:`statistic` and :meth:`stable` (``stat`` None: probed on the host, on every
     backend). ``mode`` / ``compat`` tie the plugins to the ``early_exit`` row of
     configs/compat.yaml. Host statistics run on float64 copies of the float32 rows."""
@@ -315,12 +335,14 @@ class ExitStep:
         probes = sorted(self.probes)
         ref = plan.reference_depth
         logits = crit.reads == "logits"
+        w = fwd.w
+        gate = (w.exit_gate, w.exit_gate_bias) if crit.stat == GATE_CDF else None
 
         def probe(d, compare=True):
             if logits:
                 fwd.logits(0, 1)
             be.exit_probe(ws, ws.logits if logits else ws.x, crit.stat, crit.threshold, plan.patience, d,
-                          compare=compare)
+                          compare=compare, gate=gate)
 
         def head():
             fwd.prefix(ids, pos, 1, cache)

@@ -15,6 +15,11 @@ block cost ~0.2 ms per probe on the H200):
     top2_margin    row's largest minus second largest value      stable at or above it
     kl             KL(softmax(row) || softmax(prev)), nats       stable below it
     argmax_change  0 when argmax row == argmax prev, else 1      stable below it (0.5)
+    gate_cdf       1 - exp(S), S += -softplus(gw . row + gb)     stable at or above it
+
+gate_cdf is the learned exit gate's cumulative exit probability: `gw` (n,) and `gb` (1,) the
+gate's weight and bias, `acc` (1,) float64 the step's running log-survival S (reset zeroes it);
+it reads no previous row. The other statistics ignore gw, gb and acc.
 
 With ``compare`` the probe updates the count (+1 when stable, else 0) and, when it reaches
 `patience` and no depth is recorded yet, records `depth` and, inside a guarded graph, sets the
@@ -42,7 +47,7 @@ from ._pdl import grid_dep_wait
 
 #: Threads of the one block (fewer under the simulator, which runs each thread as a Python thread).
 NT = 32 if SIM else 1024
-MODES = {"rel_l2": 0, "top2_margin": 1, "kl": 2, "argmax_change": 3}
+MODES = {"rel_l2": 0, "top2_margin": 1, "kl": 2, "argmax_change": 3, "gate_cdf": 4}
 _NEG = -math.inf
 
 
@@ -110,7 +115,7 @@ def _make_kernel(mode: int):
     # not jit_kernel: kernels that link the device runtime cannot be cached (numba-cuda refuses to
     # pickle a code library with linked files, and the refusal would fail the launch)
     @cuda.jit
-    def kernel(row, prev, n, state, threshold, patience, depth, compare, conts, first, fill):
+    def kernel(row, prev, n, state, threshold, patience, depth, compare, conts, first, fill, gw, gb, acc):
         grid_dep_wait()
         t = cuda.threadIdx.x
         sa = cuda.shared.array(NT, float64)
@@ -197,6 +202,19 @@ def _make_kernel(mode: int):
                 cuda.syncthreads()
                 _tree_sum(sa, t)
                 value = max(0.0, sa[0])
+            elif MODE == 4:
+                a = 0.0
+                for i in range(t, n, NT):
+                    a += float64(row[i]) * float64(gw[i])
+                sa[t] = a
+                cuda.syncthreads()
+                _tree_sum(sa, t)
+                z = sa[0] + float64(gb[0])
+                ls = acc[0] - (max(z, 0.0) + math.log1p(math.exp(-abs(z))))
+                value = -math.expm1(ls)
+                cuda.syncthreads()          # every thread has read acc[0] before thread 0 writes it
+                if t == 0:
+                    acc[0] = ls
             else:
                 bc = _NEG
                 bp = _NEG
@@ -220,7 +238,7 @@ def _make_kernel(mode: int):
                 _tree_argmax(sb, sj, t)
                 value = 0.0 if si[0] == sj[0] else 1.0
             if t == 0:
-                stable = value >= threshold if MODE == 1 else value < threshold
+                stable = value >= threshold if MODE == 1 or MODE == 4 else value < threshold
                 run = state[0] + 1 if stable else 0
                 state[0] = run
                 if run >= patience and state[1] == 0:
@@ -238,24 +256,27 @@ def _make_kernel(mode: int):
 
 
 @cuda.jit   # not jit_kernel, as above
-def _reset_kernel(state):
+def _reset_kernel(state, acc):
     grid_dep_wait()
     if cuda.grid(1) == 0:
         state[0] = 0
         state[1] = 0
+        acc[0] = 0.0
 
 
-def reset(state, stream=0) -> None:
-    """state := [0, 0] (a guarded step's start)."""
+def reset(state, acc, stream=0) -> None:
+    """state := [0, 0], acc := [0] (a guarded step's start)."""
     check_array("exit_reset", "state", state, np.int32, 1, (2,))
-    _reset_kernel[1, 32, stream](state)
+    check_array("exit_reset", "acc", acc, np.float64, 1, (1,))
+    _reset_kernel[1, 32, stream](state, acc)
 
 
 def probe(row, prev, state, stat: str, threshold: float, patience: int, depth: int, compare: bool,
-          conts, first: int, fill: int = 0, stream=0) -> None:
+          conts, first: int, fill: int = 0, gate=None, acc=None, stream=0) -> None:
     """One probe of `row` (see the module doc). Inside a guarded graph: `conts` (uint64, device)
     the handles of the graph's stretches, of which an exit clears ``conts[first:]``, and `fill`
-    the handle an exit sets (0: none). Outside one: `first` = len(conts) and `fill` 0."""
+    the handle an exit sets (0: none). Outside one: `first` = len(conts) and `fill` 0. `gate`
+    (weight (n,), bias (1,), float32) and `acc` (float64 (1,)): gate_cdf's, which needs both."""
     op = "exit_probe"
     if stat not in MODES:
         raise BackendError(f"{op}: unknown statistic {stat!r}; known: {', '.join(MODES)}")
@@ -268,13 +289,24 @@ def probe(row, prev, state, stat: str, threshold: float, patience: int, depth: i
     n = row.shape[0]
     if prev.shape[0] < n:
         raise BackendError(f"{op}: prev holds {prev.shape[0]} values, fewer than the row's {n}")
+    if stat == "gate_cdf":
+        if gate is None or acc is None:
+            raise BackendError(f"{op}: gate_cdf needs the gate's (weight, bias) and the running sum `acc`")
+        gw, gb = gate
+        check_array(op, "gate weight", gw, np.float32, 1, (n,))
+        check_array(op, "gate bias", gb, np.float32, 1, (1,))
+        check_array(op, "acc", acc, np.float64, 1, (1,))
+    else:           # unread placeholders of the kernel's gate arguments
+        gw, gb = prev, prev
+        if acc is None:
+            raise BackendError(f"{op}: `acc` (float64 (1,)) is the kernel's running-sum argument")
     _make_kernel(MODES[stat])[1, NT, stream](row, prev, np.int32(n), state, np.float64(threshold),
                                              np.int32(patience), np.int32(depth), bool(compare),
-                                             conts, np.int32(first), np.uint64(fill))
+                                             conts, np.int32(first), np.uint64(fill), gw, gb, acc)
 
 
 def ptx_signatures():
     sig = ("void(float32[::1], float32[::1], int32, int32[::1], float64, int32, int32, boolean, uint64[::1], int32, "
-           "uint64)")
+           "uint64, float32[::1], float32[::1], float64[::1])")
     return ([(f"exit_probe_{name}", _make_kernel(m).py_func, sig) for name, m in MODES.items()]
-            + [("exit_reset", _reset_kernel.py_func, "void(int32[::1])")])
+            + [("exit_reset", _reset_kernel.py_func, "void(int32[::1], float64[::1])")])

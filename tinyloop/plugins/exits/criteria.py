@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import ConfigError, IncompatibleModesError
-from ...runtime.early_exit import ExitCriterion
+from ...runtime.early_exit import GATE_CDF, ExitCriterion, gate_cdf, gate_log_survival
 from ...runtime.hookspecs import hookimpl
 
 #: The early_exit row of configs/compat.yaml.
@@ -97,13 +97,16 @@ class ArgmaxStable(ExitCriterion):
 
 class ExitGate(ExitCriterion):
     """The model's learned exit gate (Ouro): exit once the cumulative exit probability reaches
-    the threshold. Probed on the host (one row per iteration)."""
+    the threshold. Computed where the state lives on a backend with the ``gate_cdf`` statistic
+    (tinyloop.runtime.early_exit.GATE_CDF: the log-survivals -softplus(z_i) summed in float64,
+    the statistic 1 - exp(sum)); here the same formula on the host."""
 
     name = "gate"
     compat = EXIT_COMPAT
     reads = "hidden"
     needs_previous = False
     default_threshold = 0.5
+    stat = GATE_CDF
 
     @classmethod
     def threshold_of(cls, config):
@@ -122,16 +125,14 @@ class ExitGate(ExitCriterion):
                               f"needs early_exit_min_L=1 and early_exit_peek_every=1, got "
                               f"{config.early_exit_min_L} and {config.early_exit_peek_every}")
         self.weight, self.bias = model.exit_gate
-        self.survive = 1.0
+        self.log_survival = 0.0
 
     def begin_token(self) -> None:
-        self.survive = 1.0
+        self.log_survival = 0.0
 
     def statistic(self, cur, prev) -> float:
-        z = float(np.dot(self.weight, cur)) + self.bias
-        lam = 1.0 / (1.0 + np.exp(-z)) if z >= 0 else np.exp(z) / (1.0 + np.exp(z))
-        self.survive *= 1.0 - lam
-        return 1.0 - self.survive
+        self.log_survival += gate_log_survival(cur, self.weight, self.bias)
+        return gate_cdf(self.log_survival)
 
     def stable(self, stat: float) -> bool:
         return stat >= self.threshold
