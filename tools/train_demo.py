@@ -18,7 +18,14 @@ Training:
   (``default_rng([seed, 1])``): with probability ``--p-default`` L = default_loops, otherwise L is
   uniform on 1 .. ``--train-max-loops`` (default 2 * default_loops). Half the steps thus train the
   depth the model will usually run at, the rest keep it usable from L = 1 up to twice that depth
-  (mean L = 4.25 for default_loops 4); the loss is taken after the last iteration only;
+  (mean L = 4.25 for default_loops 4); the loss is taken after the last iteration only, or, with
+  ``--exit-train deep``, also at every earlier depth d < L as if every token left the loop there
+  (the post blocks and head on the depth-d state), each weighted ``--depth-weight`` against the
+  last depth's 1: a model whose early depths are already good, so early exit saves iterations
+  cheaply. ``--exit-gate`` adds a learned exit gate (Ouro's: one logit of the loop state) trained
+  beside it by binary cross-entropy on detached states, the label of a token at depth d being
+  "its loss there is within ``--gate-margin`` nats of the last depth's"; the runtime's ``gate``
+  early-exit criterion reads it;
 * ``--time-budget-s`` bounds the training loop's wall clock: the schedule's progress is
   ``max(step / steps, elapsed / budget)``, so when the budget binds the LR still anneals to its
   floor and training stops gracefully (evaluation and saving follow). A run where the budget
@@ -221,6 +228,16 @@ def parse_args(argv=None):
     a("--weight-decay", type=float, default=0.1)
     a("--grad-clip", type=float, default=1.0)
     a("--p-default", type=float, default=0.5, help="probability a step uses default_loops")
+    a("--init-from", default=None, metavar="FILE.tinyloop",
+      help="start from this model's weights (dequantized; the shape flags must match it; an exit gate it "
+           "lacks starts at zero): fine-tuning, e.g. the demo model for --exit-train deep")
+    a("--exit-train", default="none", choices=["none", "deep"],
+      help="deep: the loss is also taken at every earlier exit depth (module docstring)")
+    a("--depth-weight", type=float, default=1.0,
+      help="--exit-train deep: weight of each earlier depth's loss against the last depth's 1")
+    a("--exit-gate", action="store_true", help="learn an exit gate (ModelConfig.exit_gate); needs --exit-train deep")
+    a("--gate-margin", type=float, default=0.05,
+      help="a token's exit label at depth d is 1 when its loss there is within this many nats of the last depth's")
     a("--train-max-loops", type=int, default=None, help="default: min(2*default_loops, max_loops)")
     a("--time-budget-s", type=float, default=330.0, help="training-loop wall clock limit; 0 = none")
     a("--no-amp", action="store_true", help="no bf16 autocast on CUDA")
@@ -238,6 +255,31 @@ def parse_args(argv=None):
       help="do not train: join SRC's shards into --out/model.safetensors, copy config/logs and "
            "--data-dir's vocab.json/merges.txt")
     return ap.parse_args(argv)
+
+
+def init_from(model, path: str) -> str:
+    """Copy a .tinyloop file's tensors (dequantized to float32) into `model`, whose config must
+    have the same shape; tensors the file lacks (a new exit gate) keep their initial values."""
+    import torch
+    from tinyloop.model.format import open_model
+    with open_model(path) as mf:
+        src = mf.header.config
+        keys = ("vocab_size", "d_model", "n_heads", "n_kv_heads", "d_ff", "n_pre", "n_loop", "n_post",
+                "tied_embeddings", "loop_inject")
+        diff = [f"{k}: file {getattr(src, k)!r}, flags {getattr(model.config, k)!r}" for k in keys
+                if getattr(src, k) != getattr(model.config, k)]
+        if diff:
+            raise SystemExit(f"--init-from {path}: the shape differs ({'; '.join(diff)})")
+        have = set(required_tensors(src))
+        params = dict(model.named_parameters())
+        copied = []
+        with torch.no_grad():
+            for name in required_tensors(model.config):
+                if name in have:
+                    params[name].copy_(torch.from_numpy(np.asarray(mf.logical(name), np.float32)))
+                    copied.append(name)
+    kept = sorted(set(required_tensors(model.config)) - set(copied))
+    return f"{len(copied)} tensors from {path}" + (f"; initial values kept for {kept}" if kept else "")
 
 
 def sample_loops(rng, n_default: int, hi: int, p_default: float) -> int:
@@ -292,7 +334,11 @@ def main(argv=None) -> dict:
                       n_loop=args.n_loop, n_post=args.n_post, default_loops=args.default_loops,
                       max_loops=args.max_loops, rope_theta=args.rope_theta,
                       tied_embeddings=not args.untied, loop_inject=args.loop_inject,
-                      bos_id=None, eos_id=eos_id)
+                      exit_gate=args.exit_gate, bos_id=None, eos_id=eos_id)
+    if args.exit_gate and args.exit_train != "deep":
+        raise SystemExit("--exit-gate needs --exit-train deep (the gate learns from every depth's loss)")
+    if not args.depth_weight > 0 or not args.gate_margin > 0:
+        raise SystemExit("--depth-weight and --gate-margin must be positive")
     train_max = args.train_max_loops or min(2 * cfg.default_loops, cfg.max_loops)
     if not 1 <= train_max <= cfg.max_loops:
         raise SystemExit(f"--train-max-loops must be in [1, {cfg.max_loops}]")
@@ -309,7 +355,10 @@ def main(argv=None) -> dict:
         torch.cuda.manual_seed_all(args.seed)
         torch.set_float32_matmul_precision("high")       # TF32 for the few float32 matmuls
         torch.backends.cudnn.benchmark = False
-    model = LoopedLM(cfg, max_seq_len=args.seq_len).to(device)
+    model = LoopedLM(cfg, max_seq_len=args.seq_len)
+    if args.init_from:
+        log(f"init: {init_from(model, args.init_from)}")
+    model = model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     size_q4_f16 = predicted_payload_bytes(cfg, "q4", 64, "f16")
     size_q4_q8 = predicted_payload_bytes(cfg, "q4", 64, "q8")
@@ -338,6 +387,36 @@ def main(argv=None) -> dict:
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
             logits = fwd(x, loops)
         return F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), y.reshape(-1))
+
+    def token_losses(hidden, y):
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
+            logits = model._logits(hidden)
+        return F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), y.reshape(-1), reduction="none")
+
+    def deep_loss_of(x, y, loops):
+        """--exit-train deep: (total, {name: detached parts}). Each depth d < loops adds its
+        loss with weight --depth-weight (the last depth has weight 1); with --exit-gate, the gate
+        reads the detached depth-d state and learns the per-token label "the loss at d is within
+        --gate-margin of the last depth's" by binary cross-entropy (the LM gets no gradient from it)."""
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
+            exits, top = model.depth_states(x, loops)
+        last = token_losses(top, y)
+        total = last.mean()
+        parts = {"lm_last": total.detach()}
+        gate_terms = []
+        for d, (state, hidden) in enumerate(exits, 1):
+            ce = token_losses(hidden, y)
+            total = total + args.depth_weight * ce.mean()
+            if args.exit_gate:
+                label = ((ce - last).detach() < args.gate_margin).float()
+                z = model.exit_gate_logit(state.detach().float()).reshape(-1)
+                gate_terms.append(F.binary_cross_entropy_with_logits(z, label))
+        total = total / (1.0 + args.depth_weight * len(exits))
+        if gate_terms:
+            gate = torch.stack(gate_terms).mean()
+            parts["gate_bce"] = gate.detach()
+            total = total + gate
+        return total, parts
 
     @torch.no_grad()
     def evaluate(data, loops, max_tokens, starts=None):
@@ -377,7 +456,7 @@ def main(argv=None) -> dict:
 
     history, evals = [], []
     loss_acc = torch.zeros((), device=device)
-    n_acc, loops_hist, tokens = 0, {}, 0
+    n_acc, loops_hist, tokens, part_acc = 0, {}, 0, {}
     step, stop_reason = 0, "steps"
     t_loop = time.time()
     t_last = t_loop
@@ -394,7 +473,14 @@ def main(argv=None) -> dict:
             g["lr"] = lr
         L = sample_loops(loop_rng, cfg.default_loops, train_max, args.p_default)
         x, y = batch_at(train_t, np_rng.integers(0, train_np.size - T - 1, size=B))
-        loss = loss_of(x, y, L)
+        if args.exit_train == "deep":
+            loss, parts = deep_loss_of(x, y, L)
+            for k, v in parts.items():          # (sum, steps): L = 1 steps have no gate term
+                acc = part_acc.setdefault(k, [0.0, 0])
+                acc[0] += v
+                acc[1] += 1
+        else:
+            loss = loss_of(x, y, L)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -412,10 +498,13 @@ def main(argv=None) -> dict:
                 break
             now = time.time()
             tps = n_acc * B * T / max(1e-9, now - t_last)
-            history.append({"step": step, "loss": round(mean, 5), "lr": lr, "time_s": round(now - t_loop, 2)})
+            parts = {k: round(float(v) / n, 5) for k, (v, n) in part_acc.items()}
+            history.append({"step": step, "loss": round(mean, 5), "lr": lr, "time_s": round(now - t_loop, 2),
+                            **parts})
             log(f"step {step:5d}  loss {mean:.4f}  lr {lr:.2e}  {tps / 1e3:8.1f}k tok/s  "
-                f"elapsed {now - t_loop:6.1f}s")
+                f"elapsed {now - t_loop:6.1f}s" + "".join(f"  {k} {v:.4f}" for k, v in parts.items()))
             loss_acc.zero_()
+            part_acc.clear()
             n_acc, t_last = 0, now
         if args.eval_every and step % args.eval_every == 0 and step < args.steps:
             t_e = time.time()
