@@ -38,7 +38,7 @@ SWEEPS = [
     ("kl", "early_exit_threshold", [0.01, 0.03, 0.05, 0.075, 0.1, 0.2]),
     ("logit_margin", "early_exit_logit_margin", [1.0, 2.0, 4.0, 8.0]),
     ("argmax", None, [None]),
-    ("gate", "early_exit_threshold", [0.3, 0.5, 0.7, 0.8, 0.9]),     # models with a learned exit gate only
+    ("gate", "early_exit_threshold", [0.5, 0.7, 0.8, 0.9, 0.95]),     # models with a learned exit gate only
 ]
 #: Settings a criterion needs beside the bench's patience 1, min_L 2, peek_every 1.
 CRITERION_KW = {"gate": {"early_exit_min_L": 1}}
