@@ -389,14 +389,18 @@ class LoopedLM(nn.Module):
         return x
 
     # ------------------------------------------------------------------ training forward
-    def hidden(self, ids: torch.Tensor, loops: Optional[int] = None) -> torch.Tensor:
-        """Final state (B, T, d_model) before the final norm (after the loop norm)."""
+    def _start(self, ids: torch.Tensor, loops: Optional[int]):
+        """A training forward's start: (loops, embedded ids, block_fn over the ids' RoPE rows)."""
         loops = self._check_loops(loops)
         ids, _ = self._check_ids(ids)
         T = ids.shape[1]
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-        x = self._embed(ids)
-        return self._trunk(x, loops, lambda b, x, layer: b(x, cos, sin))
+        return loops, self._embed(ids), lambda b, x, layer: b(x, cos, sin)
+
+    def hidden(self, ids: torch.Tensor, loops: Optional[int] = None) -> torch.Tensor:
+        """Final state (B, T, d_model) before the final norm (after the loop norm)."""
+        loops, x, block_fn = self._start(ids, loops)
+        return self._trunk(x, loops, block_fn)
 
     def depth_states(self, ids: torch.Tensor, loops: Optional[int] = None):
         """Every exit depth of one forward (deep supervision, exit-gate training):
@@ -404,15 +408,9 @@ class LoopedLM(nn.Module):
         ``state`` (B, T, d_model) the loop state after iteration d (what the exit gate reads) and
         ``hidden`` the final state had every token left the loop there (``hidden(ids, d)``: the
         post blocks run on the depth-d state); ``top`` is ``hidden(ids, loops)``."""
-        loops = self._check_loops(loops)
-        ids, _ = self._check_ids(ids)
-        T = ids.shape[1]
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-
-        def block_fn(b, x, layer):
-            return b(x, cos, sin)
+        loops, x, block_fn = self._start(ids, loops)
         states = []
-        top = self._trunk(self._embed(ids), loops, block_fn, tap=lambda d, x: states.append(x))
+        top = self._trunk(x, loops, block_fn, tap=lambda d, x: states.append(x))
         return [(x, self._after_loop(x, d, block_fn)) for d, x in enumerate(states, 1)], top
 
     def exit_gate_logit(self, state: torch.Tensor) -> torch.Tensor:

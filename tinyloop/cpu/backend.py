@@ -18,7 +18,7 @@ from ..model.arch import required_tensors, rope_inv_freq
 from ..model.init_state import random_state
 from ..runtime.backend import (Backend, CacheReuse, GuardedSteps, KVLayerCopy, LaneOps, ModelWeights, TokenMasks,
                                TreeOps, TreeRows, Workspace, fill_lane_paths, lane_tables)
-from ..runtime.early_exit import GATE_CDF, STATISTICS, gate_cdf, gate_log_survival, is_stable
+from ..runtime.early_exit import GATE_CDF, STABLE_BELOW, STATISTICS, gate_cdf, gate_log_survival, is_stable
 from ..runtime.cache import shared_layers
 from ..errors import BackendError, OutOfMemoryError
 from . import ops, threads
@@ -236,7 +236,7 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
                         a[dst, slot] = a[src, slot]
 
     # ------------------------------------------------------------------ guarded steps (early exit)
-    exit_stats = frozenset(STATISTICS) | {GATE_CDF}
+    exit_stats = frozenset(STABLE_BELOW)
 
     def exit_reset(self) -> None:
         self._exit_run, self._exit_at, self._exit_log_survival = 0, 0, 0.0

@@ -96,10 +96,14 @@ STATISTICS = {"rel_l2": (rel_l2, True), "top2_margin": (top2_margin, False), "kl
               "argmax_change": (argmax_change, True)}
 
 
+#: Every statistic a backend may compute where the state lives (STATISTICS and GATE_CDF) -> True
+#: when a stable probe lies below the threshold, False when at or above it.
+STABLE_BELOW = {**{name: below for name, (_, below) in STATISTICS.items()}, GATE_CDF: False}
+
+
 def is_stable(stat_name: str, value: float, threshold: float) -> bool:
     """Whether a probe of statistic `stat_name` with `value` is stable under `threshold`."""
-    below = False if stat_name == GATE_CDF else STATISTICS[stat_name][1]
-    return value < threshold if below else value >= threshold
+    return value < threshold if STABLE_BELOW[stat_name] else value >= threshold
 
 
 class ExitCriterion:
