@@ -316,6 +316,8 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         # cudaGraphSetConditional must link, and the driver must have IF nodes (CUDA 12.4)
         self.guarded_graphs = (self.use_graphs and env_switch("TINYLOOP_CUDA_GUARDED")
                                and k_exit_probe.DEVRT is not None and conditional_nodes_supported())
+        # the head and tail of a guarded step as nodes of its graph (not child graphs)
+        self.guarded_flat = env_switch("TINYLOOP_CUDA_GUARDED_FLAT")
         self._guard = None                 # the GuardedGraph being captured (its handles)
         self._no_conts = cuda.to_device(np.zeros(1, np.uint64))     # no handles: eager probes
         self._sampler = None               # load_sampler's device arrays (made at its first call)
@@ -929,12 +931,13 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
                 head()
             try:
                 try:
-                    g = GuardedGraph(self.stream, first, stretches, fills, tail, prepare, programmatic=self.pdl)
+                    g = GuardedGraph(self.stream, first, stretches, fills, tail, prepare, programmatic=self.pdl,
+                                     flat=self.guarded_flat)
                 except BackendError:
                     if not self.pdl:
                         raise
                     # conditional bodies refused programmatic edges: default edges
-                    g = GuardedGraph(self.stream, first, stretches, fills, tail, prepare)
+                    g = GuardedGraph(self.stream, first, stretches, fills, tail, prepare, flat=self.guarded_flat)
             finally:
                 self._guard = None
             self.step_nodes, self.step_programmatic_edges = g.nodes, g.programmatic_edges

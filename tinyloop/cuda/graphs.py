@@ -130,20 +130,45 @@ class Graph:
 
 
 # --------------------------------------------------------------------------- guarded graphs
-def _capture_into(stream, fn, graph, relaxed: bool = True) -> None:
-    """Capture `fn()` on `stream` into the existing `graph` (a conditional node's body). Relaxed
-    mode: a kernel's first launch may load its module while capturing."""
+def _capture_into(stream, fn, graph, deps=(), relaxed: bool = True) -> None:
+    """Capture `fn()` on `stream` into the existing `graph` (a conditional node's body, or the
+    top-level graph after the nodes `deps`). Relaxed mode: a kernel's first launch may load its
+    module while capturing."""
     drv = _drv()
     st = stream_handle(stream)
     mode = (drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED if relaxed
             else drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
-    (err,) = drv.cuStreamBeginCaptureToGraph(st, graph, None, None, 0, mode)
+    deps = list(deps)
+    (err,) = drv.cuStreamBeginCaptureToGraph(st, graph, deps or None, None, len(deps), mode)
     _check(err, "cuStreamBeginCaptureToGraph")
     try:
         fn()
     finally:
         err, _ = drv.cuStreamEndCapture(st)
     _check(err, "cuStreamEndCapture")
+
+
+def _nodes(graph) -> list:
+    drv = _drv()
+    res = drv.cuGraphGetNodes(graph)
+    _check(res[0], "cuGraphGetNodes")
+    if not res[-1]:
+        return []
+    err, nodes, n = drv.cuGraphGetNodes(graph, res[-1])
+    _check(err, "cuGraphGetNodes")
+    return list(nodes[:n])
+
+
+def _leaves(among) -> list:
+    """The nodes of `among` that no node depends on."""
+    drv = _drv()
+    out = []
+    for node in among:
+        res = drv.cuGraphNodeGetDependentNodes(node)
+        _check(res[0], "cuGraphNodeGetDependentNodes")
+        if not res[-1]:
+            out.append(node)
+    return out
 
 
 def conditional_nodes_supported() -> bool:
@@ -166,11 +191,17 @@ class GuardedGraph:
     is captured, and ``piece`` says which piece is being captured (0: the head, i + 1: stretch i),
     so a probe knows which stretches an exit skips (``conts[piece:]``).
 
-    Pieces are captured straight into their nodes (cuStreamBeginCaptureToGraph: the head and the
-    tail into child graphs, the rest into the conditional bodies); with ``programmatic`` the kernel
-    -> kernel edges inside each become programmatic."""
+    Pieces are captured straight into their nodes (cuStreamBeginCaptureToGraph): the head and the
+    tail into the top-level graph itself (``flat``; else each into a child graph node), the rest
+    into the conditional bodies. With ``programmatic`` the kernel -> kernel edges inside each
+    become programmatic (the edges into and out of a conditional node stay default)."""
 
-    def __init__(self, stream, head, stretches, fills, tail, prepare, programmatic: bool = False):
+    #: Measurement only (bench/guarded_overhead.py): every stretch as plain nodes, no IF node, so
+    #: an exit skips nothing; what the conditional nodes cost is the difference.
+    unconditional = False
+
+    def __init__(self, stream, head, stretches, fills, tail, prepare, programmatic: bool = False,
+                 flat: bool = True):
         import numpy as np
         from numba import cuda
         drv = _drv()
@@ -197,6 +228,13 @@ class GuardedGraph:
 
         def add(body_fn, cond=None):
             nonlocal prev
+            if cond is None and flat:
+                before = {int(n) for n in _nodes(graph)}
+                _capture_into(stream, body_fn, graph, deps=prev)
+                new = [n for n in _nodes(graph) if int(n) not in before]
+                if new:             # nothing captured: the next piece keeps these dependencies
+                    prev = _leaves(new)
+                return
             if cond is None:
                 err, child = drv.cuGraphCreate(0)
                 _check(err, "cuGraphCreate")
@@ -220,11 +258,13 @@ class GuardedGraph:
         add(head)
         for i, (fn, h) in enumerate(zip(stretches, cont_handles)):
             self.piece = i + 1
-            add(fn, h)
+            add(fn, None if self.unconditional and flat else h)
         self.piece = len(stretches)
         for d, fn in fills.items():
             add(fn, fill_handles[d])
         add(tail)
+        if flat and programmatic:       # the head's and the tail's kernel -> kernel edges
+            self.programmatic_edges += _make_programmatic(graph)
         err, self.exec = drv.cuGraphInstantiate(graph, 0)
         _check(err, "cuGraphInstantiate")
         res = drv.cuGraphGetNodes(graph)
