@@ -217,7 +217,10 @@ class GuardedGraph:
             err, h = drv.cuGraphConditionalHandleCreate(graph, ctx, default, assign)
             _check(err, "cuGraphConditionalHandleCreate")
             return h
-        cont_handles = [handle(1) for _ in stretches]
+        uncond = self.unconditional and flat
+        # (a handle without its node fails instantiation; unconditional stretches have none, and
+        # their zero entries must never be set: measurement of never-exiting steps only)
+        cont_handles = [0 if uncond else handle(1) for _ in stretches]
         fill_handles = {d: handle(0) for d in fills}
         self.conts = cuda.to_device(np.array([int(h) for h in cont_handles] or [0], np.uint64)[:len(stretches)])
         self.fill_handles = {d: int(h) for d, h in fill_handles.items()}
@@ -258,7 +261,7 @@ class GuardedGraph:
         add(head)
         for i, (fn, h) in enumerate(zip(stretches, cont_handles)):
             self.piece = i + 1
-            add(fn, None if self.unconditional and flat else h)
+            add(fn, None if uncond else h)
         self.piece = len(stretches)
         for d, fn in fills.items():
             add(fn, fill_handles[d])
