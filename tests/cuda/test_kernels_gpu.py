@@ -29,8 +29,8 @@ from tinyloop.cuda.kernels import (add, argmax, attention, embed, kv_store, matm
 import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for the shared references
-from test_kernels_sim import (CODECS, argmax_ws, att_ws, close, empty_rows, encoded_cache,  # noqa: E402
-                              make_weight, old_formula_table, ref_attention, ref_rmsnorm, ref_rope,
+from test_kernels_sim import (CODECS, argmax_ws, att_ws, check_exit_probe, close, empty_rows,  # noqa: E402
+                              encoded_cache, make_weight, old_formula_table, ref_attention, ref_rmsnorm, ref_rope,
                               sample_work, store_inputs)
 
 D = cuda.to_device
@@ -358,6 +358,14 @@ def test_argmax_sample_large_vocab_gpu():
 
 
 # =============================================================================== graph capture
+@pytest.mark.parametrize("n", [77, 384, 4096, 50304])
+@pytest.mark.parametrize("stat", ["rel_l2", "top2_margin", "kl", "argmax_change", "gate_cdf"])
+def test_exit_probe_gpu(stat, n):
+    """The early-exit probe against the numpy statistics with the GPU's warp reductions, at both
+    block sizes (128 threads up to 8192 values, 1024 above)."""
+    check_exit_probe(stat, n)
+
+
 def test_graph_capture_replay():
     """A decode step captured once replays correctly while pos changes on the device (nothing but
     device arrays changes between replays; the draw's uniform number follows pos)."""

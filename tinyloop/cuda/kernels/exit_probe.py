@@ -28,10 +28,14 @@ libcudadevrt): the handles of the stretches still to come (``conts[first:]``; a 
 one conditional node, so each stretch has its own) to 0 and `fill` (this depth's K/V fill) to 1.
 Outside a graph there are none to set, and the host reads `state` instead.
 
-Thread mapping: one block of NT = 1024 threads (32 under the simulator); each thread folds a stride of the row, then a
-shared-memory tree (fixed pairs: t with t + s for s = NT/2 .. 1) combines the partials, so the
-result depends on the block shape only. Argmax ties go to the lowest index. `reset` zeroes the
-state at the start of a step.
+Thread mapping: one block of `threads_for(n)` threads (128 for rows of at most 8192 values, 1024
+above; 32 under the simulator); each thread folds a stride of the row, then each warp combines its
+threads by an xor butterfly of shuffles and every thread folds the warp results in warp order
+(`_bsum` and its siblings; under the simulator a shared-memory tree), so the result depends on the
+row's length only. Argmax ties go to the lowest index. `reset` zeroes the state at the start of a
+step. (Until 2026-12-05 every row had 1024 threads and a 10-level shared-memory tree per
+reduction: ~4.3 us per probe of the demo model's residual on an H100, against ~1 us for the
+smallest kernels of a step; docs/BENCHMARKS.md, "What a guarded step costs".)
 """
 
 from __future__ import annotations
@@ -42,13 +46,22 @@ import numpy as np
 from numba import cuda, float32, float64, int32, types
 
 from ...errors import BackendError
-from ._common import SIM, check_array
+from ._common import FULL_MASK, SIM, check_array
 from ._pdl import grid_dep_wait
 
-#: Threads of the one block (fewer under the simulator, which runs each thread as a Python thread).
-NT = 32 if SIM else 1024
+#: Threads of the one block: NT_SMALL for rows of at most SMALL_ROW values (the residual, small
+#: vocabularies), NT_LARGE above (a head's logits); 32 under the simulator, which runs each thread as
+#: a Python thread.
+NT_SMALL = 32 if SIM else 128
+NT_LARGE = 32 if SIM else 1024
+SMALL_ROW = 8192
 MODES = {"rel_l2": 0, "top2_margin": 1, "kl": 2, "argmax_change": 3, "gate_cdf": 4}
 _NEG = -math.inf
+
+
+def threads_for(n: int) -> int:
+    """The block size a row of `n` values is probed with (fixed by the row's length only)."""
+    return NT_SMALL if n <= SMALL_ROW else NT_LARGE
 
 
 def _devrt_path():
@@ -71,46 +84,170 @@ else:
         pass
 
 
-@cuda.jit(device=True, inline=True)   # inlined: compiled with the kernel (compile_ptx needs no GPU)
-def _tree_sum(s, t):
-    step = NT // 2
-    while step > 0:
-        if t < step:
-            s[t] = s[t] + s[t + step]
+# Block reductions of float64 values (and value/index, top-two pairs) over the block's nw warps;
+# every thread of the block calls them from uniform control flow and gets the same result. On the
+# GPU each warp combines by an xor butterfly of shuffles, lane 0 stores the warp's result in
+# shared memory `sa` (`sb`, `si`), and after a barrier every thread folds the nw warp results in
+# warp order. Under the simulator (no shuffles; one warp) the same combines run as a shared-memory
+# tree over the block. Max, top-two and argmax are exact whatever the order; the sums' order is
+# fixed by the block shape (`threads_for`).
+if not SIM:
+    @cuda.jit(device=True, inline=True)
+    def _bsum(v, sa, t, nw):
+        v += cuda.shfl_xor_sync(FULL_MASK, v, 16)
+        v += cuda.shfl_xor_sync(FULL_MASK, v, 8)
+        v += cuda.shfl_xor_sync(FULL_MASK, v, 4)
+        v += cuda.shfl_xor_sync(FULL_MASK, v, 2)
+        v += cuda.shfl_xor_sync(FULL_MASK, v, 1)
+        if (t & 31) == 0:
+            sa[t >> 5] = v
         cuda.syncthreads()
-        step //= 2
+        r = 0.0
+        for w in range(nw):
+            r += sa[w]
+        cuda.syncthreads()          # every thread has read sa before a later call writes it
+        return r
 
-
-@cuda.jit(device=True, inline=True)   # inlined: compiled with the kernel (compile_ptx needs no GPU)
-def _tree_max(s, t):
-    step = NT // 2
-    while step > 0:
-        if t < step and s[t + step] > s[t]:
-            s[t] = s[t + step]
+    @cuda.jit(device=True, inline=True)
+    def _bmax(v, sa, t, nw):
+        o = 16
+        while o > 0:
+            v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, o))
+            o //= 2
+        if (t & 31) == 0:
+            sa[t >> 5] = v
         cuda.syncthreads()
-        step //= 2
-
-
-@cuda.jit(device=True, inline=True)   # inlined: compiled with the kernel (compile_ptx needs no GPU)
-def _tree_argmax(sv, si, t):
-    step = NT // 2
-    while step > 0:
-        if t < step:
-            v, i = sv[t + step], si[t + step]
-            if v > sv[t] or (v == sv[t] and i < si[t]):
-                sv[t] = v
-                si[t] = i
+        r = sa[0]
+        for w in range(1, nw):
+            r = max(r, sa[w])
         cuda.syncthreads()
-        step //= 2
+        return r
+
+    @cuda.jit(device=True, inline=True)
+    def _btop2(b1, b2, sa, sb, t, nw):
+        o = 16
+        while o > 0:
+            c1 = cuda.shfl_xor_sync(FULL_MASK, b1, o)
+            c2 = cuda.shfl_xor_sync(FULL_MASK, b2, o)
+            b2 = max(min(b1, c1), max(b2, c2))
+            b1 = max(b1, c1)
+            o //= 2
+        if (t & 31) == 0:
+            sa[t >> 5] = b1
+            sb[t >> 5] = b2
+        cuda.syncthreads()
+        r1 = sa[0]
+        r2 = sb[0]
+        for w in range(1, nw):
+            c1 = sa[w]
+            c2 = sb[w]
+            r2 = max(min(r1, c1), max(r2, c2))
+            r1 = max(r1, c1)
+        cuda.syncthreads()
+        return r1, r2
+
+    @cuda.jit(device=True, inline=True)
+    def _bargmax(v, i, sa, si, t, nw):
+        """The largest value and its lowest index."""
+        o = 16
+        while o > 0:
+            c = cuda.shfl_xor_sync(FULL_MASK, v, o)
+            j = cuda.shfl_xor_sync(FULL_MASK, i, o)
+            if c > v or (c == v and j < i):
+                v = c
+                i = j
+            o //= 2
+        if (t & 31) == 0:
+            sa[t >> 5] = v
+            si[t >> 5] = i
+        cuda.syncthreads()
+        rv = sa[0]
+        ri = si[0]
+        for w in range(1, nw):
+            c = sa[w]
+            j = si[w]
+            if c > rv or (c == rv and j < ri):
+                rv = c
+                ri = j
+        cuda.syncthreads()
+        return rv, ri
+
+else:
+    @cuda.jit(device=True, inline=True)
+    def _bsum(v, sa, t, nw):
+        sa[t] = v
+        cuda.syncthreads()
+        step = NT_SMALL // 2
+        while step > 0:
+            if t < step:
+                sa[t] = sa[t] + sa[t + step]
+            cuda.syncthreads()
+            step //= 2
+        r = sa[0]
+        cuda.syncthreads()
+        return r
+
+    @cuda.jit(device=True, inline=True)
+    def _bmax(v, sa, t, nw):
+        sa[t] = v
+        cuda.syncthreads()
+        step = NT_SMALL // 2
+        while step > 0:
+            if t < step and sa[t + step] > sa[t]:
+                sa[t] = sa[t + step]
+            cuda.syncthreads()
+            step //= 2
+        r = sa[0]
+        cuda.syncthreads()
+        return r
+
+    @cuda.jit(device=True, inline=True)
+    def _btop2(b1, b2, sa, sb, t, nw):
+        sa[t] = b1
+        sb[t] = b2
+        cuda.syncthreads()
+        step = NT_SMALL // 2
+        while step > 0:
+            if t < step:
+                c1, c2 = sa[t + step], sb[t + step]
+                m1, m2 = sa[t], sb[t]
+                sa[t] = max(m1, c1)
+                sb[t] = max(min(m1, c1), max(m2, c2))
+            cuda.syncthreads()
+            step //= 2
+        r1, r2 = sa[0], sb[0]
+        cuda.syncthreads()
+        return r1, r2
+
+    @cuda.jit(device=True, inline=True)
+    def _bargmax(v, i, sa, si, t, nw):
+        sa[t] = v
+        si[t] = i
+        cuda.syncthreads()
+        step = NT_SMALL // 2
+        while step > 0:
+            if t < step:
+                c, j = sa[t + step], si[t + step]
+                if c > sa[t] or (c == sa[t] and j < si[t]):
+                    sa[t] = c
+                    si[t] = j
+            cuda.syncthreads()
+            step //= 2
+        rv, ri = sa[0], si[0]
+        cuda.syncthreads()
+        return rv, ri
 
 
 _kernels = {}
 
 
-def _make_kernel(mode: int):
-    if mode in _kernels:
-        return _kernels[mode]
+def _make_kernel(mode: int, nt: int):
+    key = (mode, nt)
+    if key in _kernels:
+        return _kernels[key]
     MODE = mode
+    NT = nt
+    NW = max(1, NT // 32)
 
     # not jit_kernel: kernels that link the device runtime cannot be cached (numba-cuda refuses to
     # pickle a code library with linked files, and the refusal would fail the launch)
@@ -121,7 +258,6 @@ def _make_kernel(mode: int):
         sa = cuda.shared.array(NT, float64)
         sb = cuda.shared.array(NT, float64)
         si = cuda.shared.array(NT, int32)
-        sj = cuda.shared.array(NT, int32)
         if compare:
             value = 0.0
             if MODE == 0:
@@ -132,14 +268,11 @@ def _make_kernel(mode: int):
                     d = c - float64(prev[i])
                     a += d * d
                     b += c * c
-                sa[t] = a
-                sb[t] = b
-                cuda.syncthreads()
-                _tree_sum(sa, t)
-                _tree_sum(sb, t)
-                if sb[0] > 0.0:
-                    value = math.sqrt(sa[0]) / math.sqrt(sb[0])
-                elif sa[0] > 0.0:
+                a = _bsum(a, sa, t, NW)
+                b = _bsum(b, sa, t, NW)
+                if b > 0.0:
+                    value = math.sqrt(a) / math.sqrt(b)
+                elif a > 0.0:
                     value = math.inf
             elif MODE == 1:
                 b1 = _NEG
@@ -151,33 +284,16 @@ def _make_kernel(mode: int):
                         b1 = v
                     elif v > b2:
                         b2 = v
-                sa[t] = b1
-                sb[t] = b2
-                cuda.syncthreads()
-                step = NT // 2
-                while step > 0:
-                    if t < step:
-                        c1, c2 = sa[t + step], sb[t + step]
-                        m1, m2 = sa[t], sb[t]
-                        sa[t] = max(m1, c1)
-                        sb[t] = max(min(m1, c1), max(m2, c2))
-                    cuda.syncthreads()
-                    step //= 2
-                value = sa[0] - sb[0]
+                b1, b2 = _btop2(b1, b2, sa, sb, t, NW)
+                value = b1 - b2
             elif MODE == 2:
                 mc = _NEG
                 mp = _NEG
                 for i in range(t, n, NT):
                     mc = max(mc, float64(row[i]))
                     mp = max(mp, float64(prev[i]))
-                sa[t] = mc
-                sb[t] = mp
-                cuda.syncthreads()
-                _tree_max(sa, t)
-                _tree_max(sb, t)
-                mc = sa[0]
-                mp = sb[0]
-                cuda.syncthreads()
+                mc = _bmax(mc, sa, t, NW)
+                mp = _bmax(mp, sa, t, NW)
                 ec = 0.0
                 ep = 0.0
                 mc32 = float32(mc)
@@ -185,31 +301,19 @@ def _make_kernel(mode: int):
                 for i in range(t, n, NT):        # float32 exponentials, float64 sums
                     ec += float64(math.exp(row[i] - mc32))
                     ep += float64(math.exp(prev[i] - mp32))
-                sa[t] = ec
-                sb[t] = ep
-                cuda.syncthreads()
-                _tree_sum(sa, t)
-                _tree_sum(sb, t)
-                lc = mc + math.log(sa[0])
-                lp = mp + math.log(sb[0])
-                cuda.syncthreads()
-                acc = 0.0
+                lc = mc + math.log(_bsum(ec, sa, t, NW))
+                lp = mp + math.log(_bsum(ep, sa, t, NW))
+                kl = 0.0
                 lc32 = float32(lc)
                 for i in range(t, n, NT):
                     a = float64(row[i]) - lc
-                    acc += float64(math.exp(row[i] - lc32)) * (a - (float64(prev[i]) - lp))
-                sa[t] = acc
-                cuda.syncthreads()
-                _tree_sum(sa, t)
-                value = max(0.0, sa[0])
+                    kl += float64(math.exp(row[i] - lc32)) * (a - (float64(prev[i]) - lp))
+                value = max(0.0, _bsum(kl, sa, t, NW))
             elif MODE == 4:
                 a = 0.0
                 for i in range(t, n, NT):
                     a += float64(row[i]) * float64(gw[i])
-                sa[t] = a
-                cuda.syncthreads()
-                _tree_sum(sa, t)
-                z = sa[0] + float64(gb[0])
+                z = _bsum(a, sa, t, NW) + float64(gb[0])
                 ls = acc[0] - (max(z, 0.0) + math.log1p(math.exp(-abs(z))))
                 value = -math.expm1(ls)
                 cuda.syncthreads()          # every thread has read acc[0] before thread 0 writes it
@@ -229,14 +333,9 @@ def _make_kernel(mode: int):
                     if v > bp:
                         bp = v
                         ip = i
-                sa[t] = bc
-                si[t] = ic
-                sb[t] = bp
-                sj[t] = ip
-                cuda.syncthreads()
-                _tree_argmax(sa, si, t)
-                _tree_argmax(sb, sj, t)
-                value = 0.0 if si[0] == sj[0] else 1.0
+                bc, ic = _bargmax(bc, ic, sa, si, t, NW)
+                bp, ip = _bargmax(bp, ip, sa, si, t, NW)
+                value = 0.0 if ic == ip else 1.0
             if t == 0:
                 stable = value >= threshold if MODE == 1 or MODE == 4 else value < threshold
                 run = state[0] + 1 if stable else 0
@@ -251,7 +350,7 @@ def _make_kernel(mode: int):
         for i in range(t, n, NT):
             prev[i] = row[i]
 
-    _kernels[mode] = kernel
+    _kernels[key] = kernel
     return kernel
 
 
@@ -300,7 +399,8 @@ def probe(row, prev, state, stat: str, threshold: float, patience: int, depth: i
         gw, gb = prev, prev
         if acc is None:
             raise BackendError(f"{op}: `acc` (float64 (1,)) is the kernel's running-sum argument")
-    _make_kernel(MODES[stat])[1, NT, stream](row, prev, np.int32(n), state, np.float64(threshold),
+    nt = threads_for(n)
+    _make_kernel(MODES[stat], nt)[1, nt, stream](row, prev, np.int32(n), state, np.float64(threshold),
                                              np.int32(patience), np.int32(depth), bool(compare),
                                              conts, np.int32(first), np.uint64(fill), gw, gb, acc)
 
@@ -308,5 +408,6 @@ def probe(row, prev, state, stat: str, threshold: float, patience: int, depth: i
 def ptx_signatures():
     sig = ("void(float32[::1], float32[::1], int32, int32[::1], float64, int32, int32, boolean, uint64[::1], int32, "
            "uint64, float32[::1], float32[::1], float64[::1])")
-    return ([(f"exit_probe_{name}", _make_kernel(m).py_func, sig) for name, m in MODES.items()]
+    return ([(f"exit_probe_{name}_{nt}", _make_kernel(m, nt).py_func, sig) for name, m in MODES.items()
+             for nt in sorted({NT_SMALL, NT_LARGE})]
             + [("exit_reset", _reset_kernel.py_func, "void(int32[::1], float64[::1])")])
