@@ -240,7 +240,8 @@ class CUDAWorkspace(Workspace):
     per-(row, head) arrival counters; amax_work (values, ids, counters) of the split argmax; mask
     (ceil(vocab / 32),) the token mask words of launch_masked_argmax, mask_host their pinned staging;
     exit_prev (max(d_model, vocab),) the previous early-exit probe's row, exit_state (2,) the probes'
-    [stable count, exit depth], exit_acc (1,) float64 the exit gate's running log-survival,
+    [stable count, exit depth] (tok and exit_state are views of tok_exit (3,), so one read-back
+    carries a token and its step's depth), exit_acc (1,) float64 the exit gate's running log-survival,
     exit_host (2,) pinned copies of the depth (a queued read, a waited one); accept_rec (2 rows +
     2,) a greedy draft cycle's record (launch_accept), accept_host (2, 2 rows + 2) its two pinned
     copies (a cycle read while the next one runs). The counters are zeroed once at allocation, and
@@ -248,6 +249,7 @@ class CUDAWorkspace(Workspace):
     """
 
     tok: Any = None
+    tok_exit: Any = None
     toks: Any = None
     toks_host: Any = None
     topk: Any = None
@@ -290,7 +292,9 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         self.stream.synchronize()
         self.pos = cuda.device_array(1, np.int32)
         self._pos_host = cuda.pinned_array(1, np.int32)
-        self._tok_host = cuda.pinned_array(1, np.int32)
+        self._tok_host = cuda.pinned_array(3, np.int32)     # [tok, stable count, exit depth]
+        self._exit_with_tok = False        # queue_exit_depth: the next begin_read_argmax copies the depth
+        self._exit_in_tok_host = False     # the last queued depth read landed in _tok_host[2]
         self._tok_event = cuda.event()     # begin/finish_read_argmax
         self._cycle_events = (cuda.event(), cuda.event())     # begin/finish_read_cycle, per slot
         self._tok_up = cuda.pinned_array(1, np.int32)
@@ -434,11 +438,13 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         width = dict(x=c.d_model, h=c.d_model, e=c.d_model, q=c.q_dim, k=c.kv_dim, v=c.kv_dim, att=c.q_dim,
                      g=c.d_ff, u=c.d_ff, logits=c.vocab_size, snap_x=c.d_model, snap_e=c.d_model)
         out = {n: ((rows, w), f) for n, w in width.items()}
-        out.update(ids=((rows,), i32), tok=((1,), i32), toks=((rows,), i32),
+        # tok_exit: [tok, stable count, exit depth], the one-token id and exit_state in one buffer
+        # so a token's read-back carries its step's exit depth (queue_exit_depth)
+        out.update(ids=((rows,), i32), tok_exit=((3,), i32), toks=((rows,), i32),
                    topk=((rows * MAX_TOPK,), i32),            # (n, k) views over the start
                    moves=((2, rows), i32), mask=((-(-c.vocab_size // 32),), i32),
                    accept_rec=((k_accept.record_size(rows - 1),), i32),
-                   exit_prev=((max(c.d_model, c.vocab_size),), f), exit_state=((2,), i32),
+                   exit_prev=((max(c.d_model, c.vocab_size),), f),
                    exit_acc=((1,), np.float64),
                    # split-KV attention: per-split partials and per-(row, head) arrival counters
                    att_work=(k_attention.workspace_shape(rows, c.n_heads, c.head_dim), f),
@@ -453,7 +459,9 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         dev = {n: self._empty(shape, dt)
                for n, (shape, dt) in self.workspace_layout(c, rows, self.max_seq_len).items()}
         amax = (dev.pop("amax_v"), dev.pop("amax_i"), dev.pop("amax_c"))
-        ws = CUDAWorkspace(rows=rows, amax_work=amax, **dev)
+        tok_exit = dev.pop("tok_exit")
+        ws = CUDAWorkspace(rows=rows, amax_work=amax, tok=tok_exit[0:1], exit_state=tok_exit[1:3], **dev)
+        ws.tok_exit = tok_exit
         ws.toks_host = cuda.pinned_array(rows, np.int32)
         ws.topk_host = cuda.pinned_array(rows * MAX_TOPK, np.int32)
         ws.moves_host = cuda.pinned_array((2, rows), np.int32)
@@ -466,7 +474,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         # included)
         for counter in self._counters(ws):
             self._memset0(counter)
-        self._held += sum(int(a.nbytes) for a in (*dev.values(), *amax))
+        self._held += sum(int(a.nbytes) for a in (*dev.values(), *amax, tok_exit))
         self._ws = ws
         return ws
 
@@ -786,13 +794,18 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         self.launch_argmax(ws)
 
     def read_argmax(self, ws: Workspace) -> int:
-        ws.tok.copy_to_host(self._tok_host, stream=self.stream)
+        self._flush_exit_read()
+        ws.tok.copy_to_host(self._tok_host[0:1], stream=self.stream)
         self.stream.synchronize()
         self._tok_value = int(self._tok_host[0])
         return self._tok_value
 
     def begin_read_argmax(self, ws: Workspace) -> None:
-        ws.tok.copy_to_host(self._tok_host, stream=self.stream)
+        if self._exit_with_tok:         # the queued depth read rides along (one copy, not two)
+            ws.tok_exit.copy_to_host(self._tok_host, stream=self.stream)
+            self._exit_with_tok, self._exit_in_tok_host = False, True
+        else:
+            ws.tok.copy_to_host(self._tok_host[0:1], stream=self.stream)
         self._tok_event.record(self.stream)
 
     def finish_read_argmax(self, ws: Workspace) -> int:
@@ -877,6 +890,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
     exit_stats = frozenset(k_exit_probe.MODES)
 
     def exit_reset(self) -> None:
+        self._flush_exit_read()
         k_exit_probe.reset(self._ws.exit_state, self._ws.exit_acc, stream=self.stream)
 
     def exit_probe(self, ws, src, stat, threshold, patience, depth, compare, gate=None) -> None:
@@ -900,16 +914,31 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
     def exit_depth(self) -> int:
         # its own staging word: the eager guarded path reads the flag between stretches while a
         # queued read (queue_exit_depth) of the step before may still be waiting in word 0
+        self._flush_exit_read()
         ws = self._ws
         ws.exit_state[1:2].copy_to_host(ws.exit_host[1:2], stream=self.stream)
         self.stream.synchronize()
         return int(ws.exit_host[1])
 
     def queue_exit_depth(self) -> None:
-        ws = self._ws
-        ws.exit_state[1:2].copy_to_host(ws.exit_host[0:1], stream=self.stream)
+        # deferred: the token's read-back (begin_read_argmax) that follows copies the depth with the
+        # token; anything else queued first makes the copy on its own (_flush_exit_read)
+        self._exit_with_tok, self._exit_in_tok_host = True, False
+
+    def _flush_exit_read(self) -> None:
+        """The copy a queue_exit_depth deferred, queued now (before anything that could reset the
+        depth)."""
+        if self._exit_with_tok:
+            ws = self._ws
+            ws.exit_state[1:2].copy_to_host(ws.exit_host[0:1], stream=self.stream)
+            self._exit_with_tok, self._exit_in_tok_host = False, False
 
     def queued_exit_depth(self) -> int:
+        if self._exit_with_tok:         # no token read covered it: copy now and wait for it
+            self._flush_exit_read()
+            self.stream.synchronize()
+        if self._exit_in_tok_host:
+            return int(self._tok_host[2])
         return int(self._ws.exit_host[0])
 
     def replay_guarded(self, key, head, stretches, fills, tail) -> None:
@@ -919,6 +948,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         the simulator) the flag is read between stretches."""
         def eager():
             GuardedSteps.replay_guarded(self, key, head, stretches, fills, tail)
+        self._flush_exit_read()         # a deferred depth read goes before the step that resets it
         if not self.guarded_graphs:
             return eager()
 
