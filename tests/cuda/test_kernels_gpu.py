@@ -29,6 +29,7 @@ from tinyloop.cuda.kernels import (add, argmax, attention, embed, kv_store, matm
 import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for the shared references
+from test_kernels_sim import test_exit_probe_fresh_equals_reset as check_exit_probe_fresh  # noqa: E402
 from test_kernels_sim import (CODECS, argmax_ws, att_ws, check_exit_probe, close, empty_rows,  # noqa: E402
                               encoded_cache, make_weight, old_formula_table, ref_attention, ref_rmsnorm, ref_rope,
                               sample_work, store_inputs)
@@ -364,6 +365,8 @@ def test_exit_probe_gpu(stat, n):
     """The early-exit probe against the numpy statistics with the GPU's warp reductions, at both
     block sizes (128 threads up to 8192 values, 1024 above)."""
     check_exit_probe(stat, n)
+    if n == 77 and stat in ("rel_l2", "gate_cdf"):
+        check_exit_probe_fresh(stat)
 
 
 def test_graph_capture_replay():

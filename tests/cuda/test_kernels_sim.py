@@ -1775,6 +1775,37 @@ def check_exit_probe(stat, n):
         exit_probe.probe(cuda.to_device(rows[0]), prev, state, GATE_CDF, 0.1, 1, 1, True, no, 1, acc=acc)
 
 
+@pytest.mark.parametrize("stat", ["rel_l2", "gate_cdf"])
+def test_exit_probe_fresh_equals_reset(stat):
+    """A step's first probe with `fresh` starts from a cleared state and running sum whatever the
+    buffers hold (a captured guarded step launches no reset): a reference probe leaves [0, 0] and
+    0.0; a comparing one records what it would after `reset` (the running sum is gate_cdf's only)."""
+    rng = np.random.default_rng(11)
+    n = 40
+    row = rng.standard_normal(n).astype(np.float32)
+    gw = (rng.standard_normal(n) * 0.5).astype(np.float32)
+    gate = (cuda.to_device(gw), cuda.to_device(np.array([3.0], np.float32)))
+    no = cuda.to_device(np.zeros(1, np.uint64))
+    results = []
+    for fresh in (False, True):
+        state = cuda.to_device(np.array([5, 3], np.int32))
+        acc = cuda.to_device(np.full(1, -7.0))
+        prev = cuda.to_device(np.zeros(n, np.float32))
+        if not fresh:
+            exit_probe.reset(state, acc)
+        exit_probe.probe(cuda.to_device(row), prev, state, stat, 0.5, 1, 1, False, no, 1, gate=gate, acc=acc,
+                         fresh=fresh)
+        assert list(state.copy_to_host()) == [0, 0] and acc.copy_to_host()[0] == 0.0
+        state = cuda.to_device(np.array([5, 3], np.int32))
+        acc = cuda.to_device(np.full(1, -7.0))
+        if not fresh:
+            exit_probe.reset(state, acc)
+        exit_probe.probe(cuda.to_device(row * 1.001), prev, state, stat, 0.5, 1, 2, True, no, 1, gate=gate,
+                         acc=acc, fresh=fresh)
+        results.append((list(state.copy_to_host()), float(acc.copy_to_host()[0]) if stat == GATE_CDF else None))
+    assert results[0] == results[1] and results[1][0] == [1, 2]
+
+
 @pytest.mark.parametrize("ring", [False, True])
 def test_kv_layer_copy(ring):
     """copy_layers_at and copy_from_exit against numpy: the slot of the device position in the

@@ -323,6 +323,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         # the head and tail of a guarded step as nodes of its graph (not child graphs)
         self.guarded_flat = env_switch("TINYLOOP_CUDA_GUARDED_FLAT")
         self._guard = None                 # the GuardedGraph being captured (its handles)
+        self._exit_fresh = False           # the next exit_probe is its step's first (clears the state)
         self._no_conts = cuda.to_device(np.zeros(1, np.uint64))     # no handles: eager probes
         self._sampler = None               # load_sampler's device arrays (made at its first call)
 
@@ -901,8 +902,9 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
             conts, first, fill = self._no_conts, self._no_conts.shape[0], 0
         if gate is not None:
             gate = (gate[0].w, gate[1].w)
+        fresh, self._exit_fresh = self._exit_fresh, False
         k_exit_probe.probe(src[0], ws.exit_prev, ws.exit_state, stat, threshold, patience, depth, compare,
-                           conts, first, fill, gate=gate, acc=ws.exit_acc, stream=self.stream)
+                           conts, first, fill, gate=gate, acc=ws.exit_acc, fresh=fresh, stream=self.stream)
 
     def exit_copy_last(self, cache: CUDACache, pos, loops: int) -> None:
         spec = cache.spec
@@ -957,8 +959,12 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
                 self._guard = graph
 
             def first():
-                self.exit_reset()
-                head()
+                # no reset launch: the head's first probe starts from a cleared state (fresh)
+                self._exit_fresh = True
+                try:
+                    head()
+                finally:
+                    self._exit_fresh = False
             try:
                 try:
                     g = GuardedGraph(self.stream, first, stretches, fills, tail, prepare, programmatic=self.pdl,

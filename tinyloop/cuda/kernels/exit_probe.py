@@ -33,7 +33,7 @@ above; 32 under the simulator); each thread folds a stride of the row, then each
 threads by an xor butterfly of shuffles and every thread folds the warp results in warp order
 (`_bsum` and its siblings; under the simulator a shared-memory tree), so the result depends on the
 row's length only. Argmax ties go to the lowest index. `reset` zeroes the state at the start of a
-step. (Until 2026-12-05 every row had 1024 threads and a 10-level shared-memory tree per
+step, or the step's first probe does (`fresh`: it reads a cleared state instead of the stored one). (Until 2026-12-05 every row had 1024 threads and a 10-level shared-memory tree per
 reduction: ~4.3 us per probe of the demo model's residual on an H100, against ~1 us for the
 smallest kernels of a step; docs/BENCHMARKS.md, "What a guarded step costs".)
 """
@@ -252,9 +252,10 @@ def _make_kernel(mode: int, nt: int):
     # not jit_kernel: kernels that link the device runtime cannot be cached (numba-cuda refuses to
     # pickle a code library with linked files, and the refusal would fail the launch)
     @cuda.jit
-    def kernel(row, prev, n, state, threshold, patience, depth, compare, conts, first, fill, gw, gb, acc):
+    def kernel(row, prev, n, state, threshold, patience, depth, compare, conts, first, fill, gw, gb, acc, fresh):
         grid_dep_wait()
         t = cuda.threadIdx.x
+        acc0 = 0.0 if fresh else acc[0]
         sa = cuda.shared.array(NT, float64)
         sb = cuda.shared.array(NT, float64)
         si = cuda.shared.array(NT, int32)
@@ -314,9 +315,8 @@ def _make_kernel(mode: int, nt: int):
                 for i in range(t, n, NT):
                     a += float64(row[i]) * float64(gw[i])
                 z = _bsum(a, sa, t, NW) + float64(gb[0])
-                ls = acc[0] - (max(z, 0.0) + math.log1p(math.exp(-abs(z))))
+                ls = acc0 - (max(z, 0.0) + math.log1p(math.exp(-abs(z))))
                 value = -math.expm1(ls)
-                cuda.syncthreads()          # every thread has read acc[0] before thread 0 writes it
                 if t == 0:
                     acc[0] = ls
             else:
@@ -338,15 +338,21 @@ def _make_kernel(mode: int, nt: int):
                 value = 0.0 if ic == ip else 1.0
             if t == 0:
                 stable = value >= threshold if MODE == 1 or MODE == 4 else value < threshold
-                run = state[0] + 1 if stable else 0
+                run = (0 if fresh else state[0]) + 1 if stable else 0
+                recorded = 0 if fresh else state[1]
                 state[0] = run
-                if run >= patience and state[1] == 0:
+                state[1] = recorded
+                if run >= patience and recorded == 0:
                     state[1] = depth
                     for j in range(first, conts.shape[0]):
                         set_conditional(conts[j], 0)
                     if fill != 0:
                         set_conditional(fill, 1)
             cuda.syncthreads()
+        elif fresh and t == 0:
+            state[0] = 0
+            state[1] = 0
+            acc[0] = 0.0
         for i in range(t, n, NT):
             prev[i] = row[i]
 
@@ -371,11 +377,13 @@ def reset(state, acc, stream=0) -> None:
 
 
 def probe(row, prev, state, stat: str, threshold: float, patience: int, depth: int, compare: bool,
-          conts, first: int, fill: int = 0, gate=None, acc=None, stream=0) -> None:
+          conts, first: int, fill: int = 0, gate=None, acc=None, fresh: bool = False, stream=0) -> None:
     """One probe of `row` (see the module doc). Inside a guarded graph: `conts` (uint64, device)
     the handles of the graph's stretches, of which an exit clears ``conts[first:]``, and `fill`
     the handle an exit sets (0: none). Outside one: `first` = len(conts) and `fill` 0. `gate`
-    (weight (n,), bias (1,), float32) and `acc` (float64 (1,)): gate_cdf's, which needs both."""
+    (weight (n,), bias (1,), float32) and `acc` (float64 (1,)): gate_cdf's, which needs both.
+    `fresh`: the step's first probe, which starts from a cleared state and running sum (what
+    `reset` leaves) instead of reading them, so a captured step needs no reset launch."""
     op = "exit_probe"
     if stat not in MODES:
         raise BackendError(f"{op}: unknown statistic {stat!r}; known: {', '.join(MODES)}")
@@ -402,12 +410,12 @@ def probe(row, prev, state, stat: str, threshold: float, patience: int, depth: i
     nt = threads_for(n)
     _make_kernel(MODES[stat], nt)[1, nt, stream](row, prev, np.int32(n), state, np.float64(threshold),
                                              np.int32(patience), np.int32(depth), bool(compare),
-                                             conts, np.int32(first), np.uint64(fill), gw, gb, acc)
+                                             conts, np.int32(first), np.uint64(fill), gw, gb, acc, bool(fresh))
 
 
 def ptx_signatures():
     sig = ("void(float32[::1], float32[::1], int32, int32[::1], float64, int32, int32, boolean, uint64[::1], int32, "
-           "uint64, float32[::1], float32[::1], float64[::1])")
+           "uint64, float32[::1], float32[::1], float64[::1], boolean)")
     return ([(f"exit_probe_{name}_{nt}", _make_kernel(m, nt).py_func, sig) for name, m in MODES.items()
              for nt in sorted({NT_SMALL, NT_LARGE})]
             + [("exit_reset", _reset_kernel.py_func, "void(int32[::1], float64[::1])")])
