@@ -107,6 +107,9 @@ def main(argv=None) -> int:
     bad = [x for x in layouts if x not in ("flat", "child", "noif")]
     if bad or not layouts:
         ap.error(f"--layouts: unknown {bad or layouts}; known: flat, child, noif")
+    for name, lo in (("new", 2), ("repeats", 1), ("profile_tokens", 0)):
+        if getattr(a, name) < lo:
+            ap.error(f"--{name.replace('_', '-')}={getattr(a, name)} must be at least {lo}")
     import tinyloop as tl
     from tinyloop.models import model_path
     from tinyloop.plugins.backends import CUDAEntry
@@ -115,6 +118,21 @@ def main(argv=None) -> int:
     path = a.model or str(model_path("demo-exit"))
     max_seq = a.new + 64
     rows, fixed, profiles = [], {}, {}
+    env = os.environ.get("TINYLOOP_CUDA_GUARDED_FLAT")
+    try:
+        _run_layouts(tl, a, path, layouts, max_seq, rows, fixed, profiles)
+    finally:
+        from tinyloop.cuda import graphs
+        graphs.GuardedGraph.unconditional = False
+        if env is None:
+            os.environ.pop("TINYLOOP_CUDA_GUARDED_FLAT", None)
+        else:
+            os.environ["TINYLOOP_CUDA_GUARDED_FLAT"] = env
+    _report(a, path, rows, fixed, profiles)
+    return 0
+
+
+def _run_layouts(tl, a, path, layouts, max_seq, rows, fixed, profiles) -> None:
     for layout in layouts:
         m = _load(tl, path, layout, max_seq)
         try:
@@ -140,8 +158,9 @@ def main(argv=None) -> int:
                     log("no torch: no CUPTI profile")
         finally:
             tl.free_model(m)
-    from tinyloop.cuda import graphs
-    graphs.GuardedGraph.unconditional = False
+
+
+def _report(a, path, rows, fixed, profiles) -> None:
     L = max(fixed)
     print(f"\nfixed depth, ms/token: " + ", ".join(f"L={d} {v:.4f}" for d, v in fixed.items()))
     per_iter = (fixed[L] - fixed[1]) / (L - 1) if L > 1 else 0.0
@@ -167,7 +186,6 @@ def main(argv=None) -> int:
             json.dump({"date": time.strftime("%Y-%m-%d"), "commit": _commit(), "device": gpu_name(),
                        "model": os.path.basename(path), "fixed_ms": fixed, "rows": rows, "profiles": profiles},
                       fh, indent=2)
-    return 0
 
 
 if __name__ == "__main__":

@@ -202,3 +202,15 @@ def test_early_exit_bench_runs_and_writes_its_table_json_and_plot(tmp_path, monk
     assert eb.main(["--windows", "1", "--window", "16", "--new", "4", "--repeats", "1", "--kv", "copy_last",
                     "--fixed", "4", "--criteria", "kl", "--json", str(js)]) == 0
     assert [r.get("criterion") for r in json.loads(js.read_text())["rows"]] == [None, "kl"]
+
+
+@pytest.mark.parametrize("argv", [["--layouts", "flat,bogus"], ["--layouts", ","], ["--new", "1"],
+                                  ["--repeats", "0"], ["--profile-tokens", "-1"]])
+def test_guarded_overhead_refuses_bad_arguments_before_any_work(argv, capsys):
+    """bench/guarded_overhead.py checks its arguments before it looks for a GPU or loads a model."""
+    from bench import guarded_overhead
+    with pytest.raises(SystemExit) as e:
+        guarded_overhead.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert argv[0] in err and ("unknown" in err or "must be at least" in err)
