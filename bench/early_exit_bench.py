@@ -45,8 +45,9 @@ CRITERION_KW = {"gate": {"early_exit_min_L": 1}}
 PROMPTS = ["Once upon a time", "The little dog ran", "She opened the door and", "In the morning the sun"]
 
 
-def _decode_ms(tl, m, prompts, cfg, repeats: int) -> float:
-    """Median greedy decode ms/token over `prompts` (after one warm-up run each)."""
+def _decode_ms(tl, m, prompts, cfg, repeats: int, depths=None) -> float:
+    """Median greedy decode ms/token over `prompts` (after one warm-up run each); each timed run's
+    mean depth (GenerateStats.loops_used) appended to `depths` when given."""
     out = []
     for p in prompts:
         tl.generate(m, p, cfg.replace(max_tokens=8))
@@ -54,6 +55,8 @@ def _decode_ms(tl, m, prompts, cfg, repeats: int) -> float:
             st = tl.GenerateStats()
             tl.generate(m, p, cfg, stats=st)
             out.append(st.decode_ms / max(1, st.tokens_emitted - 1))
+            if depths is not None:
+                depths.append(st.loops_used)
     return _median(out)
 
 

@@ -27,7 +27,8 @@ import sys
 import time
 from collections import defaultdict
 
-from bench.decode_bench import _commit, _median, gpu_name, log
+from bench.decode_bench import _commit, gpu_name, log
+from bench.early_exit_bench import _decode_ms
 from bench.profile_decode import short_name
 
 PROMPTS = ["Once upon a time", "The little dog ran", "She opened the door and"]
@@ -36,15 +37,9 @@ NEVER = 1e-12
 
 def _ms(tl, m, prompts, cfg, repeats: int):
     """(median greedy ms/token, mean depth) over the prompts, after a warm-up each."""
-    out, depth = [], []
-    for p in prompts:
-        tl.generate(m, p, cfg.replace(max_tokens=8))
-        for _ in range(repeats):
-            st = tl.GenerateStats()
-            tl.generate(m, p, cfg, stats=st)
-            out.append(st.decode_ms / max(1, st.tokens_emitted - 1))
-            depth.append(st.loops_used)
-    return _median(out), sum(depth) / len(depth)
+    depths = []
+    ms = _decode_ms(tl, m, prompts, cfg, repeats, depths)
+    return ms, sum(depths) / len(depths)
 
 
 def _configs(tl, m, new: int):

@@ -31,7 +31,7 @@ Outside a graph there are none to set, and the host reads `state` instead.
 Thread mapping: one block of `threads_for(n)` threads (128 for rows of at most 8192 values, 1024
 above; 32 under the simulator); each thread folds a stride of the row, then each warp combines its
 threads by an xor butterfly of shuffles and every thread folds the warp results in warp order
-(`_bsum` and its siblings; under the simulator a shared-memory tree), so the result depends on the
+(`_bsum` and its siblings), so the result depends on the
 row's length only. Argmax ties go to the lowest index. `reset` zeroes the state at the start of a
 step, or the step's first probe does (`fresh`: it reads a cleared state instead of the stored one). (Until 2026-12-05 every row had 1024 threads and a 10-level shared-memory tree per
 reduction: ~4.3 us per probe of the demo model's residual on an H100, against ~1 us for the
@@ -46,7 +46,7 @@ import numpy as np
 from numba import cuda, float32, float64, int32, types
 
 from ...errors import BackendError
-from ._common import FULL_MASK, SIM, check_array
+from ._common import FULL_MASK, SIM, check_array, warp_max, warp_sum
 from ._pdl import grid_dep_wait
 
 #: Threads of the one block: NT_SMALL for rows of at most SMALL_ROW values (the residual, small
@@ -88,41 +88,37 @@ else:
 # every thread of the block calls them from uniform control flow and gets the same result. On the
 # GPU each warp combines by an xor butterfly of shuffles, lane 0 stores the warp's result in
 # shared memory `sa` (`sb`, `si`), and after a barrier every thread folds the nw warp results in
-# warp order. Under the simulator (no shuffles; one warp) the same combines run as a shared-memory
-# tree over the block. Max, top-two and argmax are exact whatever the order; the sums' order is
+# warp order. Sums and maxima use _common's warp reductions (whose simulator twins replay the same
+# butterfly through `scr`); the pair reductions have their own simulator twins (one warp there, a
+# shared-memory tree). Max, top-two and argmax are exact whatever the order; the sums' order is
 # fixed by the block shape (`threads_for`).
+@cuda.jit(device=True, inline=True)
+def _bsum(v, sa, scr, t, nw):
+    v = warp_sum(v, scr, t >> 5, t & 31)
+    if (t & 31) == 0:
+        sa[t >> 5] = v
+    cuda.syncthreads()
+    r = 0.0
+    for w in range(nw):
+        r += sa[w]
+    cuda.syncthreads()          # every thread has read sa before a later call writes it
+    return r
+
+
+@cuda.jit(device=True, inline=True)
+def _bmax(v, sa, scr, t, nw):
+    v = warp_max(v, scr, t >> 5, t & 31)
+    if (t & 31) == 0:
+        sa[t >> 5] = v
+    cuda.syncthreads()
+    r = sa[0]
+    for w in range(1, nw):
+        r = max(r, sa[w])
+    cuda.syncthreads()
+    return r
+
+
 if not SIM:
-    @cuda.jit(device=True, inline=True)
-    def _bsum(v, sa, t, nw):
-        v += cuda.shfl_xor_sync(FULL_MASK, v, 16)
-        v += cuda.shfl_xor_sync(FULL_MASK, v, 8)
-        v += cuda.shfl_xor_sync(FULL_MASK, v, 4)
-        v += cuda.shfl_xor_sync(FULL_MASK, v, 2)
-        v += cuda.shfl_xor_sync(FULL_MASK, v, 1)
-        if (t & 31) == 0:
-            sa[t >> 5] = v
-        cuda.syncthreads()
-        r = 0.0
-        for w in range(nw):
-            r += sa[w]
-        cuda.syncthreads()          # every thread has read sa before a later call writes it
-        return r
-
-    @cuda.jit(device=True, inline=True)
-    def _bmax(v, sa, t, nw):
-        o = 16
-        while o > 0:
-            v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, o))
-            o //= 2
-        if (t & 31) == 0:
-            sa[t >> 5] = v
-        cuda.syncthreads()
-        r = sa[0]
-        for w in range(1, nw):
-            r = max(r, sa[w])
-        cuda.syncthreads()
-        return r
-
     @cuda.jit(device=True, inline=True)
     def _btop2(b1, b2, sa, sb, t, nw):
         o = 16
@@ -173,34 +169,6 @@ if not SIM:
         return rv, ri
 
 else:
-    @cuda.jit(device=True, inline=True)
-    def _bsum(v, sa, t, nw):
-        sa[t] = v
-        cuda.syncthreads()
-        step = NT_SMALL // 2
-        while step > 0:
-            if t < step:
-                sa[t] = sa[t] + sa[t + step]
-            cuda.syncthreads()
-            step //= 2
-        r = sa[0]
-        cuda.syncthreads()
-        return r
-
-    @cuda.jit(device=True, inline=True)
-    def _bmax(v, sa, t, nw):
-        sa[t] = v
-        cuda.syncthreads()
-        step = NT_SMALL // 2
-        while step > 0:
-            if t < step and sa[t + step] > sa[t]:
-                sa[t] = sa[t + step]
-            cuda.syncthreads()
-            step //= 2
-        r = sa[0]
-        cuda.syncthreads()
-        return r
-
     @cuda.jit(device=True, inline=True)
     def _btop2(b1, b2, sa, sb, t, nw):
         sa[t] = b1
@@ -259,6 +227,7 @@ def _make_kernel(mode: int, nt: int):
         sa = cuda.shared.array(NT, float64)
         sb = cuda.shared.array(NT, float64)
         si = cuda.shared.array(NT, int32)
+        scr = cuda.shared.array((NW, 32), float64)      # the simulator's warp reductions only
         if compare:
             value = 0.0
             if MODE == 0:
@@ -269,8 +238,8 @@ def _make_kernel(mode: int, nt: int):
                     d = c - float64(prev[i])
                     a += d * d
                     b += c * c
-                a = _bsum(a, sa, t, NW)
-                b = _bsum(b, sa, t, NW)
+                a = _bsum(a, sa, scr, t, NW)
+                b = _bsum(b, sa, scr, t, NW)
                 if b > 0.0:
                     value = math.sqrt(a) / math.sqrt(b)
                 elif a > 0.0:
@@ -293,8 +262,8 @@ def _make_kernel(mode: int, nt: int):
                 for i in range(t, n, NT):
                     mc = max(mc, float64(row[i]))
                     mp = max(mp, float64(prev[i]))
-                mc = _bmax(mc, sa, t, NW)
-                mp = _bmax(mp, sa, t, NW)
+                mc = _bmax(mc, sa, scr, t, NW)
+                mp = _bmax(mp, sa, scr, t, NW)
                 ec = 0.0
                 ep = 0.0
                 mc32 = float32(mc)
@@ -302,19 +271,19 @@ def _make_kernel(mode: int, nt: int):
                 for i in range(t, n, NT):        # float32 exponentials, float64 sums
                     ec += float64(math.exp(row[i] - mc32))
                     ep += float64(math.exp(prev[i] - mp32))
-                lc = mc + math.log(_bsum(ec, sa, t, NW))
-                lp = mp + math.log(_bsum(ep, sa, t, NW))
+                lc = mc + math.log(_bsum(ec, sa, scr, t, NW))
+                lp = mp + math.log(_bsum(ep, sa, scr, t, NW))
                 kl = 0.0
                 lc32 = float32(lc)
                 for i in range(t, n, NT):
                     a = float64(row[i]) - lc
                     kl += float64(math.exp(row[i] - lc32)) * (a - (float64(prev[i]) - lp))
-                value = max(0.0, _bsum(kl, sa, t, NW))
+                value = max(0.0, _bsum(kl, sa, scr, t, NW))
             elif MODE == 4:
                 a = 0.0
                 for i in range(t, n, NT):
                     a += float64(row[i]) * float64(gw[i])
-                z = _bsum(a, sa, t, NW) + float64(gb[0])
+                z = _bsum(a, sa, scr, t, NW) + float64(gb[0])
                 ls = acc0 - (max(z, 0.0) + math.log1p(math.exp(-abs(z))))
                 value = -math.expm1(ls)
                 if t == 0:
