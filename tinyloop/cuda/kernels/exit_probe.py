@@ -89,121 +89,94 @@ else:
 # GPU each warp combines by an xor butterfly of shuffles, lane 0 stores the warp's result in
 # shared memory `sa` (`sb`, `si`), and after a barrier every thread folds the nw warp results in
 # warp order. Sums and maxima use _common's warp reductions (whose simulator twins replay the same
-# butterfly through `scr`); the pair reductions have their own simulator twins (one warp there, a
-# shared-memory tree). Max, top-two and argmax are exact whatever the order; the sums' order is
+# butterfly through `scr`); the pair reductions (`_pair_reduce`) have one simulator twin (one warp
+# there, a shared-memory tree). Max, top-two and argmax are exact whatever the order; the sums' order is
 # fixed by the block shape (`threads_for`).
 @cuda.jit(device=True, inline=True)
-def _bsum(v, sa, scr, t, nw):
-    v = warp_sum(v, scr, t >> 5, t & 31)
-    if (t & 31) == 0:
-        sa[t >> 5] = v
-    cuda.syncthreads()
-    r = 0.0
-    for w in range(nw):
-        r += sa[w]
-    cuda.syncthreads()          # every thread has read sa before a later call writes it
-    return r
+def _add(a, b):
+    return a + b
 
 
 @cuda.jit(device=True, inline=True)
-def _bmax(v, sa, scr, t, nw):
-    v = warp_max(v, scr, t >> 5, t & 31)
-    if (t & 31) == 0:
-        sa[t >> 5] = v
-    cuda.syncthreads()
-    r = sa[0]
-    for w in range(1, nw):
-        r = max(r, sa[w])
-    cuda.syncthreads()
-    return r
+def _max(a, b):
+    return max(a, b)
 
 
-if not SIM:
+def _block_reduce(warp_op, combine):
+    """A block reduction of one float64 per thread: `warp_op` (_common's warp_sum / warp_max) in
+    each warp, then the warp results folded by `combine` in warp order."""
     @cuda.jit(device=True, inline=True)
-    def _btop2(b1, b2, sa, sb, t, nw):
-        o = 16
-        while o > 0:
-            c1 = cuda.shfl_xor_sync(FULL_MASK, b1, o)
-            c2 = cuda.shfl_xor_sync(FULL_MASK, b2, o)
-            b2 = max(min(b1, c1), max(b2, c2))
-            b1 = max(b1, c1)
-            o //= 2
-        if (t & 31) == 0:
-            sa[t >> 5] = b1
-            sb[t >> 5] = b2
-        cuda.syncthreads()
-        r1 = sa[0]
-        r2 = sb[0]
-        for w in range(1, nw):
-            c1 = sa[w]
-            c2 = sb[w]
-            r2 = max(min(r1, c1), max(r2, c2))
-            r1 = max(r1, c1)
-        cuda.syncthreads()
-        return r1, r2
-
-    @cuda.jit(device=True, inline=True)
-    def _bargmax(v, i, sa, si, t, nw):
-        """The largest value and its lowest index."""
-        o = 16
-        while o > 0:
-            c = cuda.shfl_xor_sync(FULL_MASK, v, o)
-            j = cuda.shfl_xor_sync(FULL_MASK, i, o)
-            if c > v or (c == v and j < i):
-                v = c
-                i = j
-            o //= 2
+    def reduce(v, sa, scr, t, nw):
+        v = warp_op(v, scr, t >> 5, t & 31)
         if (t & 31) == 0:
             sa[t >> 5] = v
-            si[t >> 5] = i
         cuda.syncthreads()
-        rv = sa[0]
-        ri = si[0]
+        r = sa[0]
         for w in range(1, nw):
-            c = sa[w]
-            j = si[w]
-            if c > rv or (c == rv and j < ri):
-                rv = c
-                ri = j
-        cuda.syncthreads()
-        return rv, ri
+            r = combine(r, sa[w])
+        cuda.syncthreads()          # every thread has read sa before a later call writes it
+        return r
+    return reduce
 
-else:
-    @cuda.jit(device=True, inline=True)
-    def _btop2(b1, b2, sa, sb, t, nw):
-        sa[t] = b1
-        sb[t] = b2
-        cuda.syncthreads()
-        step = NT_SMALL // 2
-        while step > 0:
-            if t < step:
-                c1, c2 = sa[t + step], sb[t + step]
-                m1, m2 = sa[t], sb[t]
-                sa[t] = max(m1, c1)
-                sb[t] = max(min(m1, c1), max(m2, c2))
-            cuda.syncthreads()
-            step //= 2
-        r1, r2 = sa[0], sb[0]
-        cuda.syncthreads()
-        return r1, r2
 
-    @cuda.jit(device=True, inline=True)
-    def _bargmax(v, i, sa, si, t, nw):
-        sa[t] = v
-        si[t] = i
-        cuda.syncthreads()
-        step = NT_SMALL // 2
-        while step > 0:
-            if t < step:
-                c, j = sa[t + step], si[t + step]
-                if c > sa[t] or (c == sa[t] and j < si[t]):
-                    sa[t] = c
-                    si[t] = j
+_bsum = _block_reduce(warp_sum, _add)
+_bmax = _block_reduce(warp_max, _max)
+
+
+@cuda.jit(device=True, inline=True)
+def _top2_combine(a1, a2, c1, c2):
+    """(largest, second largest) of two such pairs."""
+    return max(a1, c1), max(min(a1, c1), max(a2, c2))
+
+
+@cuda.jit(device=True, inline=True)
+def _argmax_combine(v, i, c, j):
+    """(largest value, its lowest index) of two such pairs."""
+    if c > v or (c == v and j < i):
+        return c, j
+    return v, i
+
+
+def _pair_reduce(combine):
+    """A block reduction of (a, b) pairs by `combine` (a warp butterfly of shuffles, then the warp
+    results folded in order; under the simulator a shared-memory tree), results in sa / sb."""
+    if not SIM:
+        @cuda.jit(device=True, inline=True)
+        def reduce(a, b, sa, sb, t, nw):
+            o = 16
+            while o > 0:
+                a, b = combine(a, b, cuda.shfl_xor_sync(FULL_MASK, a, o), cuda.shfl_xor_sync(FULL_MASK, b, o))
+                o //= 2
+            if (t & 31) == 0:
+                sa[t >> 5] = a
+                sb[t >> 5] = b
             cuda.syncthreads()
-            step //= 2
-        rv, ri = sa[0], si[0]
-        cuda.syncthreads()
-        return rv, ri
+            ra = sa[0]
+            rb = sb[0]
+            for w in range(1, nw):
+                ra, rb = combine(ra, rb, sa[w], sb[w])
+            cuda.syncthreads()
+            return ra, rb
+    else:
+        @cuda.jit(device=True, inline=True)
+        def reduce(a, b, sa, sb, t, nw):
+            sa[t] = a
+            sb[t] = b
+            cuda.syncthreads()
+            step = NT_SMALL // 2
+            while step > 0:
+                if t < step:
+                    sa[t], sb[t] = combine(sa[t], sb[t], sa[t + step], sb[t + step])
+                cuda.syncthreads()
+                step //= 2
+            ra, rb = sa[0], sb[0]
+            cuda.syncthreads()
+            return ra, rb
+    return reduce
+
+
+_btop2 = _pair_reduce(_top2_combine)
+_bargmax = _pair_reduce(_argmax_combine)     # (value, index): ties to the lowest index
 
 
 _kernels = {}
