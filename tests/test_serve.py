@@ -232,19 +232,40 @@ def _stream_lines(live, body, n_lines=None):
     return status, {}, got
 
 
+def _wait_for(cond, what, limit=30.0):
+    t0 = time.time()
+    while not cond():
+        assert time.time() - t0 < limit, what
+        time.sleep(0.01)
+
+
 def test_full_queue_is_a_429_with_retry_after(live):
-    long = {"model": "demo", "prompt": "x", "max_tokens": 150, "temperature": 0, "stream": True}
-    with cf.ThreadPoolExecutor(4) as ex:
-        first = ex.submit(_stream_lines, live, long)
-        time.sleep(0.3)                                   # running
-        second = ex.submit(_stream_lines, live, long)     # waiting (queue_size 1)
-        time.sleep(0.3)
-        r = live.post({"model": "demo", "prompt": "x", "max_tokens": 2})
-        assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 0
-        assert r.json()["error"]["type"] == "rate_limit_error"
-        for f in (first, second):
-            status, _, lines = f.result()
-            assert status == 200 and lines[-1] == "[DONE]"
+    """The worker is held by a job that waits on an event (no race with decode speed): a streamed
+    request waits in the queue (queue_size 1), a third is a 429; released, the streamed one ends."""
+    from tinyloop.runtime.config import GenerateStats
+    from tinyloop.serve.worker import Job
+    worker = live.app.state.served.worker
+    release, events = threading.Event(), []
+
+    def held():
+        release.wait(60)
+        yield from ()
+
+    long = {"model": "demo", "prompt": "x", "max_tokens": 8, "temperature": 0, "stream": True}
+    with cf.ThreadPoolExecutor(2) as ex:
+        try:
+            worker.submit([Job(tokens=held(), stats=GenerateStats(), sink=events.append)])
+            _wait_for(lambda: worker.running == 1 and worker.queue.qsize() == 0, "the held job did not start")
+            second = ex.submit(_stream_lines, live, long)
+            _wait_for(lambda: worker.queue.qsize() == 1, "the streamed request was not queued")
+            r = live.post({"model": "demo", "prompt": "x", "max_tokens": 2})
+            assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 0
+            assert r.json()["error"]["type"] == "rate_limit_error"
+        finally:
+            release.set()
+        status, _, lines = second.result()
+        assert status == 200 and lines[-1] == "[DONE]"
+    assert events[-1][0] == "done"
 
 
 def test_disconnect_stops_generation(live):
