@@ -67,6 +67,10 @@ def test_compiles_for_sm90(cc90_device, name, fn, sig):
         assert "ld.local" not in ptx and "st.local" not in ptx
         # the L2 prefetch hint exactly where the launcher asks for it (three spans per row)
         assert ("cp.async.bulk.prefetch.L2.global" in ptx) == ("_prefetch_" in name)
+    if name.startswith("matmul_rows") and "_stage" not in name:
+        # the many-row kernel: every accumulator in registers, the transposed butterfly's shuffles
+        assert "ld.local" not in ptx and "st.local" not in ptx
+        assert "shfl.sync.bfly" in ptx and "ld.global.u64" in ptx
     if name.startswith(("attention", "argmax_split")):
         # Per-lane arrays in registers, and the split combine's device-wide fence and atomic
         # arrival count (the "last block" pattern).

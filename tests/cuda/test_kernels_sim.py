@@ -826,6 +826,89 @@ def test_matmul_qkv_epilogue_equals_matmul_then_rope_kv_append(kind, K, group, p
         assert np.array_equal(host(vc3)[layer, p0 + 2], host(vc)[layer, p0 + 2])
 
 
+# =============================================================================== many-row matmul
+ROWS_CASES = [("q4", 20, 64, 16, 5), ("q4", 9, 96, 48, 8), ("q8", 12, 40, 8, 3), ("q2", 10, 64, 32, 2),
+              ("q4", 6, 64, 32, 9)]
+
+
+@pytest.mark.parametrize("kind,N,K,group,T", ROWS_CASES)
+@pytest.mark.parametrize("norm,accumulate", [(False, False), (False, True), (True, False)])
+def test_matmul_rows_kernel_equals_fast_kernel(monkeypatch, kind, N, K, group, T, norm, accumulate):
+    """With a staging buffer, 2 <= T <= ROWS_MAX_T rows go to the many-row kernel: the same bits
+    as the fast kernel's launch (so as each row launched alone), with the norm and the residual
+    add fused, for token groups of 2, 4 and 8 rows, partial ones, a group index by division
+    (3 words per group) and rows past N in the last warp."""
+    from tinyloop.cuda.kernels import matmul_rows
+    monkeypatch.setattr(matmul, "ROWS_ENABLED", True)
+    rng = np.random.default_rng(N * 100 + T)
+    arrays, W = make_weight(rng, kind, N, K, group)
+    dev = {k: D(v) for k, v in arrays.items()}
+    assert matmul.rows_path(kind, T, K, group, dev["w"])
+    x, nw = norm_inputs(rng, T, K)
+    base = rng.standard_normal((T, N)).astype(np.float32)
+    kw = dict(norm_w=D(nw), eps=1e-5) if norm else {}
+    outs = []
+    for xw in (None, D(np.full(matmul_rows.staged_floats(T, K), np.nan, np.float32))):
+        out = D(base.copy())
+        matmul.matmul(out, D(x), dev["w"], dev["scales"], dev["zeros"], accumulate=accumulate, xw=xw, **kw)
+        outs.append(host(out))
+    assert np.array_equal(outs[1], outs[0])
+    xr = ref_rmsnorm(x, nw, 1e-5) if norm else x.astype(np.float64)
+    close(outs[1], (base if accumulate else 0) + xr @ W.T, 1e-4)
+
+
+@pytest.mark.parametrize("T", [2, 5])
+def test_matmul_rows_kernel_epilogues(monkeypatch, T):
+    """The many-row kernel's pair epilogues: SwiGLU and RoPE + KV append give the fast kernel's
+    bits (rows of a pair reduced in one warp, the odd row's total fetched by one shuffle)."""
+    from tinyloop.cuda.kernels import matmul_rows
+    monkeypatch.setattr(matmul, "ROWS_ENABLED", True)
+    rng = np.random.default_rng(40 + T)
+    K, group, eps = 64, 16, 1e-5
+    xw = D(np.zeros(matmul_rows.staged_floats(T, K), np.float32))
+    F = 5
+    dev, _ = _epi_weight(rng, "q4", 2 * F, K, group)
+    x, nw = norm_inputs(rng, T, K)
+    got = []
+    for buf in (None, xw):
+        out = D(np.full((T, F), np.nan, np.float32))
+        matmul.matmul(out, D(x), dev["w"], dev["scales"], dev["zeros"], norm_w=D(nw), eps=eps,
+                      epilogue=swiglu.glu_epilogue(F), xw=buf)
+        got.append(host(out))
+    assert np.array_equal(got[1], got[0])
+    H, Hk, hd, p0, layer = 2, 1, 8, 3, 1
+    S = p0 + T + 2
+    dev, x, nw, base_k, base_v = _qkv_case(rng, "q4", K, group, H, Hk, hd, T, np.float16, S)
+    cs = D(rope.rope_table(hd, 10000.0, S + rope.POSITION_MARGIN))
+    pos = D(np.array([p0], np.int32))
+    res = []
+    for buf in (None, xw):
+        kc, vc = D(base_k), D(base_v)
+        q = D(np.full((T, H * hd), np.nan, np.float32))
+        matmul.matmul(q, D(x), dev["w"], dev["scales"], dev["zeros"], norm_w=D(nw), eps=eps,
+                      epilogue=rope.qkv_epilogue(q, kc, vc, layer, pos, cs), xw=buf)
+        res.append((host(q), host(kc), host(vc)))
+    for a, b in zip(*res):
+        assert np.array_equal(a, b)
+
+
+def test_matmul_rows_staging_buffer_errors(monkeypatch):
+    from tinyloop.cuda.kernels import matmul_rows
+    monkeypatch.setattr(matmul, "ROWS_ENABLED", True)
+    rng = np.random.default_rng(3)
+    arrays, _ = make_weight(rng, "q4", 8, 64, 16)
+    dev = {k: D(v) for k, v in arrays.items()}
+    x = D(rng.standard_normal((4, 64)).astype(np.float32))
+    out = D(np.zeros((4, 8), np.float32))
+    with pytest.raises(BackendError, match="xw"):
+        matmul.matmul(out, x, dev["w"], dev["scales"], dev["zeros"], xw=D(np.zeros((4, 64), np.float32)))
+    with pytest.raises(BackendError, match="xw"):
+        matmul.matmul(out, x, dev["w"], dev["scales"], dev["zeros"], xw=D(np.zeros(256, np.float64)))
+    with pytest.raises(BackendError, match="staging buffer"):
+        matmul.matmul(out, x, dev["w"], dev["scales"], dev["zeros"],
+                      xw=D(np.zeros(matmul_rows.staged_floats(4, 64) - 1, np.float32)))
+
+
 def test_matmul_epilogue_argument_errors():
     rng = np.random.default_rng(2)
     dev, _ = _epi_weight(rng, "f32", 6, 16, 0)

@@ -4,8 +4,9 @@
 def kernel_modules():
     """Every op module of this package (each has `ptx_signatures()`)."""
     from . import (accept, add, argmax, attention, bias, cache_move, embed, exit_probe, init_state,
-                   kv_layer_copy, kv_store, matmul, norm_add, position, rmsnorm, rope, sample, swiglu, token_mask)
-    return (matmul, rmsnorm, norm_add, rope, attention, kv_store, swiglu, embed, add, bias, argmax, sample,
+                   kv_layer_copy, kv_store, matmul, matmul_rows, norm_add, position, rmsnorm, rope, sample, swiglu,
+                   token_mask)
+    return (matmul, matmul_rows, rmsnorm, norm_add, rope, attention, kv_store, swiglu, embed, add, bias, argmax, sample,
             position, accept, cache_move, token_mask, exit_probe, kv_layer_copy, init_state)
 
 
@@ -13,6 +14,7 @@ def ptx_signatures():
     """(name, python function, signature) of every kernel the launchers compile, the matmul's pair
     variants for the rope (qkv and qkv staging) and swiglu epilogues included (PTX tests,
     bench/sass_report.py)."""
-    from . import matmul, rope, swiglu
-    sigs = [s for m in kernel_modules() if m is not matmul for s in m.ptx_signatures()]
-    return sigs + matmul.ptx_signatures(rope.ptx_epilogues() + swiglu.ptx_epilogues())
+    from . import matmul, matmul_rows, rope, swiglu
+    epis = rope.ptx_epilogues() + swiglu.ptx_epilogues()
+    sigs = [s for m in kernel_modules() if m not in (matmul, matmul_rows) for s in m.ptx_signatures()]
+    return sigs + matmul.ptx_signatures(epis) + matmul_rows.ptx_signatures(epis)
