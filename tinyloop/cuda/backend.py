@@ -331,9 +331,9 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         # ROWS_MAX_T rows when TINYLOOP_CUDA_ROWS_MATMUL=1: written and read within one launcher
         # call on this backend's stream, so one buffer serves every workspace and graph
         self._xw = None
-        if k_matmul.ROWS_ENABLED:
-            kmax = max(cfg.d_model, cfg.d_ff, cfg.q_dim)
-            self._xw = self._empty((k_matmul_rows.staged_floats(k_matmul.ROWS_MAX_T, kmax),), np.float32)
+        staging = self.staging_nbytes(cfg)
+        if staging:
+            self._xw = self._empty((staging // np.dtype(np.float32).itemsize,), np.float32)
             self._held += int(self._xw.nbytes)
 
     # ------------------------------------------------------------------ memory
@@ -440,7 +440,15 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
     def workspace_nbytes(cls, cfg, rows: int, max_seq_len: int) -> int:
         # the workspace, and the cos/sin table made with the backend
         table = cls.rope_positions(max_seq_len) * (cfg.head_dim // 2) * 2 * np.dtype(np.float32).itemsize
-        return super().workspace_nbytes(cfg, rows, max_seq_len) + table
+        return super().workspace_nbytes(cfg, rows, max_seq_len) + table + cls.staging_nbytes(cfg)
+
+    @staticmethod
+    def staging_nbytes(cfg) -> int:
+        """The many-row matmul's staging buffer (0 unless TINYLOOP_CUDA_ROWS_MATMUL=1)."""
+        if not k_matmul.ROWS_ENABLED:
+            return 0
+        kmax = max(cfg.d_model, cfg.d_ff, cfg.q_dim)
+        return k_matmul_rows.staged_floats(k_matmul.ROWS_MAX_T, kmax) * np.dtype(np.float32).itemsize
 
     @classmethod
     def workspace_layout(cls, cfg, rows: int, max_seq_len: int) -> dict:
