@@ -1,0 +1,55 @@
+"""Integer tensor-core multiply-accumulate through inline PTX (numba has no mma API).
+
+``mma_u8s8(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)`` issues one warp-wide
+``mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32``: D (16 x 8, int32) = A (16 x 32, unsigned
+bytes) x B (32 x 8, signed bytes) + C. Every lane of the warp must call it from uniform control
+flow. Integer products and sums are exact, so the result does not depend on the order in which
+the hardware adds them: that is what lets a tensor-core kernel and a CUDA-core or CPU kernel
+give the same bits (docs/KERNELS.md, "Exact integer matmul").
+
+Fragments (lane = 4 * gid + tig, gid = lane >> 2, tig = lane & 3; bytes little-endian in each
+32-bit register, byte i is element i):
+
+* A: ``a0`` row gid, k-slots 4 tig .. 4 tig + 3; ``a1`` row gid + 8, same slots; ``a2`` row gid,
+  slots 16 + 4 tig ..; ``a3`` row gid + 8, slots 16 + 4 tig ...
+* B: ``b0`` column gid, k-slots 4 tig .. 4 tig + 3; ``b1`` column gid, slots 16 + 4 tig ...
+* C / D: ``c0, c1`` row gid, columns 2 tig, 2 tig + 1; ``c2, c3`` row gid + 8, same columns.
+
+The k-slots are only names: a kernel may map any 32 k values onto them as long as A and B use the
+same map in every lane (a sum does not care which slot carries which k).
+
+Arguments must already be uint32 (a*, b*) and int32 (c*). Compiles only for compute capability
+>= 8.0; there is no simulator twin (the simulator has no tensor cores).
+"""
+
+from __future__ import annotations
+
+try:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+except ImportError:        # a numba-cuda without CUDA intrinsics
+    intrinsic = None
+
+_ASM = ("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 "
+        "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};")
+_CONSTRAINTS = ",".join(["=r"] * 4 + ["r"] * 10)
+
+if intrinsic is not None:
+    def _mma_codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32] * 10)
+        res = builder.call(ir.InlineAsm(fnty, _ASM, _CONSTRAINTS), list(args))
+        vals = [builder.extract_value(res, i) for i in range(4)]
+        return context.make_tuple(builder, sig.return_type, vals)
+
+    @intrinsic
+    def mma_u8s8(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """One m16n8k32 u8 x s8 -> s32 tensor-core step (see the module doc)."""
+        ab = (a0, a1, a2, a3, b0, b1)
+        cs = (c0, c1, c2, c3)
+        if not all(t == types.uint32 for t in ab) or not all(t == types.int32 for t in cs):
+            return None
+        return types.UniTuple(types.int32, 4)(*ab, *cs), _mma_codegen
+else:
+    mma_u8s8 = None
