@@ -155,33 +155,6 @@ def test_lockstep_batch_with_device_chaining_matches_cpu(small_path):
         tl.free_model(gpu)
 
 
-def test_many_row_matmul_lockstep_matches_cpu_and_is_counted(small_path, monkeypatch):
-    """With the many-row matmul switched on (TINYLOOP_CUDA_ROWS_MATMUL=1, read at import: set on
-    the module here) lockstep lanes run their quantized matmuls through it (staging buffer owned by
-    the backend, counted in the memory estimate) and every lane still gets generate's tokens on
-    the CPU."""
-    from tinyloop.analysis.memory import estimate_memory
-    from tinyloop.cuda.kernels import matmul as k_matmul
-    from tinyloop.cuda.kernels import matmul_rows as k_rows
-    monkeypatch.setattr(k_matmul, "ROWS_ENABLED", True)
-    launches = []
-    real = k_rows.matmul_rows
-    monkeypatch.setattr(k_rows, "matmul_rows", lambda *a, **k: launches.append(a[1].shape[0]) or real(*a, **k))
-    cpu = tl.load_model(str(small_path), max_seq_len=12, backend="cpu")
-    gpu = tl.load_model(str(small_path), max_seq_len=12, backend="cuda")
-    try:
-        est = estimate_memory(gpu.header, 12, kv_bytes_per_element=4.0, backend="cuda")
-        assert tl.vram_usage_bytes(gpu) == est["weights_bytes"] + est["scratch_bytes"], est
-        assert gpu.backend._xw is not None
-        prompts = [[3, 4], [5, 9]]
-        cfg = tl.GenerateConfig(max_tokens=3, loops=1, cache_mode="fp32")
-        assert tl.generate_batch(gpu, prompts, cfg) == [tl.generate(cpu, p, cfg) for p in prompts]
-        assert 2 in launches
-    finally:
-        tl.free_model(cpu)
-        tl.free_model(gpu)
-
-
 def test_rope_table_covers_every_cache_and_is_counted():
     """The backend's cos/sin table covers the largest cache a session can ask for (prompt +
     max_tokens <= max_seq_len, plus <= 65 chain-draft or <= max_seq_len tree slots, rounded to a

@@ -85,7 +85,6 @@ from .kernels import init_state as k_init_state
 from .kernels import kv_layer_copy as k_kv_layer_copy
 from .kernels import kv_store as k_kv_store
 from .kernels import matmul as k_matmul
-from .kernels import matmul_rows as k_matmul_rows
 from .kernels import position as k_position
 from .kernels import rmsnorm as k_rmsnorm
 from .kernels import rope as k_rope
@@ -327,14 +326,6 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         self._exit_fresh = False           # the next exit_probe is its step's first (clears the state)
         self._no_conts = cuda.to_device(np.zeros(1, np.uint64))     # no handles: eager probes
         self._sampler = None               # load_sampler's device arrays (made at its first call)
-        # the many-row matmul's staging buffer (kernels/matmul_rows.py), for launches of up to
-        # ROWS_MAX_T rows when TINYLOOP_CUDA_ROWS_MATMUL=1: written and read within one launcher
-        # call on this backend's stream, so one buffer serves every workspace and graph
-        self._xw = None
-        staging = self.staging_nbytes(cfg)
-        if staging:
-            self._xw = self._empty((staging // np.dtype(np.float32).itemsize,), np.float32)
-            self._held += int(self._xw.nbytes)
 
     # ------------------------------------------------------------------ memory
     def _to_device(self, a: np.ndarray):
@@ -440,15 +431,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
     def workspace_nbytes(cls, cfg, rows: int, max_seq_len: int) -> int:
         # the workspace, and the cos/sin table made with the backend
         table = cls.rope_positions(max_seq_len) * (cfg.head_dim // 2) * 2 * np.dtype(np.float32).itemsize
-        return super().workspace_nbytes(cfg, rows, max_seq_len) + table + cls.staging_nbytes(cfg)
-
-    @staticmethod
-    def staging_nbytes(cfg) -> int:
-        """The many-row matmul's staging buffer (0 unless TINYLOOP_CUDA_ROWS_MATMUL=1)."""
-        if not k_matmul.ROWS_ENABLED:
-            return 0
-        kmax = max(cfg.d_model, cfg.d_ff, cfg.q_dim)
-        return k_matmul_rows.staged_floats(k_matmul.ROWS_MAX_T, kmax) * np.dtype(np.float32).itemsize
+        return super().workspace_nbytes(cfg, rows, max_seq_len) + table
 
     @classmethod
     def workspace_layout(cls, cfg, rows: int, max_seq_len: int) -> dict:
@@ -694,7 +677,6 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         self._tree_layouts.clear()
         self._spares = []
         self._sampler = None
-        self._xw = None
         self._held = 0
         if not numba.config.ENABLE_CUDASIM:
             cuda.current_context().deallocations.clear()
@@ -1061,15 +1043,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         k_rmsnorm.rmsnorm(out[:T], x[:T], w.w, self.cfg.norm_eps, stream=self.stream)
 
     def matmul(self, x, W, out, T: int, accumulate: bool = False) -> None:
-        k_matmul.matmul(out[:T], x[:T], W.w, W.scales, W.zeros, accumulate=accumulate, stream=self.stream,
-                        xw=self._staging(T, x.shape[1]))
-
-    def _staging(self, T: int, K: int):
-        """The many-row matmul's staging buffer when a launch of T rows of K inputs fits it."""
-        xw = self._xw
-        if xw is None or T < 2 or xw.shape[0] < k_matmul_rows.staged_floats(T, K):
-            return None
-        return xw
+        k_matmul.matmul(out[:T], x[:T], W.w, W.scales, W.zeros, accumulate=accumulate, stream=self.stream)
 
     def _tables(self, pos, cache: CUDACache = None):
         if isinstance(pos, TreeRows):
@@ -1131,7 +1105,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
     def _norm_matmul(self, x, norm, W, out, T: int, epilogue=None) -> None:
         """out[:T] = (rmsnorm(x[:T]) * norm) @ W^T in one launch (stored through `epilogue`)."""
         k_matmul.matmul(out[:T], x[:T], W.w, W.scales, W.zeros, stream=self.stream, norm_w=norm.w,
-                        eps=self.cfg.norm_eps, epilogue=epilogue, xw=self._staging(T, x.shape[1]))
+                        eps=self.cfg.norm_eps, epilogue=epilogue)
 
     def attn_half(self, ws: Workspace, b, cache: CUDACache, layer: int, pos, T: int) -> None:
         """norm+q|k|v matmul with the RoPE + KV-append epilogue (rotated q -> ws.q), attention,

@@ -60,11 +60,6 @@ if not SIM:
         return v
 
     @cuda.jit(device=True)
-    def shfl_xor(v, o, scratch, warp, lane):
-        """Lane ``lane ^ o``'s v (every lane of the warp must call it)."""
-        return cuda.shfl_xor_sync(FULL_MASK, v, o)
-
-    @cuda.jit(device=True)
     def warp_max(v, scratch, warp, lane):
         """Butterfly max over the 32 lanes of a warp (exact: order cannot change the result)."""
         v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, 16))
@@ -122,10 +117,6 @@ else:  # CUDA simulator twins: same butterfly, through shared memory.
         for o in (16, 8, 4, 2, 1):
             vals = [combine(vals[i], vals[i ^ o]) for i in range(32)]
         return vals[lane]
-
-    @cuda.jit(device=True)
-    def shfl_xor(v, o, scratch, warp, lane):
-        return _gather(v, scratch, warp, lane)[lane ^ o]
 
     @cuda.jit(device=True)
     def warp_sum(v, scratch, warp, lane):

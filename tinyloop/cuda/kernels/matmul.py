@@ -73,16 +73,9 @@ one warp per pair.
 
 Warp reductions use shuffles on the GPU and the shared-memory twin under the simulator
 (see `_common`).
-
-Many rows (kernels/matmul_rows.py): given a staging buffer (``xw=``) and switched on
-(``TINYLOOP_CUDA_ROWS_MATMUL=1``), launches of 2..ROWS_MAX_T rows of quantized weights go to a
-register-blocked kernel with this fast kernel's reduction order (same bits), x staged once per
-launch instead of once per block.
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 from numba import cuda, float32, int32, uint32
@@ -761,23 +754,8 @@ def uses_fast_path(kind: str, K: int, group_size: int, w=None) -> bool:
     return True
 
 
-#: Largest row count the many-row kernel (kernels/matmul_rows.py) takes; launches of more rows
-#: (prefill chunks) keep the fast kernel.
-ROWS_MAX_T = 32
-#: Whether launches given a staging buffer use the many-row kernel: off unless
-#: ``TINYLOOP_CUDA_ROWS_MATMUL=1`` (its speed is not yet measured on a GPU; docs/KERNELS.md).
-ROWS_ENABLED = os.environ.get("TINYLOOP_CUDA_ROWS_MATMUL", "0") not in ("", "0", "false", "no")
-
-
-def rows_path(kind: str, T: int, K: int, group_size: int, w=None) -> bool:
-    """Whether a launch of T rows of this weight goes to the many-row kernel when the caller gives
-    a staging buffer: quantized storage on the fast path's terms, 2 <= T <= ROWS_MAX_T."""
-    return (ROWS_ENABLED and 2 <= T <= ROWS_MAX_T and kind.startswith("q")
-            and uses_fast_path(kind, K, group_size, w))
-
-
 def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_w=None, eps=0.0,
-           epilogue=None, xw=None):
+           epilogue=None):
     """``out[t, n] = sum_k x[t, k] * W[n, k]`` (``+=`` when accumulate), for t < T, n < N.
 
     The storage is inferred: float32 or float16 `w` of shape (N, K), or uint8 `w` of shape
@@ -791,12 +769,7 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
 
     With `epilogue` (an `Epilogue`, e.g. `swiglu.glu_epilogue` or `rope.qkv_epilogue`) the rows
     are computed in the epilogue's pairs and stored through it: `out` is then (T,
-    epilogue.out_cols), N = epilogue.n_rows and accumulate must be False (module doc).
-
-    `xw` (float32 1-D, at least ``matmul_rows.staged_floats(T, K)`` elements; optional) is a
-    staging buffer: while ROWS_ENABLED (``TINYLOOP_CUDA_ROWS_MATMUL=1``), launches of quantized
-    weights with 2 <= T <= ROWS_MAX_T rows then use the many-row kernel (kernels/matmul_rows.py),
-    whose results are the same bits; otherwise it is checked and not used."""
+    epilogue.out_cols), N = epilogue.n_rows and accumulate must be False (module doc)."""
     op = "matmul"
     check_array(op, "x", x, np.float32, 2)
     T, K = x.shape
@@ -849,13 +822,7 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
         eps = np.float32(0.0)
     if device_pointer(out) == device_pointer(x) != 0:
         raise BackendError(f"{op}: out must not alias x")
-    if xw is not None:
-        check_array(op, "xw", xw, np.float32, 1)
     if T == 0:
-        return
-    if xw is not None and rows_path(kind, T, K, group, w):
-        from .matmul_rows import matmul_rows
-        matmul_rows(out, x, w, scales, zeros, kind, group, xw, accumulate, stream, norm_w, eps, epilogue)
         return
     acc_flag = 1 if accumulate else 0
     # Without a norm the kernel's norm_w parameter is unused: pass a view (no allocation).
