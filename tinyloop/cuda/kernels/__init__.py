@@ -4,9 +4,8 @@
 def kernel_modules():
     """Every op module of this package (each has `ptx_signatures()`)."""
     from . import (accept, add, argmax, attention, bias, cache_move, embed, exit_probe, init_state,
-                   kv_layer_copy, kv_store, matmul, matmul_rows, norm_add, position, rmsnorm, rope, sample, swiglu,
-                   token_mask)
-    return (matmul, matmul_rows, rmsnorm, norm_add, rope, attention, kv_store, swiglu, embed, add, bias, argmax, sample,
+                   kv_layer_copy, kv_store, matmul, matmul_exact, norm_add, position, rmsnorm, rope, sample, swiglu, token_mask)
+    return (matmul, matmul_exact, rmsnorm, norm_add, rope, attention, kv_store, swiglu, embed, add, bias, argmax, sample,
             position, accept, cache_move, token_mask, exit_probe, kv_layer_copy, init_state)
 
 
@@ -14,7 +13,7 @@ def ptx_signatures():
     """(name, python function, signature) of every kernel the launchers compile, the matmul's pair
     variants for the rope (qkv and qkv staging) and swiglu epilogues included (PTX tests,
     bench/sass_report.py)."""
-    from . import matmul, matmul_rows, rope, swiglu
-    epis = rope.ptx_epilogues() + swiglu.ptx_epilogues()
-    sigs = [s for m in kernel_modules() if m not in (matmul, matmul_rows) for s in m.ptx_signatures()]
-    return sigs + matmul.ptx_signatures(epis) + matmul_rows.ptx_signatures(epis)
+    from . import matmul, matmul_exact, rope, swiglu
+    sigs = [s for m in kernel_modules() if m not in (matmul, matmul_exact) for s in m.ptx_signatures()]
+    return (sigs + matmul.ptx_signatures(rope.ptx_epilogues() + swiglu.ptx_epilogues())
+            + matmul_exact.ptx_signatures(swiglu.ptx_epilogues()))

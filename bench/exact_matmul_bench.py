@@ -1,0 +1,117 @@
+"""The exact integer tensor-core matmul (kernels/matmul_exact.py) against the fast fp32 kernel
+(kernels/matmul.py) on the 360m q4 shapes: bits checked against the numpy reference
+(tinyloop/model/exact_matmul.py) for plain, accumulating, norm-fused and SwiGLU-epilogue launches,
+error of both against float64, time of both inside captured graphs, same process.
+
+    python bench/exact_matmul_bench.py [--rows 1,2,8,32,128] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = {"6144x2048": (6144, 2048), "2048x2048": (2048, 2048), "11264x2048": (11264, 2048),
+          "2048x5632": (2048, 5632), "50304x2048": (50304, 2048)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,2,8,32,128")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    rows = [int(t) for t in args.rows.split(",")]
+    from numba import cuda
+
+    from bench.decode_bench import graph_time_ms
+    from tinyloop.cuda.kernels import matmul as km
+    from tinyloop.cuda.kernels import matmul_exact as mx
+    from tinyloop.cuda.kernels import rmsnorm as krms
+    from tinyloop.cuda.kernels import swiglu as ksw
+    from tinyloop.model.arch import TensorQuant
+    from tinyloop.model.exact_matmul import exact_matmul
+    from tinyloop.model.quant import dequantize, quantize, unpack
+    stream = cuda.stream()
+    rng = np.random.default_rng(0)
+    results = []
+    checks = []
+    for name in args.shapes.split(","):
+        N, K = SHAPES[name]
+        w = rng.standard_normal((N, K), dtype=np.float32) * 0.02
+        tq = TensorQuant("q4", 128)
+        parts = quantize(w, tq)
+        codes = unpack(parts["q"], 4, K)
+        q, s, z = (cuda.to_device(parts[k]) for k in ("q", "scales", "zeros"))
+        for T in rows:
+            ls, ss, es = mx.staging_shapes(T, K, 128)
+            limbs = cuda.to_device(np.zeros(ls, np.uint8))
+            sx = cuda.to_device(np.zeros(ss, np.int64))
+            ex = cuda.to_device(np.zeros(es, np.int32))
+            xh = rng.standard_normal((T, K), dtype=np.float32)
+            xh[:, ::97] *= 30.0
+            x = cuda.to_device(xh)
+            out = cuda.device_array((T, N), np.float32)
+
+            def fast():
+                for _ in range(args.reps):
+                    km.matmul(out, x, q, s, z, stream=stream)
+
+            def exact():
+                for _ in range(args.reps):
+                    mx.matmul_exact(out, x, q, s, z, limbs, sx, ex, stream=stream)
+            us_fast = graph_time_ms(stream, fast, args.reps) * 1e3
+            got_fast = out.copy_to_host()
+            us_exact = graph_time_ms(stream, exact, args.reps) * 1e3
+            got = out.copy_to_host()
+            if T <= 32 or N <= 11264:
+                want = exact_matmul(xh, codes, parts["scales"], parts["zeros"])
+                same = bool(np.array_equal(got, want))
+            else:
+                same = None
+            ref64 = xh.astype(np.float64) @ dequantize(parts, tq, (N, K)).astype(np.float64).T
+            sc = np.abs(ref64).max()
+            r = {"shape": name, "T": T, "fast_us": us_fast, "exact_us": us_exact, "speedup": us_fast / us_exact,
+                 "bit_exact_vs_reference": same, "err_fast": float(np.abs(got_fast - ref64).max() / sc),
+                 "err_exact": float(np.abs(got - ref64).max() / sc)}
+            results.append(r)
+            print(f"{name:11} T={T:<4} fast {us_fast:8.1f} us  exact {us_exact:8.1f} us  x{us_fast / us_exact:5.2f}  "
+                  f"bits={same}  err fast {r['err_fast']:.1e} exact {r['err_exact']:.1e}", flush=True)
+            if T in (1, 8) and name in ("2048x2048", "11264x2048"):
+                # accumulate, fused norm, SwiGLU epilogue: each against its unfused equivalent
+                base = rng.standard_normal((T, N), dtype=np.float32)
+                out.copy_to_device(base)
+                mx.matmul_exact(out, x, q, s, z, limbs, sx, ex, accumulate=True, stream=stream)
+                acc = exact_matmul(xh, codes, parts["scales"], parts["zeros"], out=base.copy())
+                ok_acc = bool(np.array_equal(out.copy_to_host(), acc))
+                nw = cuda.to_device(rng.uniform(0.5, 1.5, K).astype(np.float32))
+                xn = cuda.device_array((T, K), np.float32)
+                krms.rmsnorm(xn, x, nw, 1e-5, stream=stream)
+                mx.matmul_exact(out, x, q, s, z, limbs, sx, ex, norm_w=nw, eps=1e-5, stream=stream)
+                want_n = exact_matmul(xn.copy_to_host(), codes, parts["scales"], parts["zeros"])
+                ok_norm = bool(np.array_equal(out.copy_to_host(), want_n))
+                ok_glu = None
+                if N % 2 == 0:
+                    F = N // 2
+                    h = cuda.device_array((T, F), np.float32)
+                    mx.matmul_exact(h, x, q, s, z, limbs, sx, ex, epilogue=ksw.glu_epilogue(F), stream=stream)
+                    full = cuda.to_device(exact_matmul(xh, codes, parts["scales"], parts["zeros"]))
+                    h2 = cuda.device_array((T, F), np.float32)
+                    ksw.swiglu_fused(h2, full, stream=stream)
+                    ok_glu = bool(np.array_equal(h.copy_to_host(), h2.copy_to_host()))
+                checks.append({"shape": name, "T": T, "accumulate": ok_acc, "norm": ok_norm, "glu": ok_glu})
+                print(f"   checks: accumulate={ok_acc} norm={ok_norm} glu={ok_glu}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": results, "checks": checks}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
