@@ -754,6 +754,15 @@ def uses_fast_path(kind: str, K: int, group_size: int, w=None) -> bool:
     return True
 
 
+def norm_args(op: str, norm_w, eps, K: int):
+    """The fused norm's checked eps (float32): `norm_w` float32 (K,) with a valid `eps`, or 0 when
+    there is no norm (`norm_w` None)."""
+    if norm_w is None:
+        return np.float32(0.0)
+    check_array(op, "norm_w", norm_w, np.float32, 1, (K,))
+    return check_eps(op, eps)
+
+
 def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_w=None, eps=0.0,
            epilogue=None):
     """``out[t, n] = sum_k x[t, k] * W[n, k]`` (``+=`` when accumulate), for t < T, n < N.
@@ -815,11 +824,7 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
                                f"given by scales {tuple(scales.shape)}")
         group = K // G
     norm = norm_w is not None
-    if norm:
-        check_array(op, "norm_w", norm_w, np.float32, 1, (K,))
-        eps = check_eps(op, eps)
-    else:
-        eps = np.float32(0.0)
+    eps = norm_args(op, norm_w, eps, K)
     if device_pointer(out) == device_pointer(x) != 0:
         raise BackendError(f"{op}: out must not alias x")
     if T == 0:

@@ -36,7 +36,8 @@ from ._common import Epilogue, cdiv, check_array
 from ._mma import mma_u8s8
 from ._pdl import grid_dep_wait
 from .rmsnorm import NT as STAGE_NT
-from .rmsnorm import check_eps, row_inv_rms
+from .matmul import norm_args
+from .rmsnorm import row_inv_rms
 
 #: Warps per mma block.
 NW = 4
@@ -59,6 +60,14 @@ def _make_stage(norm: bool):
         return _stage_cache[norm]
     GW = STAGE_NT // 32
 
+    @cuda.jit(device=True, forceinline=True)
+    def xval(x, nw, inv, t, k):
+        """x[t, k], normed as ``(x * inv) * nw[k]`` when the variant has the norm."""
+        v = x[t, k]
+        if norm:
+            v = (v * inv) * nw[k]
+        return v
+
     @cuda.jit
     def stage(limbs8, sx, ex, x, nw, eps, gs):
         grid_dep_wait()
@@ -77,9 +86,7 @@ def _make_stage(norm: bool):
         m = float32(0.0)
         for i in range(lane, gs, 32):
             k = g * gs + i
-            v = x[t, k]
-            if norm:
-                v = (v * inv) * nw[k]
+            v = xval(x, nw, inv, t, k)
             m = max(m, abs(v))
         for o in (16, 8, 4, 2, 1):
             m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, o))
@@ -89,9 +96,7 @@ def _make_stage(norm: bool):
         s = int64(0)
         for i in range(lane, gs, 32):
             k = g * gs + i
-            v = x[t, k]
-            if norm:
-                v = (v * inv) * nw[k]
+            v = xval(x, nw, inv, t, k)
             X = int64(cuda.libdevice.rint(float64(v) * f))
             s += X
             pos = (k & ~7) + ((k & 7) >> 1) + (k & 1) * 4
@@ -286,11 +291,7 @@ def matmul_exact(out, x, w, scales, zeros, limbs, sx, ex, accumulate=False, stre
         raise BackendError(f"{op}: in_features={K} needs {nch} chunks; at most "
                            f"{SMEM_DOUBLES // 128} fit a block")
     norm = norm_w is not None
-    if norm:
-        check_array(op, "norm_w", norm_w, np.float32, 1, (K,))
-        eps = check_eps(op, eps)
-    else:
-        eps = np.float32(0.0)
+    eps = norm_args(op, norm_w, eps, K)
     if T == 0:
         return
     TB = cdiv(T, 8 * NTT)
