@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import InvalidInputError
+
 #: Bits of every x kept relative to its group's largest magnitude (plus the sign).
 XBITS = 27
 #: Signed base-2^7 digits of X: ``X = sum_i limb_i * 2^(7 * (LIMBS - 1 - i))``, each in int8.
@@ -97,7 +99,7 @@ def exact_matmul(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, zeros: np
     T, K = x.shape
     N, G = scales.shape
     if codes.shape != (N, K) or zeros.shape != (N, G) or G == 0 or K % G:
-        raise ValueError(f"exact_matmul: shapes x {x.shape}, codes {codes.shape}, scales {scales.shape}, "
+        raise InvalidInputError(f"exact_matmul: shapes x {x.shape}, codes {codes.shape}, scales {scales.shape}, "
                          f"zeros {zeros.shape} do not fit")
     gs = K // G
     X, E = to_integers(x, gs)

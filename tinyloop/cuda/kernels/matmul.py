@@ -754,6 +754,30 @@ def uses_fast_path(kind: str, K: int, group_size: int, w=None) -> bool:
     return True
 
 
+def epilogue_args(op: str, epilogue, accumulate, out, T: int):
+    """(N, ep): the weight rows a launch computes and the `ep` kernel argument, after checking a
+    pair `epilogue` against the launch (an `Epilogue`, no accumulate, `out` as wide as it writes,
+    its row count); without one, N is out's width and ep the placeholder."""
+    if epilogue is None:
+        return out.shape[1], NO_EPILOGUE_ARGS
+    if not isinstance(epilogue, Epilogue):
+        raise BackendError(f"{op}: epilogue must be an Epilogue, got {type(epilogue).__name__}")
+    if accumulate:
+        raise BackendError(f"{op}: accumulate=True cannot be combined with the "
+                           f"{epilogue.name!r} epilogue (it stores through the epilogue)")
+    N = int(epilogue.n_rows)
+    if out.shape[1] != epilogue.out_cols:
+        raise BackendError(f"{op}: out has {out.shape[1]} columns; the {epilogue.name!r} "
+                           f"epilogue writes {epilogue.out_cols}")
+    if epilogue.t_rows >= 0 and T != epilogue.t_rows:
+        raise BackendError(f"{op}: a launch of {T} rows with the {epilogue.name!r} epilogue "
+                           f"made for {epilogue.t_rows} rows (its q_out / tree tables)")
+    if N <= 0 or N % 2:
+        raise BackendError(f"{op}: the {epilogue.name!r} epilogue needs an even, positive "
+                           f"number of weight rows, got {N}")
+    return N, epilogue.args
+
+
 def norm_args(op: str, norm_w, eps, K: int):
     """The fused norm's checked eps (float32): `norm_w` float32 (K,) with a valid `eps`, or 0 when
     there is no norm (`norm_w` None)."""
@@ -783,26 +807,7 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
     check_array(op, "x", x, np.float32, 2)
     T, K = x.shape
     check_array(op, "out", out, np.float32, 2, (T, None))
-    if epilogue is not None:
-        if not isinstance(epilogue, Epilogue):
-            raise BackendError(f"{op}: epilogue must be an Epilogue, got {type(epilogue).__name__}")
-        if accumulate:
-            raise BackendError(f"{op}: accumulate=True cannot be combined with the "
-                               f"{epilogue.name!r} epilogue (it stores through the epilogue)")
-        N = int(epilogue.n_rows)
-        if out.shape[1] != epilogue.out_cols:
-            raise BackendError(f"{op}: out has {out.shape[1]} columns; the {epilogue.name!r} "
-                               f"epilogue writes {epilogue.out_cols}")
-        if epilogue.t_rows >= 0 and T != epilogue.t_rows:
-            raise BackendError(f"{op}: a launch of {T} rows with the {epilogue.name!r} epilogue "
-                               f"made for {epilogue.t_rows} rows (its q_out / tree tables)")
-        if N <= 0 or N % 2:
-            raise BackendError(f"{op}: the {epilogue.name!r} epilogue needs an even, positive "
-                               f"number of weight rows, got {N}")
-        ep = epilogue.args
-    else:
-        N = out.shape[1]
-        ep = NO_EPILOGUE_ARGS
+    N, ep = epilogue_args(op, epilogue, accumulate, out, T)
     if K == 0 or N == 0:
         raise BackendError(f"{op}: empty dimension (in_features={K}, out_features={N})")
     if w is None:

@@ -32,11 +32,11 @@ from numba import cuda, float32, float64, int32, int64, uint32, uint64
 
 from ...errors import BackendError
 from ...model.exact_matmul import CHUNK_K, LIMB_BITS, LIMBS, XBITS, chunk_groups
-from ._common import Epilogue, cdiv, check_array
+from ._common import cdiv, check_array, warp_max, warp_sum
 from ._mma import mma_u8s8
 from ._pdl import grid_dep_wait
 from .rmsnorm import NT as STAGE_NT
-from .matmul import norm_args
+from .matmul import epilogue_args, norm_args
 from .rmsnorm import row_inv_rms
 
 #: Warps per mma block.
@@ -77,6 +77,9 @@ def _make_stage(norm: bool):
         lane = tid & 31
         K = x.shape[1]
         G = K // gs
+        # warp reductions' scratch rows (used only by the simulator's twins): one per value type
+        scratch = cuda.shared.array((GW, 32), float32)
+        iscratch = cuda.shared.array((GW, 32), int64)
         inv = float32(1.0)
         if norm:
             inv = row_inv_rms(x, t, eps)
@@ -88,8 +91,7 @@ def _make_stage(norm: bool):
             k = g * gs + i
             v = xval(x, nw, inv, t, k)
             m = max(m, abs(v))
-        for o in (16, 8, 4, 2, 1):
-            m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, o))
+        m = warp_max(m, scratch, warp, lane)
         eb = (cuda.libdevice.float_as_int(m) >> 23) & 0xFF
         E = max(eb, 1) - 126
         f = cuda.libdevice.ldexp(1.0, int32(XBITS - E))
@@ -106,8 +108,7 @@ def _make_stage(norm: bool):
                 limbs8[j, t, pos] = uint32(d) & uint32(0xFF)
                 rest = (rest - d) >> LIMB_BITS
             limbs8[0, t, pos] = uint32(rest) & uint32(0xFF)
-        for o in (16, 8, 4, 2, 1):
-            s += cuda.shfl_xor_sync(0xFFFFFFFF, s, o)
+        s = warp_sum(s, iscratch, warp, lane)          # integers: exact in any order
         if lane == 0:
             sx[t, g] = s
             ex[t, g] = E
@@ -227,20 +228,18 @@ def _make_mma(NTT: int, NCH: int, epilogue):
     return mma
 
 
+def _token_tiles(T: int) -> int:
+    """Token tiles of 8 rows per mma block for a launch of T rows (before the shared-memory cap)."""
+    return min(MAX_NTT, cdiv(T, 8))
+
+
 def staging_shapes(T: int, K: int, group: int):
     """Shapes of the (limbs, sx, ex) buffers a launch of T rows needs: limbs uint8 (LIMBS, TP, K),
     sx int64 (TP, G), ex int32 (TP, G), TP = T rounded up to the token block."""
-    NTT = min(MAX_NTT, cdiv(T, 8))
+    NTT = _token_tiles(T)
     TP = cdiv(T, 8 * NTT) * 8 * NTT
     G = K // group
     return (LIMBS, TP, K), (TP, G), (TP, G)
-
-
-def _view(a, dtype, shape):
-    """A device array over the same memory as `a` with another dtype and shape (C order)."""
-    itemsize = np.dtype(dtype).itemsize
-    strides = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) * itemsize for i in range(len(shape)))
-    return cuda.devicearray.DeviceNDArray(shape, strides, np.dtype(dtype), gpu_data=a.gpu_data)
 
 
 def matmul_exact(out, x, w, scales, zeros, limbs, sx, ex, accumulate=False, stream=0, norm_w=None,
@@ -255,19 +254,9 @@ def matmul_exact(out, x, w, scales, zeros, limbs, sx, ex, accumulate=False, stre
     check_array(op, "x", x, np.float32, 2)
     T, K = x.shape
     check_array(op, "out", out, np.float32, 2, (T, None))
-    check_array(op, "scales", scales, np.float16, 2)
-    N, G = scales.shape
-    if epilogue is not None:
-        if not isinstance(epilogue, Epilogue) or accumulate:
-            raise BackendError(f"{op}: epilogue must be an Epilogue and excludes accumulate")
-        if epilogue.n_rows != N or out.shape[1] != epilogue.out_cols or N % 2:
-            raise BackendError(f"{op}: the {epilogue.name!r} epilogue is for {epilogue.n_rows} rows / "
-                               f"{epilogue.out_cols} columns, got N={N}, out {tuple(out.shape)}")
-        ep = epilogue.args
-    else:
-        if out.shape[1] != N:
-            raise BackendError(f"{op}: out has {out.shape[1]} columns for {N} weight rows")
-        ep = (np.int64(0),)
+    N, ep = epilogue_args(op, epilogue, accumulate, out, T)
+    check_array(op, "scales", scales, np.float16, 2, (N, None))
+    G = scales.shape[1]
     check_array(op, "w", w, np.uint8, 2, (N, K // 2))
     check_array(op, "zeros", zeros, np.uint8, 2, (N, G))
     if G == 0 or K % G or (K // G) % 32 or K % 2:
@@ -284,7 +273,7 @@ def matmul_exact(out, x, w, scales, zeros, limbs, sx, ex, accumulate=False, stre
                            f"ex {tuple(ex.shape)} do not fit {ls}, {ss}")
     cg = chunk_groups(group)
     nch = cdiv(G, cg)
-    NTT = ls[1] // 8 if ls[1] <= 8 * MAX_NTT else MAX_NTT
+    NTT = _token_tiles(T)
     while NTT > 1 and nch * NTT * 8 * 16 > SMEM_DOUBLES:
         NTT //= 2
     if nch * NTT * 8 * 16 > SMEM_DOUBLES:
@@ -297,9 +286,9 @@ def matmul_exact(out, x, w, scales, zeros, limbs, sx, ex, accumulate=False, stre
     TB = cdiv(T, 8 * NTT)
     _make_stage(norm)[(cdiv(G, STAGE_NT // 32), T), STAGE_NT, stream](
         limbs, sx, ex, x, norm_w if norm else x[0], eps, group)
-    w32 = _view(w, np.uint32, (N, K // 8))
-    sbits = _view(scales, np.uint16, (N, G))
-    l64 = _view(limbs, np.uint64, (LIMBS, limbs.shape[1], K // 8))
+    w32 = w.view(np.uint32)
+    sbits = scales.view(np.uint16)
+    l64 = limbs.view(np.uint64)
     tiles = cdiv(N // 2, 8) if epilogue is not None else cdiv(N, 16)
     _make_mma(NTT, nch, epilogue)[(tiles, TB), NW * 32, stream](
         out, w32, sbits, zeros, l64, sx, ex, T, N, group, cg, nch, 1 if accumulate else 0, ep)
