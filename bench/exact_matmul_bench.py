@@ -1,9 +1,12 @@
 """The exact integer tensor-core matmul (kernels/matmul_exact.py) against the fast fp32 kernel
 (kernels/matmul.py) on the 360m q4 shapes: bits checked against the numpy reference
 (tinyloop/model/exact_matmul.py) for plain, accumulating, norm-fused and SwiGLU-epilogue launches,
-error of both against float64, time of both inside captured graphs, same process.
+error of both against float64, time of both inside captured graphs, same process. One-row
+launches take the exact matmul's dp4a kernel: `--gemv-r` times it for several rows per warp
+(GEMV_R), plain and with the fused RMS norm (the decode step's form for q|k|v, gate|up and the
+head).
 
-    python bench/exact_matmul_bench.py [--rows 1,2,8,32,128] [--json out.json]
+    python bench/exact_matmul_bench.py [--rows 1,2,8,32,128] [--gemv-r 1,2,4] [--json out.json]
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,2,8,32,128")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--gemv-r", default="", help="rows per warp of the one-row kernel to time at T = 1")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     rows = [int(t) for t in args.rows.split(",")]
@@ -84,6 +88,27 @@ def main(argv=None) -> int:
             results.append(r)
             print(f"{name:11} T={T:<4} fast {us_fast:8.1f} us  exact {us_exact:8.1f} us  x{us_fast / us_exact:5.2f}  "
                   f"bits={same}  err fast {r['err_fast']:.1e} exact {r['err_exact']:.1e}", flush=True)
+            if T == 1 and args.gemv_r:
+                nw1 = cuda.to_device(rng.uniform(0.5, 1.5, K).astype(np.float32))
+
+                def fast_norm():
+                    for _ in range(args.reps):
+                        km.matmul(out, x, q, s, z, stream=stream, norm_w=nw1, eps=1e-5)
+                r["fast_norm_us"] = graph_time_ms(stream, fast_norm, args.reps) * 1e3
+                default_r = mx.GEMV_R
+                for R in (int(v) for v in args.gemv_r.split(",")):
+                    mx.GEMV_R = R
+
+                    def exact_norm():
+                        for _ in range(args.reps):
+                            mx.matmul_exact(out, x, q, s, z, limbs, sx, ex, norm_w=nw1, eps=1e-5, stream=stream)
+                    r[f"exact_r{R}_us"] = graph_time_ms(stream, exact, args.reps) * 1e3
+                    ok = bool(np.array_equal(out.copy_to_host(), got))
+                    r[f"exact_norm_r{R}_us"] = graph_time_ms(stream, exact_norm, args.reps) * 1e3
+                    print(f"   gemv R={R}: plain {r[f'exact_r{R}_us']:7.1f} us (same bits {ok})  norm-fused "
+                          f"{r[f'exact_norm_r{R}_us']:7.1f} us against fast norm-fused {r['fast_norm_us']:7.1f}",
+                          flush=True)
+                mx.GEMV_R = default_r
             if T in (1, 8) and name in ("2048x2048", "11264x2048"):
                 # accumulate, fused norm, SwiGLU epilogue: each against its unfused equivalent
                 base = rng.standard_normal((T, N), dtype=np.float32)

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import numba
 import numpy as np
-from numba import cuda, float32, uint32, uint64
+from numba import cuda, float32, int32, uint32, uint64
 
 from ...errors import BackendError
 from ...model.init_state import C1, C2, mix
@@ -90,6 +90,21 @@ if not SIM:
         (mul.rn: ptxas fuses a plain multiply-add by default)."""
         return cuda.libdevice.fmul_rn(a, b)
 
+    @cuda.jit(device=True)
+    def sync_warp():
+        """Barrier of the calling warp's lanes (every lane must reach it)."""
+        cuda.syncwarp()
+
+    @cuda.jit(device=True)
+    def rint64(x):
+        """float64 x rounded to the nearest integer, ties to even (numpy's rint)."""
+        return cuda.libdevice.rint(x)
+
+    @cuda.jit(device=True)
+    def pow2(e):
+        """2.0 ** e as a float64 (exact for every int e of the float64 range)."""
+        return cuda.libdevice.ldexp(1.0, int32(e))
+
 else:  # CUDA simulator twins: same butterfly, through shared memory.
     # Each lane publishes its value, reads all 32, and replays the butterfly locally, so the result
     # is bit for bit the shuffle version's, with two barriers instead of one per step (the
@@ -149,6 +164,19 @@ else:  # CUDA simulator twins: same butterfly, through shared memory.
     @cuda.jit(device=True)
     def mul_rn(a, b):
         return np.float32(a) * np.float32(b)
+
+    @cuda.jit(device=True)
+    def sync_warp():
+        # the simulator has no warp barrier: callers reach this from block-uniform control flow
+        cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def rint64(x):
+        return np.rint(np.float64(x))
+
+    @cuda.jit(device=True)
+    def pow2(e):
+        return np.ldexp(np.float64(1.0), int(e))
 
 
 @cuda.jit(device=True)
@@ -302,4 +330,4 @@ class Epilogue(NamedTuple):
 __all__ = ["SIM", "Epilogue", "FULL_MASK", "NEG_INF", "warp_sum", "warp_max", "block_sum",
            "block_max", "block_sum_once", "block_max_once", "as_float", "as_bits", "cdiv",
            "is_device_array", "check_array", "check_workspace", "device_pointer", "no_tree",
-           "check_tree", "rint", "mul_rn", "float32", "uint32"]
+           "check_tree", "rint", "mul_rn", "rint64", "pow2", "sync_warp", "float32", "uint32"]

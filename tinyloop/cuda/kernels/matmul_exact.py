@@ -32,7 +32,8 @@ from numba import cuda, float32, float64, int32, int64, uint32, uint64
 
 from ...errors import BackendError
 from ...model.exact_matmul import CHUNK_K, LIMB_BITS, LIMBS, XBITS, chunk_groups
-from ._common import cdiv, check_array, warp_max, warp_sum
+from ._common import as_bits, cdiv, check_array, pow2, rint64, sync_warp, warp_max, warp_sum
+from ._dp4a import dp4a_us
 from ._mma import mma_u8s8
 from ._pdl import grid_dep_wait
 from .rmsnorm import NT as STAGE_NT
@@ -51,8 +52,19 @@ _LO = uint64(0xFFFFFFFF)
 _HALF = 1 << (LIMB_BITS - 1)
 _MASK = (1 << LIMB_BITS) - 1
 
+#: The one-row kernel (`_make_gemv`): warps per block (rmsnorm's block, whose inverse RMS the
+#: fused norm reproduces with `row_inv_rms`), weight rows per warp, elements of k per warp step
+#: (32 lanes x 32), and the most shared memory a block may take (bytes); a one-row launch that
+#: does not fit (group size not a power of two up to GEMV_STEP_K, or a long row) takes the mma
+#: kernel, which gives the same bits.
+GEMV_NW = STAGE_NT // 32
+GEMV_R = 2
+GEMV_STEP_K = 1024
+GEMV_SMEM = 48 * 1024
+
 _stage_cache = {}
 _mma_cache = {}
+_gemv_cache = {}
 
 
 def _make_stage(norm: bool):
@@ -228,6 +240,213 @@ def _make_mma(NTT: int, NCH: int, epilogue):
     return mma
 
 
+def _gemv_smem(nstep: int, R: int) -> int:
+    """Shared bytes of a one-row block with `nstep` warp steps and R rows per warp."""
+    per_warp = R * (32 * 8 * 2 + 2 * nstep * 8 + 8)
+    return nstep * (GEMV_STEP_K * LIMBS + 32 * 12) + GEMV_NW * (per_warp + 32 * 12)
+
+
+def gemv_fits(K: int, group: int, R: int = GEMV_R) -> bool:
+    """Whether a one-row launch of a (., K) weight with this group size takes the dp4a kernel."""
+    return (32 <= group <= GEMV_STEP_K and group & (group - 1) == 0 and K % group == 0
+            and _gemv_smem(cdiv(K, GEMV_STEP_K), R) <= GEMV_SMEM)
+
+
+def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue):
+    """The one-row exact kernel with dp4a (T = 1): R rows per warp, at most NSTEP warp steps of
+    GEMV_STEP_K elements, group size GS (a power of two, 32..GEMV_STEP_K), all compile-time.
+
+    The block stages x itself: (1) warp per group: the exponent E and the integer sum sx of the
+    group (x normed as ``(x * inv) * nw`` with the variant's norm); (2) thread per 8 elements: the
+    four 7-bit limbs of X, as words (even elements 0, 2, 4, 6 of the 8 in one word, odd ones in
+    the next: the nibble order of ``w & 0x0F0F0F0F`` and ``(w >> 4) & 0x0F0F0F0F``) laid out so
+    that lane l reads its 32 words of a step from bank l. (3) Warp w takes rows; per step lane l
+    covers k = 1024 s + 32 l .. + 31 (16 bytes of a row), 32 dp4a per row, and V = sum of q * X
+    over its 32 elements (exact int64); the GS / 32 lanes of a group add their V in shared memory
+    (exact), the group's leader forms the term, and one lane per (row, chunk) adds the chunk's
+    terms in group order; after the last step lane r adds row r's chunks in order."""
+    key = (R, NSTEP, GS, norm, None if epilogue is None else epilogue.name)
+    if key in _gemv_cache:
+        return _gemv_cache[key]
+    assert LIMBS == 4 and LIMB_BITS == 7 and GS & (GS - 1) == 0 and 32 <= GS <= GEMV_STEP_K
+    pair = epilogue is not None
+    rows_of = epilogue.rows if pair else None
+    store_pair = epilogue.store if pair else None
+    NWG = GEMV_NW
+    NT = NWG * 32
+    W = GS // 32                       # lanes per group
+    GPS = GEMV_STEP_K // GS            # groups per step
+    CG = chunk_groups(GS)
+    CPS = max(1, GPS // CG)            # chunks per step (steps start on chunk boundaries)
+    RP = R // 2
+    XS = NSTEP * GEMV_STEP_K           # shared sizes (compile-time constants)
+    GM = NSTEP * 32
+    NCM = 2 * NSTEP
+    if pair:
+        assert R % 2 == 0
+
+    @cuda.jit(device=True)
+    def xval(x, nw, inv, k):
+        v = x[0, k]
+        if norm:
+            v = (v * inv) * nw[k]
+        return v
+
+    @cuda.jit(device=True)
+    def row_of(ep, row0, r, N):
+        if pair:
+            p = min(row0 + (r >> 1), N // 2 - 1)
+            ra, rb = rows_of(ep, p, N)
+            return ra if r % 2 == 0 else rb
+        return min(row0 + r, N - 1)
+
+    @cuda.jit
+    def gemv(out, w64, sbits, zeros, x, nw, eps, N, acc_flag, ep):
+        grid_dep_wait()
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        K = x.shape[1]
+        G = K // GS
+        xs = cuda.shared.array(XS, uint32)
+        exs = cuda.shared.array(GM, int32)
+        sxs = cuda.shared.array(GM, int64)
+        vs = cuda.shared.array((NWG, R, 32), int64)
+        tb = cuda.shared.array((NWG, R, 32), float64)
+        ps = cuda.shared.array((NWG, R, NCM), float64)
+        tots = cuda.shared.array((NWG, R), float64)
+        scratch = cuda.shared.array((NWG, 32), float32)
+        iscratch = cuda.shared.array((NWG, 32), int64)
+        inv = float32(1.0)
+        if norm:
+            inv = row_inv_rms(x, 0, eps)
+        # (1) exponent and integer sum of every group
+        # (block-uniform loop: the simulator's warp reductions are block barriers)
+        for g0 in range(0, G, NWG):
+            g = g0 + warp
+            m = float32(0.0)
+            if g < G:
+                for i in range(lane, GS, 32):
+                    m = max(m, abs(xval(x, nw, inv, g * GS + i)))
+            m = warp_max(m, scratch, warp, lane)
+            E = max((as_bits(m) >> 23) & 0xFF, 1) - 126
+            f = pow2(XBITS - E)
+            s = int64(0)
+            if g < G:
+                for i in range(lane, GS, 32):
+                    s += int64(rint64(float64(xval(x, nw, inv, g * GS + i)) * f))
+            s = warp_sum(s, iscratch, warp, lane)
+            if lane == 0 and g < G:
+                exs[g] = E
+                sxs[g] = s
+        cuda.syncthreads()
+        # (2) limbs, 8 elements per thread
+        for m8 in range(tid, K >> 3, NT):
+            k0 = m8 * 8
+            f = pow2(XBITS - exs[k0 // GS])
+            base = (m8 >> 7) * 32 * 32 + ((m8 & 3) * 2) * 32 + ((m8 >> 2) & 31)
+            for h in range(2):
+                l0 = int64(0)
+                l1 = int64(0)
+                l2 = int64(0)
+                l3 = int64(0)
+                for b in range(4):
+                    rest = int64(rint64(float64(xval(x, nw, inv, k0 + 2 * b + h)) * f))
+                    d = ((rest + _HALF) & _MASK) - _HALF
+                    l3 |= (d & 255) << (8 * b)
+                    rest = (rest - d) >> LIMB_BITS
+                    d = ((rest + _HALF) & _MASK) - _HALF
+                    l2 |= (d & 255) << (8 * b)
+                    rest = (rest - d) >> LIMB_BITS
+                    d = ((rest + _HALF) & _MASK) - _HALF
+                    l1 |= (d & 255) << (8 * b)
+                    rest = (rest - d) >> LIMB_BITS
+                    l0 |= (rest & 255) << (8 * b)
+                o = base + h * 32
+                xs[o] = uint32(l0)
+                xs[o + 8 * 32] = uint32(l1)
+                xs[o + 16 * 32] = uint32(l2)
+                xs[o + 24 * 32] = uint32(l3)
+        cuda.syncthreads()
+        # (3) the warp's rows
+        row0 = (cuda.blockIdx.x * NWG + warp) * (RP if pair else R)
+        xr = cuda.local.array(32, uint32)
+        nsteps = (K + GEMV_STEP_K - 1) // GEMV_STEP_K
+        for st in range(nsteps):
+            kl = st * GEMV_STEP_K + lane * 32
+            on = kl < K
+            for i in range(32):
+                xr[i] = xs[(st * 32 + i) * 32 + lane]
+            for r in range(R):
+                row = row_of(ep, row0, r, N)
+                a0 = int32(0)
+                a1 = int32(0)
+                a2 = int32(0)
+                a3 = int32(0)
+                if on:
+                    for hw in range(2):
+                        u = w64[row, (kl >> 4) + hw]
+                        for q in range(2):
+                            wd = uint32((u >> uint64(32 * q)) & _LO)
+                            lo = uint32(wd & _M)
+                            hi = uint32((wd >> uint32(4)) & _M)
+                            j = hw * 2 + q
+                            a0 = dp4a_us(lo, xr[j * 2], a0)
+                            a0 = dp4a_us(hi, xr[j * 2 + 1], a0)
+                            a1 = dp4a_us(lo, xr[8 + j * 2], a1)
+                            a1 = dp4a_us(hi, xr[8 + j * 2 + 1], a1)
+                            a2 = dp4a_us(lo, xr[16 + j * 2], a2)
+                            a2 = dp4a_us(hi, xr[16 + j * 2 + 1], a2)
+                            a3 = dp4a_us(lo, xr[24 + j * 2], a3)
+                            a3 = dp4a_us(hi, xr[24 + j * 2 + 1], a3)
+                vs[warp, r, lane] = (int64(a0) << 21) + (int64(a1) << 14) + (int64(a2) << 7) + int64(a3)
+            sync_warp()
+            g = st * GPS + lane // W
+            if lane % W == 0 and g < G:
+                for r in range(R):
+                    row = row_of(ep, row0, r, N)
+                    V = int64(0)
+                    for i in range(W):
+                        V += vs[warp, r, lane + i]
+                    bits = int32(sbits[row, g])
+                    eb = (bits >> 10) & 0x1F
+                    sm = int64(bits & 0x3FF)
+                    if eb > 0:
+                        sm += 1024
+                    V -= int64(zeros[row, g]) * sxs[g]
+                    tb[warp, r, lane // W] = float64(V * sm) * pow2(max(eb, 1) - 25 + exs[g] - XBITS)
+            sync_warp()
+            if lane < R * CPS:
+                r = lane // CPS
+                c = lane % CPS
+                g0 = st * GPS + c * CG
+                if g0 < G:
+                    a = float64(0.0)
+                    for i in range(CG):
+                        if g0 + i < G:
+                            a += tb[warp, r, c * CG + i]
+                    ps[warp, r, st * CPS + c] = a
+            sync_warp()
+        if lane < R:
+            tot = float64(0.0)
+            for c in range((G + CG - 1) // CG):
+                tot += ps[warp, lane, c]
+            tots[warp, lane] = tot
+        sync_warp()
+        if pair:
+            if lane < RP and row0 + lane < N // 2:
+                store_pair(ep, out, 0, row0 + lane, float32(tots[warp, 2 * lane]),
+                           float32(tots[warp, 2 * lane + 1]), N)
+        elif lane < R and row0 + lane < N:
+            v = tots[warp, lane]
+            if acc_flag:
+                v += float64(out[0, row0 + lane])
+            out[0, row0 + lane] = float32(v)
+
+    _gemv_cache[key] = gemv
+    return gemv
+
+
 def _token_tiles(T: int) -> int:
     """Token tiles of 8 rows per mma block for a launch of T rows (before the shared-memory cap)."""
     return min(MAX_NTT, cdiv(T, 8))
@@ -242,14 +461,20 @@ def staging_shapes(T: int, K: int, group: int):
     return (LIMBS, TP, K), (TP, G), (TP, G)
 
 
-def matmul_exact(out, x, w, scales, zeros, limbs, sx, ex, accumulate=False, stream=0, norm_w=None,
-                 eps=0.0, epilogue=None):
+def needs_staging(T: int, K: int, group: int) -> bool:
+    """Whether a launch of T rows uses the staging buffers (everything but the one-row kernel)."""
+    return not (T == 1 and gemv_fits(K, group))
+
+
+def matmul_exact(out, x, w, scales, zeros, limbs=None, sx=None, ex=None, accumulate=False, stream=0,
+                 norm_w=None, eps=0.0, epilogue=None):
     """The exact integer matmul of x (T, K) float32 with q4 weight `w` (N, K/2) uint8, `scales`
-    float16 (N, G), `zeros` uint8 (N, G), staged through the caller's `limbs`, `sx`, `ex` buffers
+    float16 (N, G), `zeros` uint8 (N, G); optional fused RMS norm (`norm_w`, `eps`), accumulate,
+    or a pair `epilogue` as in `matmul.matmul`. A one-row launch takes the dp4a kernel when
+    `gemv_fits`; every other launch is staged through the caller's `limbs`, `sx`, `ex` buffers
     (at least `staging_shapes(T, K, group)`; rows past T are read but only into outputs that are
-    never stored: a tensor-core column depends on its own B column only);
-    optional fused RMS norm (`norm_w`, `eps`), accumulate, or a pair `epilogue` as in
-    `matmul.matmul`."""
+    never stored: a tensor-core column depends on its own B column only) and runs on tensor
+    cores. Both give the same bits (the numerics of tinyloop/model/exact_matmul.py)."""
     op = "matmul_exact"
     check_array(op, "x", x, np.float32, 2)
     T, K = x.shape
@@ -263,29 +488,41 @@ def matmul_exact(out, x, w, scales, zeros, limbs, sx, ex, accumulate=False, stre
         raise BackendError(f"{op}: in_features={K} with {G} groups: the group size must be a "
                            f"multiple of 32")
     group = K // G
-    ls, ss, es = staging_shapes(T, K, group)
-    check_array(op, "limbs", limbs, np.uint8, 3)
-    check_array(op, "sx", sx, np.int64, 2)
-    check_array(op, "ex", ex, np.int32, 2)
-    if limbs.shape[0] != LIMBS or limbs.shape[2] != K or limbs.shape[1] < ls[1] or \
-            sx.shape[0] < ss[0] or sx.shape[1] != G or ex.shape != sx.shape:
-        raise BackendError(f"{op}: staging buffers limbs {tuple(limbs.shape)}, sx {tuple(sx.shape)}, "
-                           f"ex {tuple(ex.shape)} do not fit {ls}, {ss}")
-    cg = chunk_groups(group)
-    nch = cdiv(G, cg)
-    NTT = _token_tiles(T)
-    while NTT > 1 and nch * NTT * 8 * 16 > SMEM_DOUBLES:
-        NTT //= 2
-    if nch * NTT * 8 * 16 > SMEM_DOUBLES:
-        raise BackendError(f"{op}: in_features={K} needs {nch} chunks; at most "
-                           f"{SMEM_DOUBLES // 128} fit a block")
     norm = norm_w is not None
     eps = norm_args(op, norm_w, eps, K)
+    staged = needs_staging(T, K, group)
+    if staged:
+        ls, ss, es = staging_shapes(T, K, group)
+        if limbs is None or sx is None or ex is None:
+            raise BackendError(f"{op}: a launch of {T} rows with in_features={K}, group {group} "
+                               f"needs the staging buffers limbs {ls}, sx {ss}, ex {es}")
+        check_array(op, "limbs", limbs, np.uint8, 3)
+        check_array(op, "sx", sx, np.int64, 2)
+        check_array(op, "ex", ex, np.int32, 2)
+        if limbs.shape[0] != LIMBS or limbs.shape[2] != K or limbs.shape[1] < ls[1] or \
+                sx.shape[0] < ss[0] or sx.shape[1] != G or ex.shape != sx.shape:
+            raise BackendError(f"{op}: staging buffers limbs {tuple(limbs.shape)}, sx {tuple(sx.shape)}, "
+                               f"ex {tuple(ex.shape)} do not fit {ls}, {ss}")
+        cg = chunk_groups(group)
+        nch = cdiv(G, cg)
+        NTT = _token_tiles(T)
+        while NTT > 1 and nch * NTT * 8 * 16 > SMEM_DOUBLES:
+            NTT //= 2
+        if nch * NTT * 8 * 16 > SMEM_DOUBLES:
+            raise BackendError(f"{op}: in_features={K} needs {nch} chunks; at most "
+                               f"{SMEM_DOUBLES // 128} fit a block")
     if T == 0:
         return
+    nwx = norm_w if norm else x[0]
+    if not staged:
+        R = GEMV_R if epilogue is None else max(2, GEMV_R - GEMV_R % 2)
+        per_block = GEMV_NW * (R // 2 if epilogue is not None else R)
+        units = N // 2 if epilogue is not None else N
+        _make_gemv(R, cdiv(K, GEMV_STEP_K), group, norm, epilogue)[cdiv(units, per_block), GEMV_NW * 32, stream](
+            out, w.view(np.uint64), scales.view(np.uint16), zeros, x, nwx, eps, N, 1 if accumulate else 0, ep)
+        return
     TB = cdiv(T, 8 * NTT)
-    _make_stage(norm)[(cdiv(G, STAGE_NT // 32), T), STAGE_NT, stream](
-        limbs, sx, ex, x, norm_w if norm else x[0], eps, group)
+    _make_stage(norm)[(cdiv(G, STAGE_NT // 32), T), STAGE_NT, stream](limbs, sx, ex, x, nwx, eps, group)
     w32 = w.view(np.uint32)
     sbits = scales.view(np.uint16)
     l64 = limbs.view(np.uint64)
@@ -306,6 +543,14 @@ def ptx_signatures(epilogues=()):
         es = "UniTuple(int64, 1)" if epi is None else epi.sig
         tag = "" if epi is None else f"_{epi.name}"
         sigs.append((f"matmul_exact_mma{tag}_{NTT}_{NCH}", _make_mma(NTT, NCH, epi).py_func, f"void({head}, {es})"))
+    ghead = ("float32[:, ::1], uint64[:, ::1], uint16[:, ::1], uint8[:, ::1], float32[:, ::1], float32[::1], "
+             "float32, int64, int64")
+    for NSTEP, GS, norm, epi in [(2, 128, False, None), (2, 64, True, None), (6, 32, True, None), (1, 1024, False, None)] + \
+            [(2, 128, True, e) for e in epilogues]:
+        es = "UniTuple(int64, 1)" if epi is None else epi.sig
+        tag = ("_norm" if norm else "") + ("" if epi is None else f"_{epi.name}")
+        sigs.append((f"matmul_exact_gemv{tag}_{NSTEP}_{GS}", _make_gemv(GEMV_R, NSTEP, GS, norm, epi).py_func,
+                     f"void({ghead}, {es})"))
     return sigs
 
 
