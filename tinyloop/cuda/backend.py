@@ -85,6 +85,7 @@ from .kernels import init_state as k_init_state
 from .kernels import kv_layer_copy as k_kv_layer_copy
 from .kernels import kv_store as k_kv_store
 from .kernels import matmul as k_matmul
+from .kernels import matmul_exact as k_exact
 from .kernels import position as k_position
 from .kernels import rmsnorm as k_rmsnorm
 from .kernels import rope as k_rope
@@ -245,7 +246,8 @@ class CUDAWorkspace(Workspace):
     exit_host (2,) pinned copies of the depth (a queued read, a waited one); accept_rec (2 rows +
     2,) a greedy draft cycle's record (launch_accept), accept_host (2, 2 rows + 2) its two pinned
     copies (a cycle read while the next one runs). The counters are zeroed once at allocation, and
-    every launch leaves them zero.
+    every launch leaves them zero. xlimbs / xsx / xex are the exact matmul's staging (flat:
+    `CUDABackend.matmul_q` views them per launch shape).
     """
 
     tok: Any = None
@@ -269,6 +271,9 @@ class CUDAWorkspace(Workspace):
     exit_host: Any = None
     accept_rec: Any = None
     accept_host: Any = None
+    xlimbs: Any = None
+    xsx: Any = None
+    xex: Any = None
 
 
 class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse, TokenMasks, KVLayerCopy,
@@ -310,6 +315,11 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         # programmatic kernel -> kernel edges in the captured steps (kernels/_pdl.py)
         self.pdl = self.use_graphs and env_switch("TINYLOOP_CUDA_PDL") and k_pdl.enabled()
         self._glu = k_swiglu.glu_epilogue(cfg.d_ff)
+        # q4 matmuls on the exact integer numerics (kernels/matmul_exact.py: dp4a at one row,
+        # tensor cores beyond); the simulator has no tensor cores
+        self.exact = (env_switch("TINYLOOP_CUDA_EXACT") and not numba.config.ENABLE_CUDASIM
+                      and k_exact.available())
+        self._stage_views = {}
         self.profile = os.environ.get("TINYLOOP_CUDA_PROFILE", "") not in ("", "0")
         self.graph_launches = 0
         self.step_nodes = 0
@@ -450,6 +460,10 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
                    # split-KV attention: per-split partials and per-(row, head) arrival counters
                    att_work=(k_attention.workspace_shape(rows, c.n_heads, c.head_dim), f),
                    att_count=(k_attention.counter_shape(rows, c.n_heads), i32))
+        # the exact matmul's staging of many-row launches (kernels/matmul_exact.py): limbs, group
+        # sums and exponents for rows rounded up to the token block, the widest matmul input
+        kx, gx = k_exact.staging_bound(rows, max(2 * c.d_model, c.q_dim, c.d_ff))
+        out.update(xlimbs=((kx,), np.uint8), xsx=((gx,), np.int64), xex=((gx,), i32))
         # split argmax: per-slice candidates and per-row arrival counters
         av, ai, ac = k_argmax.work_shapes(rows)
         out.update(amax_v=(av, f), amax_i=(ai, i32), amax_c=(ac, i32))
@@ -477,6 +491,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
             self._memset0(counter)
         self._held += sum(int(a.nbytes) for a in (*dev.values(), *amax, tok_exit))
         self._ws = ws
+        self._stage_views = {}
         return ws
 
     def alloc_cache(self, spec: CacheSpec) -> CUDACache:
@@ -1043,7 +1058,35 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         k_rmsnorm.rmsnorm(out[:T], x[:T], w.w, self.cfg.norm_eps, stream=self.stream)
 
     def matmul(self, x, W, out, T: int, accumulate: bool = False) -> None:
-        k_matmul.matmul(out[:T], x[:T], W.w, W.scales, W.zeros, accumulate=accumulate, stream=self.stream)
+        self.matmul_q(out[:T], x[:T], W, accumulate=accumulate)
+
+    def matmul_q(self, out, x, W, accumulate=False, norm_w=None, epilogue=None) -> None:
+        """One matmul launch: the exact integer kernel for weights it serves (the choice depends on
+        the weight's shape only, never on the row count, so every path of a request reduces a
+        weight alike), else the fast kernel."""
+        T, K = x.shape
+        eps = 0.0 if norm_w is None else self.cfg.norm_eps
+        if self.exact and k_exact.supports(W.w, W.scales, K):
+            group = K // W.scales.shape[1]
+            stage = self._staging(T, K, group) if k_exact.needs_staging(T, K, group) else (None, None, None)
+            k_exact.matmul_exact(out, x, W.w, W.scales, W.zeros, *stage, accumulate=accumulate,
+                                 stream=self.stream, norm_w=norm_w, eps=eps, epilogue=epilogue)
+        else:
+            k_matmul.matmul(out, x, W.w, W.scales, W.zeros, accumulate=accumulate, stream=self.stream,
+                            norm_w=norm_w, eps=eps, epilogue=epilogue)
+
+    def _staging(self, T: int, K: int, group: int) -> tuple:
+        """Views of the workspace's exact-matmul staging for a launch of T rows (made once per
+        shape: never inside a capture after the first)."""
+        key = (T, K, group)
+        v = self._stage_views.get(key)
+        if v is None:
+            ws = self._ws
+            ls, ss, es = k_exact.staging_shapes(T, K, group)
+            v = (ws.xlimbs[:int(np.prod(ls))].reshape(ls), ws.xsx[:int(np.prod(ss))].reshape(ss),
+                 ws.xex[:int(np.prod(es))].reshape(es))
+            self._stage_views[key] = v
+        return v
 
     def _tables(self, pos, cache: CUDACache = None):
         if isinstance(pos, TreeRows):
@@ -1104,8 +1147,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
     # ------------------------------------------------------------------ fused composites
     def _norm_matmul(self, x, norm, W, out, T: int, epilogue=None) -> None:
         """out[:T] = (rmsnorm(x[:T]) * norm) @ W^T in one launch (stored through `epilogue`)."""
-        k_matmul.matmul(out[:T], x[:T], W.w, W.scales, W.zeros, stream=self.stream, norm_w=norm.w,
-                        eps=self.cfg.norm_eps, epilogue=epilogue)
+        self.matmul_q(out[:T], x[:T], W, norm_w=norm.w, epilogue=epilogue)
 
     def attn_half(self, ws: Workspace, b, cache: CUDACache, layer: int, pos, T: int) -> None:
         """norm+q|k|v matmul with the RoPE + KV-append epilogue (rotated q -> ws.q), attention,

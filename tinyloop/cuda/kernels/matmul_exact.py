@@ -461,6 +461,34 @@ def staging_shapes(T: int, K: int, group: int):
     return (LIMBS, TP, K), (TP, G), (TP, G)
 
 
+def available() -> bool:
+    """Whether the current device runs the kernels (integer mma: compute capability >= 8.0)."""
+    try:
+        return tuple(cuda.get_current_device().compute_capability) >= (8, 0)
+    except Exception:          # no device
+        return False
+
+
+def supports(w, scales, K: int) -> bool:
+    """Whether the exact matmul serves a weight (`w` and `scales` as `matmul_exact` takes them) for
+    every row count: q4 codes, a group size that is a multiple of 32, and the tensor-core
+    kernel's chunk partials within a block's shared memory. A shape rule: a backend that asks it
+    per weight reduces that weight alike on every path."""
+    if scales is None or w.dtype != np.uint8 or w.ndim != 2 or 2 * w.shape[1] != K:
+        return False
+    G = scales.shape[1]
+    if G == 0 or K % G or (K // G) % 32:
+        return False
+    return cdiv(G, chunk_groups(K // G)) * 8 * 16 <= SMEM_DOUBLES
+
+
+def staging_bound(rows: int, K: int) -> tuple:
+    """(limb bytes, group entries) that cover `staging_shapes` for any launch of at most `rows`
+    rows with at most K inputs and groups of at least 32 (flat buffers a backend views)."""
+    TP = cdiv(max(rows, 1), 8 * MAX_NTT) * 8 * MAX_NTT
+    return LIMBS * TP * K, TP * cdiv(K, 32)
+
+
 def needs_staging(T: int, K: int, group: int) -> bool:
     """Whether a launch of T rows uses the staging buffers (everything but the one-row kernel)."""
     return not (T == 1 and gemv_fits(K, group))
@@ -554,4 +582,5 @@ def ptx_signatures(epilogues=()):
     return sigs
 
 
-__all__ = ["matmul_exact", "ptx_signatures", "staging_shapes", "NW", "MAX_NTT", "SMEM_DOUBLES", "CHUNK_K"]
+__all__ = ["matmul_exact", "ptx_signatures", "staging_shapes", "staging_bound", "supports", "available",
+           "needs_staging", "gemv_fits", "NW", "MAX_NTT", "SMEM_DOUBLES", "CHUNK_K"]
