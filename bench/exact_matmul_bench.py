@@ -95,9 +95,9 @@ def main(argv=None) -> int:
                     for _ in range(args.reps):
                         km.matmul(out, x, q, s, z, stream=stream, norm_w=nw1, eps=1e-5)
                 r["fast_norm_us"] = graph_time_ms(stream, fast_norm, args.reps) * 1e3
-                default_r = mx.GEMV_R
+                default_r = (mx.GEMV_R, mx.GEMV_WIDE_R)
                 for R in (int(v) for v in args.gemv_r.split(",")):
-                    mx.GEMV_R = R
+                    mx.GEMV_R = mx.GEMV_WIDE_R = R
 
                     def exact_norm():
                         for _ in range(args.reps):
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
                     print(f"   gemv R={R}: plain {r[f'exact_r{R}_us']:7.1f} us (same bits {ok})  norm-fused "
                           f"{r[f'exact_norm_r{R}_us']:7.1f} us against fast norm-fused {r['fast_norm_us']:7.1f}",
                           flush=True)
-                mx.GEMV_R = default_r
+                mx.GEMV_R, mx.GEMV_WIDE_R = default_r
             if T in (1, 8) and name in ("2048x2048", "11264x2048"):
                 # accumulate, fused norm, SwiGLU epilogue: each against its unfused equivalent
                 base = rng.standard_normal((T, N), dtype=np.float32)

@@ -96,6 +96,27 @@ if not SIM:
         cuda.syncwarp()
 
     @cuda.jit(device=True)
+    def seg_max(v, width, scratch, tid):
+        """Max of v over the aligned segment of `width` lanes (a power of two <= 32) holding
+        thread tid, in every lane of it. Exact (max is exact in any order); every lane of the warp
+        must call it. `scratch` (one entry per thread) serves only the simulator's twin."""
+        o = width >> 1
+        while o > 0:
+            v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, o))
+            o >>= 1
+        return v
+
+    @cuda.jit(device=True)
+    def seg_sum(v, width, scratch, tid):
+        """Integer sum of v over the aligned segment of `width` lanes holding tid (exact for
+        integers in any order), in every lane of it; as `seg_max`."""
+        o = width >> 1
+        while o > 0:
+            v += cuda.shfl_xor_sync(FULL_MASK, v, o)
+            o >>= 1
+        return v
+
+    @cuda.jit(device=True)
     def rint64(x):
         """float64 x rounded to the nearest integer, ties to even (numpy's rint)."""
         return cuda.libdevice.rint(x)
@@ -169,6 +190,25 @@ else:  # CUDA simulator twins: same butterfly, through shared memory.
     def sync_warp():
         # the simulator has no warp barrier: callers reach this from block-uniform control flow
         cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def _seg_values(v, width, scratch, tid):
+        scratch[tid] = v
+        cuda.syncthreads()
+        base = tid - tid % width
+        vals = [scratch[base + i] for i in range(width)]
+        cuda.syncthreads()
+        return vals
+
+    @cuda.jit(device=True)
+    def seg_max(v, width, scratch, tid):
+        # (block-uniform callers: the twin's barriers are block barriers)
+        return max(_seg_values(v, width, scratch, tid))
+
+    @cuda.jit(device=True)
+    def seg_sum(v, width, scratch, tid):
+        vals = _seg_values(v, width, scratch, tid)
+        return type(v)(sum(int(a) for a in vals))
 
     @cuda.jit(device=True)
     def rint64(x):
@@ -330,4 +370,4 @@ class Epilogue(NamedTuple):
 __all__ = ["SIM", "Epilogue", "FULL_MASK", "NEG_INF", "warp_sum", "warp_max", "block_sum",
            "block_max", "block_sum_once", "block_max_once", "as_float", "as_bits", "cdiv",
            "is_device_array", "check_array", "check_workspace", "device_pointer", "no_tree",
-           "check_tree", "rint", "mul_rn", "rint64", "pow2", "sync_warp", "float32", "uint32"]
+           "check_tree", "rint", "mul_rn", "rint64", "pow2", "sync_warp", "seg_max", "seg_sum", "float32", "uint32"]

@@ -32,7 +32,7 @@ from numba import cuda, float32, float64, int32, int64, uint32, uint64
 
 from ...errors import BackendError
 from ...model.exact_matmul import CHUNK_K, LIMB_BITS, LIMBS, XBITS, chunk_groups
-from ._common import as_bits, cdiv, check_array, pow2, rint64, sync_warp, warp_max, warp_sum
+from ._common import SIM, as_bits, cdiv, check_array, pow2, rint64, seg_max, seg_sum, sync_warp, warp_max, warp_sum
 from ._dp4a import dp4a_us
 from ._mma import mma_u8s8
 from ._pdl import grid_dep_wait
@@ -55,12 +55,17 @@ _MASK = (1 << LIMB_BITS) - 1
 #: The one-row kernel (`_make_gemv`): warps per block (rmsnorm's block, whose inverse RMS the
 #: fused norm reproduces with `row_inv_rms`), weight rows per warp, elements of k per warp step
 #: (32 lanes x 32), and the most shared memory a block may take (bytes); a one-row launch that
-#: does not fit (group size not a power of two up to GEMV_STEP_K, or a long row) takes the mma
-#: kernel, which gives the same bits.
+#: does not fit (group size not a power of two up to GEMV_MAX_GROUP, or a long row) takes the mma
+#: kernel, which gives the same bits. GEMV_WIDE_R rows per warp from GEMV_WIDE_N weight rows on
+#: (fewer blocks, each staging x once; a shape rule, never a function of T).
 GEMV_NW = STAGE_NT // 32
 GEMV_R = 2
+GEMV_WIDE_R = 4
+GEMV_WIDE_N = 4096
 GEMV_STEP_K = 1024
 GEMV_SMEM = 48 * 1024
+#: Largest group of the one-row kernel: a group's staging threads (8 elements each) share a warp.
+GEMV_MAX_GROUP = 256
 
 _stage_cache = {}
 _mma_cache = {}
@@ -246,21 +251,30 @@ def _gemv_smem(nstep: int, R: int) -> int:
     return nstep * (GEMV_STEP_K * LIMBS + 32 * 12) + GEMV_NW * (per_warp + 32 * 12)
 
 
-def gemv_fits(K: int, group: int, R: int = GEMV_R) -> bool:
-    """Whether a one-row launch of a (., K) weight with this group size takes the dp4a kernel."""
-    return (32 <= group <= GEMV_STEP_K and group & (group - 1) == 0 and K % group == 0
+def gemv_rows(N: int, pair: bool = False) -> int:
+    """Rows per warp of the one-row kernel for N weight rows (even with a pair epilogue)."""
+    R = GEMV_WIDE_R if N >= GEMV_WIDE_N else GEMV_R
+    return max(2, R - R % 2) if pair else R
+
+
+def gemv_fits(K: int, group: int, R: int = 0) -> bool:
+    """Whether a one-row launch of a (., K) weight with this group size takes the dp4a kernel
+    (with R rows per warp; 0: the largest the launcher uses)."""
+    R = R or max(GEMV_R, GEMV_WIDE_R)
+    return (32 <= group <= GEMV_MAX_GROUP and group & (group - 1) == 0 and K % group == 0
             and _gemv_smem(cdiv(K, GEMV_STEP_K), R) <= GEMV_SMEM)
 
 
 def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue):
     """The one-row exact kernel with dp4a (T = 1): R rows per warp, at most NSTEP warp steps of
-    GEMV_STEP_K elements, group size GS (a power of two, 32..GEMV_STEP_K), all compile-time.
+    GEMV_STEP_K elements, group size GS (a power of two, 32..GEMV_MAX_GROUP), all compile-time.
 
-    The block stages x itself: (1) warp per group: the exponent E and the integer sum sx of the
-    group (x normed as ``(x * inv) * nw`` with the variant's norm); (2) thread per 8 elements: the
-    four 7-bit limbs of X, as words (even elements 0, 2, 4, 6 of the 8 in one word, odd ones in
-    the next: the nibble order of ``w & 0x0F0F0F0F`` and ``(w >> 4) & 0x0F0F0F0F``) laid out so
-    that lane l reads its 32 words of a step from bank l. (3) Warp w takes rows; per step lane l
+    The block stages x itself in one pass, thread per 8 elements: x (normed as ``(x * inv) * nw``
+    with the variant's norm), the group's exponent E (max over the group's GS / 8 threads, which
+    share a warp), X and its four 7-bit limbs as words (even elements 0, 2, 4, 6 of the 8 in one
+    word, odd ones in the next: the nibble order of ``w & 0x0F0F0F0F`` and ``(w >> 4) &
+    0x0F0F0F0F``) laid out so that lane l reads its 32 words of a step from bank l, and the
+    group's integer sum of X. Then warp w takes rows; per step lane l
     covers k = 1024 s + 32 l .. + 31 (16 bytes of a row), 32 dp4a per row, and V = sum of q * X
     over its 32 elements (exact int64); the GS / 32 lanes of a group add their V in shared memory
     (exact), the group's leader forms the term, and one lane per (row, chunk) adds the chunk's
@@ -268,7 +282,7 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue):
     key = (R, NSTEP, GS, norm, None if epilogue is None else epilogue.name)
     if key in _gemv_cache:
         return _gemv_cache[key]
-    assert LIMBS == 4 and LIMB_BITS == 7 and GS & (GS - 1) == 0 and 32 <= GS <= GEMV_STEP_K
+    assert LIMBS == 4 and LIMB_BITS == 7 and GS & (GS - 1) == 0 and 32 <= GS <= GEMV_MAX_GROUP
     pair = epilogue is not None
     rows_of = epilogue.rows if pair else None
     store_pair = epilogue.store if pair else None
@@ -282,6 +296,8 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue):
     XS = NSTEP * GEMV_STEP_K           # shared sizes (compile-time constants)
     GM = NSTEP * 32
     NCM = 2 * NSTEP
+    SPG = GS // 8                      # staging threads per group
+    SCR = NT if SIM else 1             # the simulator twins' segment scratch
     if pair:
         assert R % 2 == 0
 
@@ -315,35 +331,28 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue):
         tb = cuda.shared.array((NWG, R, 32), float64)
         ps = cuda.shared.array((NWG, R, NCM), float64)
         tots = cuda.shared.array((NWG, R), float64)
-        scratch = cuda.shared.array((NWG, 32), float32)
-        iscratch = cuda.shared.array((NWG, 32), int64)
+        fscratch = cuda.shared.array(SCR, float32)
+        iscratch = cuda.shared.array(SCR, int64)
         inv = float32(1.0)
         if norm:
             inv = row_inv_rms(x, 0, eps)
-        # (1) exponent and integer sum of every group
-        # (block-uniform loop: the simulator's warp reductions are block barriers)
-        for g0 in range(0, G, NWG):
-            g = g0 + warp
+        # (1) one pass, 8 elements per thread (block-uniform loop: the simulator's segment
+        # reductions are block barriers): the group's exponent E (max over the group's SPG
+        # threads), X and its four 7-bit limbs, the group's integer sum; limbs as words (module
+        # doc) in shared memory, E and the sum per group
+        xv = cuda.local.array(8, float32)
+        for it in range(0, K >> 3, NT):
+            m8 = it + tid
+            on = m8 < (K >> 3)
+            k0 = m8 * 8
             m = float32(0.0)
-            if g < G:
-                for i in range(lane, GS, 32):
-                    m = max(m, abs(xval(x, nw, inv, g * GS + i)))
-            m = warp_max(m, scratch, warp, lane)
+            for i in range(8):
+                xv[i] = xval(x, nw, inv, k0 + i) if on else float32(0.0)
+                m = max(m, abs(xv[i]))
+            m = seg_max(m, SPG, fscratch, tid)
             E = max((as_bits(m) >> 23) & 0xFF, 1) - 126
             f = pow2(XBITS - E)
             s = int64(0)
-            if g < G:
-                for i in range(lane, GS, 32):
-                    s += int64(rint64(float64(xval(x, nw, inv, g * GS + i)) * f))
-            s = warp_sum(s, iscratch, warp, lane)
-            if lane == 0 and g < G:
-                exs[g] = E
-                sxs[g] = s
-        cuda.syncthreads()
-        # (2) limbs, 8 elements per thread
-        for m8 in range(tid, K >> 3, NT):
-            k0 = m8 * 8
-            f = pow2(XBITS - exs[k0 // GS])
             base = (m8 >> 7) * 32 * 32 + ((m8 & 3) * 2) * 32 + ((m8 >> 2) & 31)
             for h in range(2):
                 l0 = int64(0)
@@ -351,7 +360,8 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue):
                 l2 = int64(0)
                 l3 = int64(0)
                 for b in range(4):
-                    rest = int64(rint64(float64(xval(x, nw, inv, k0 + 2 * b + h)) * f))
+                    rest = int64(rint64(float64(xv[2 * b + h]) * f))
+                    s += rest
                     d = ((rest + _HALF) & _MASK) - _HALF
                     l3 |= (d & 255) << (8 * b)
                     rest = (rest - d) >> LIMB_BITS
@@ -362,11 +372,16 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue):
                     l1 |= (d & 255) << (8 * b)
                     rest = (rest - d) >> LIMB_BITS
                     l0 |= (rest & 255) << (8 * b)
-                o = base + h * 32
-                xs[o] = uint32(l0)
-                xs[o + 8 * 32] = uint32(l1)
-                xs[o + 16 * 32] = uint32(l2)
-                xs[o + 24 * 32] = uint32(l3)
+                if on:
+                    o = base + h * 32
+                    xs[o] = uint32(l0)
+                    xs[o + 8 * 32] = uint32(l1)
+                    xs[o + 16 * 32] = uint32(l2)
+                    xs[o + 24 * 32] = uint32(l3)
+            s = seg_sum(s, SPG, iscratch, tid)
+            if on and m8 % SPG == 0:
+                exs[k0 // GS] = E
+                sxs[k0 // GS] = s
         cuda.syncthreads()
         # (3) the warp's rows
         row0 = (cuda.blockIdx.x * NWG + warp) * (RP if pair else R)
@@ -543,7 +558,7 @@ def matmul_exact(out, x, w, scales, zeros, limbs=None, sx=None, ex=None, accumul
         return
     nwx = norm_w if norm else x[0]
     if not staged:
-        R = GEMV_R if epilogue is None else max(2, GEMV_R - GEMV_R % 2)
+        R = gemv_rows(N, epilogue is not None)
         per_block = GEMV_NW * (R // 2 if epilogue is not None else R)
         units = N // 2 if epilogue is not None else N
         _make_gemv(R, cdiv(K, GEMV_STEP_K), group, norm, epilogue)[cdiv(units, per_block), GEMV_NW * 32, stream](
@@ -573,7 +588,7 @@ def ptx_signatures(epilogues=()):
         sigs.append((f"matmul_exact_mma{tag}_{NTT}_{NCH}", _make_mma(NTT, NCH, epi).py_func, f"void({head}, {es})"))
     ghead = ("float32[:, ::1], uint64[:, ::1], uint16[:, ::1], uint8[:, ::1], float32[:, ::1], float32[::1], "
              "float32, int64, int64")
-    for NSTEP, GS, norm, epi in [(2, 128, False, None), (2, 64, True, None), (6, 32, True, None), (1, 1024, False, None)] + \
+    for NSTEP, GS, norm, epi in [(2, 128, False, None), (2, 64, True, None), (6, 32, True, None), (1, 256, False, None)] + \
             [(2, 128, True, e) for e in epilogues]:
         es = "UniTuple(int64, 1)" if epi is None else epi.sig
         tag = ("_norm" if norm else "") + ("" if epi is None else f"_{epi.name}")
