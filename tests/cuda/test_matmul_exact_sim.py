@@ -49,7 +49,7 @@ def row(K, seed=1):
 
 @pytest.mark.parametrize("N,K,group", [(20, 64, 32), (24, 1536, 64), (18, 1024, 256), (16, 1280, 128)])
 def test_one_row_kernel_equals_reference(N, K, group):
-    assert mx.gemv_fits(K, group) and not mx.needs_staging(1, K, group)
+    assert mx.gemv_fits(K, group) and not mx.needs_staging(1, K, group, N)
     parts, codes, (q, s, z) = weight(N, K, group)
     x = row(K)
     out = D(np.full((1, N), np.nan, np.float32))
@@ -84,7 +84,8 @@ def test_which_launches_need_staging():
     assert not mx.gemv_fits(2048, 96)              # not a power of two: the mma kernel serves it
     assert not mx.gemv_fits(4096, 512)             # a group longer than a warp's staging
     assert not mx.gemv_fits(17920, 128)            # x's limbs do not fit a block's shared memory
-    assert mx.needs_staging(2, 2048, 128) and mx.needs_staging(1, 2048, 96)
+    assert mx.needs_staging(2, 2048, 128, 64) and mx.needs_staging(1, 2048, 96, 64)
+    assert not mx.needs_staging(1, 5632, 128, 2048) and mx.needs_staging(1, 5632, 128, 8192)   # 4 rows a warp: too much shared memory
     parts, codes, (q, s, z) = weight(16, 192, 96)
     with pytest.raises(BackendError, match="staging buffers"):
         mx.matmul_exact(D(np.zeros((1, 16), np.float32)), D(row(192)), q, s, z)

@@ -317,8 +317,10 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         self._glu = k_swiglu.glu_epilogue(cfg.d_ff)
         # q4 matmuls on the exact integer numerics (kernels/matmul_exact.py: dp4a at one row,
         # tensor cores beyond); the simulator has no tensor cores
-        self.exact = (env_switch("TINYLOOP_CUDA_EXACT") and not numba.config.ENABLE_CUDASIM
-                      and k_exact.available())
+        # (opt-in: TINYLOOP_CUDA_EXACT=1; faster lockstep lanes, verify rows and prefill, slower
+        # one-row decode today, docs/KERNELS.md)
+        self.exact = (os.environ.get("TINYLOOP_CUDA_EXACT", "0") not in ("", "0", "false", "no")
+                      and not numba.config.ENABLE_CUDASIM and k_exact.available())
         self._stage_views = {}
         self.profile = os.environ.get("TINYLOOP_CUDA_PROFILE", "") not in ("", "0")
         self.graph_launches = 0
@@ -1068,7 +1070,8 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         eps = 0.0 if norm_w is None else self.cfg.norm_eps
         if self.exact and k_exact.supports(W.w, W.scales, K):
             group = K // W.scales.shape[1]
-            stage = self._staging(T, K, group) if k_exact.needs_staging(T, K, group) else (None, None, None)
+            staged = k_exact.needs_staging(T, K, group, W.w.shape[0], epilogue is not None)
+            stage = self._staging(T, K, group) if staged else (None, None, None)
             k_exact.matmul_exact(out, x, W.w, W.scales, W.zeros, *stage, accumulate=accumulate,
                                  stream=self.stream, norm_w=norm_w, eps=eps, epilogue=epilogue)
         else:

@@ -504,9 +504,10 @@ def staging_bound(rows: int, K: int) -> tuple:
     return LIMBS * TP * K, TP * cdiv(K, 32)
 
 
-def needs_staging(T: int, K: int, group: int) -> bool:
-    """Whether a launch of T rows uses the staging buffers (everything but the one-row kernel)."""
-    return not (T == 1 and gemv_fits(K, group))
+def needs_staging(T: int, K: int, group: int, N: int, pair: bool = False) -> bool:
+    """Whether a launch of T rows of an (N, K) weight uses the staging buffers (everything but the
+    one-row kernel; `pair`: with a pair epilogue)."""
+    return not (T == 1 and gemv_fits(K, group, gemv_rows(N, pair)))
 
 
 def matmul_exact(out, x, w, scales, zeros, limbs=None, sx=None, ex=None, accumulate=False, stream=0,
@@ -533,7 +534,7 @@ def matmul_exact(out, x, w, scales, zeros, limbs=None, sx=None, ex=None, accumul
     group = K // G
     norm = norm_w is not None
     eps = norm_args(op, norm_w, eps, K)
-    staged = needs_staging(T, K, group)
+    staged = needs_staging(T, K, group, N, epilogue is not None)
     if staged:
         ls, ss, es = staging_shapes(T, K, group)
         if limbs is None or sx is None or ex is None:
