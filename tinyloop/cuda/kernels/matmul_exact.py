@@ -1,8 +1,11 @@
-"""The exact integer matmul on tensor cores (numerics: tinyloop/model/exact_matmul.py).
+"""The exact integer matmul: tensor cores for many rows, dp4a for one (numerics:
+tinyloop/model/exact_matmul.py).
 
 ``out[t, n] (+)= sum_k x[t, k] * W[n, k]`` for q4 weights (group size a multiple of 32), with
 the result defined by the exact integer numerics, so any row count, grid or warp split gives the
-same bits, and so does the numpy reference. Two launches:
+same bits, and so does the numpy reference. A one-row launch whose group size is a power of two
+up to GEMV_MAX_GROUP (and whose x fits a block's shared memory) is one launch of the dp4a kernel
+(`_make_gemv`: x staged inside every block); every other launch is two:
 
 * ``stage`` (one warp per (token row, group), 8 groups per 256-thread block): optionally the
   RMS norm (``(x * inv) * norm_w``, inv in the rmsnorm kernel's order, `rmsnorm.row_inv_rms`),
