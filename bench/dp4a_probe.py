@@ -63,35 +63,12 @@ CONFIGS = ((1, 4, False), (2, 4, False), (4, 4, False), (2, 8, False), (1, 4, Tr
            (2, 8, True))
 
 # ----------------------------------------------------------------------------- dp4a
-if config.ENABLE_CUDASIM:
-    def dp4a_us(a, b, c):
-        """Simulator twin: c + sum_i ubyte_i(a) * sbyte_i(b) (int32)."""
-        a, b = int(a) & 0xFFFFFFFF, int(b) & 0xFFFFFFFF
-        s = int(c)
-        for i in range(4):
-            ub = (a >> (8 * i)) & 255
-            sb = (b >> (8 * i)) & 255
-            s += ub * (sb - 256 if sb > 127 else sb)
-        return np.int32(s)
+from tinyloop.cuda.kernels._dp4a import dp4a_us  # noqa: E402  (the package's intrinsic and twin)
 
+if config.ENABLE_CUDASIM:
     def ldg4(arr, idx):
         return arr[idx], arr[idx + 1], arr[idx + 2], arr[idx + 3]
 else:
-    from llvmlite import ir
-    from numba.cuda.extending import intrinsic
-
-    _I32 = ir.IntType(32)
-
-    def _dp4a_codegen(context, builder, sig, args):
-        vals = [context.cast(builder, v, t, types.int32) for v, t in zip(args, sig.args)]
-        fnty = ir.FunctionType(_I32, [_I32] * 3)
-        return builder.call(ir.InlineAsm(fnty, "dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r"), vals)
-
-    @intrinsic
-    def dp4a_us(typingctx, a, b, c):
-        """c + sum of the 4 products unsigned byte of a x signed byte of b (int32)."""
-        return types.int32(a, b, c), _dp4a_codegen
-
     ldg4 = ip.ldg4
 
 
