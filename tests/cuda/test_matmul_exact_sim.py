@@ -85,7 +85,7 @@ def test_which_launches_need_staging():
     assert not mx.gemv_fits(4096, 512)             # a group longer than a warp's staging
     assert not mx.gemv_fits(17920, 128)            # x's limbs do not fit a block's shared memory
     assert mx.needs_staging(2, 2048, 128, 64) and mx.needs_staging(1, 2048, 96, 64)
-    assert not mx.needs_staging(1, 5632, 128, 2048) and mx.needs_staging(1, 5632, 128, 8192)   # 4 rows a warp: too much shared memory
+    assert not mx.needs_staging(1, 8192, 128, 2048) and mx.needs_staging(1, 8192, 128, 8192)   # 4 rows a warp: too much shared memory
     parts, codes, (q, s, z) = weight(16, 192, 96)
     with pytest.raises(BackendError, match="staging buffers"):
         mx.matmul_exact(D(np.zeros((1, 16), np.float32)), D(row(192)), q, s, z)

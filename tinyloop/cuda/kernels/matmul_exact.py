@@ -250,7 +250,7 @@ def _make_mma(NTT: int, NCH: int, epilogue):
 
 def _gemv_smem(nstep: int, R: int) -> int:
     """Shared bytes of a one-row block with `nstep` warp steps and R rows per warp."""
-    per_warp = R * (32 * 8 * 2 + 2 * nstep * 8 + 8)
+    per_warp = R * (32 * 8 + 2 * nstep * 8 + 8)
     return nstep * (GEMV_STEP_K * LIMBS + 32 * 12) + GEMV_NW * (per_warp + 32 * 12)
 
 
@@ -279,8 +279,8 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue):
     0x0F0F0F0F``) laid out so that lane l reads its 32 words of a step from bank l, and the
     group's integer sum of X. Then warp w takes rows; per step lane l
     covers k = 1024 s + 32 l .. + 31 (16 bytes of a row), 32 dp4a per row, and V = sum of q * X
-    over its 32 elements (exact int64); the GS / 32 lanes of a group add their V in shared memory
-    (exact), the group's leader forms the term, and one lane per (row, chunk) adds the chunk's
+    over its 32 elements (exact int64); the GS / 32 lanes of a group add their V by shuffles
+    (`seg_sum`, exact), the group's leader forms the term, and one lane per (row, chunk) adds the chunk's
     terms in group order; after the last step lane r adds row r's chunks in order."""
     key = (R, NSTEP, GS, norm, None if epilogue is None else epilogue.name)
     if key in _gemv_cache:
@@ -330,7 +330,6 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue):
         xs = cuda.shared.array(XS, uint32)
         exs = cuda.shared.array(GM, int32)
         sxs = cuda.shared.array(GM, int64)
-        vs = cuda.shared.array((NWG, R, 32), int64)
         tb = cuda.shared.array((NWG, R, 32), float64)
         ps = cuda.shared.array((NWG, R, NCM), float64)
         tots = cuda.shared.array((NWG, R), float64)
@@ -417,15 +416,11 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue):
                             a2 = dp4a_us(hi, xr[16 + j * 2 + 1], a2)
                             a3 = dp4a_us(lo, xr[24 + j * 2], a3)
                             a3 = dp4a_us(hi, xr[24 + j * 2 + 1], a3)
-                vs[warp, r, lane] = (int64(a0) << 21) + (int64(a1) << 14) + (int64(a2) << 7) + int64(a3)
-            sync_warp()
-            g = st * GPS + lane // W
-            if lane % W == 0 and g < G:
-                for r in range(R):
-                    row = row_of(ep, row0, r, N)
-                    V = int64(0)
-                    for i in range(W):
-                        V += vs[warp, r, lane + i]
+                # the group's W lanes add their sums (integers: exact in any order)
+                V = seg_sum((int64(a0) << 21) + (int64(a1) << 14) + (int64(a2) << 7) + int64(a3), W,
+                            iscratch, tid)
+                g = st * GPS + lane // W
+                if lane % W == 0 and g < G:
                     bits = int32(sbits[row, g])
                     eb = (bits >> 10) & 0x1F
                     sm = int64(bits & 0x3FF)
