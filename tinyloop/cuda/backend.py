@@ -316,9 +316,9 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         self.pdl = self.use_graphs and env_switch("TINYLOOP_CUDA_PDL") and k_pdl.enabled()
         self._glu = k_swiglu.glu_epilogue(cfg.d_ff)
         # q4 matmuls on the exact integer numerics (kernels/matmul_exact.py: dp4a at one row,
-        # tensor cores beyond); the simulator has no tensor cores
-        # (opt-in: TINYLOOP_CUDA_EXACT=1; faster lockstep lanes, verify rows and prefill, slower
-        # one-row decode today, docs/KERNELS.md)
+        # tensor cores beyond), opt-in with TINYLOOP_CUDA_EXACT=1: faster lockstep lanes, verify
+        # rows and prefill, slower one-row decode today (docs/BENCHMARKS.md); the simulator has
+        # no tensor cores
         self.exact = (os.environ.get("TINYLOOP_CUDA_EXACT", "0") not in ("", "0", "false", "no")
                       and not numba.config.ENABLE_CUDASIM and k_exact.available())
         self._stage_views = {}
