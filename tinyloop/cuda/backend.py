@@ -103,6 +103,13 @@ MAX_TOPK = 16
 FUSED_WEIGHTS = (("wqkv", ("wq", "wk", "wv")), ("wgu", ("w_gate", "w_up")))
 
 
+def exact_requested() -> bool:
+    """TINYLOOP_CUDA_EXACT=1 (opt-in) outside the simulator: q4 matmuls on the exact kernels
+    where the device has integer tensor cores (`CUDABackend.exact`)."""
+    return (os.environ.get("TINYLOOP_CUDA_EXACT", "0") not in ("", "0", "false", "no")
+            and not numba.config.ENABLE_CUDASIM)
+
+
 def round_slots(n_slots: int, window: int = 0) -> int:
     """Cache slots alloc_cache allocates for a request of n_slots: a power of two >= 128 (requests
     of similar length then share caches, and with them the captured graphs); a ring (window > 0)
@@ -319,8 +326,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         # tensor cores beyond), opt-in with TINYLOOP_CUDA_EXACT=1: faster lockstep lanes, verify
         # rows and prefill, slower one-row decode today (docs/BENCHMARKS.md); the simulator has
         # no tensor cores
-        self.exact = (os.environ.get("TINYLOOP_CUDA_EXACT", "0") not in ("", "0", "false", "no")
-                      and not numba.config.ENABLE_CUDASIM and k_exact.available())
+        self.exact = exact_requested() and k_exact.available()
         self._stage_views = {}
         self.profile = os.environ.get("TINYLOOP_CUDA_PROFILE", "") not in ("", "0")
         self.graph_launches = 0
@@ -464,7 +470,9 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
                    att_count=(k_attention.counter_shape(rows, c.n_heads), i32))
         # the exact matmul's staging of many-row launches (kernels/matmul_exact.py): limbs, group
         # sums and exponents for rows rounded up to the token block, the widest matmul input
-        kx, gx = k_exact.staging_bound(rows, max(2 * c.d_model, c.q_dim, c.d_ff))
+        # (empty unless TINYLOOP_CUDA_EXACT asks for the exact kernels)
+        kx, gx = (k_exact.staging_bound(rows, max(2 * c.d_model, c.q_dim, c.d_ff)) if exact_requested()
+                  else (0, 0))
         out.update(xlimbs=((kx,), np.uint8), xsx=((gx,), np.int64), xex=((gx,), i32))
         # split argmax: per-slice candidates and per-row arrival counters
         av, ai, ac = k_argmax.work_shapes(rows)
