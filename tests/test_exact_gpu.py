@@ -49,7 +49,7 @@ def demo():
     tl.free_model(gpu)
 
 
-def test_switch_selects_the_exact_kernels(demo, tmp_path):
+def test_switch_selects_the_exact_kernels(demo):
     from tinyloop.cuda.kernels import matmul_exact as mx
     _, gpu = demo
     assert gpu.backend.exact

@@ -75,6 +75,36 @@ _mma_cache = {}
 _gemv_cache = {}
 
 
+def _groups_ok(K: int, G: int) -> bool:
+    """K inputs in G groups whose size is a multiple of 32 (the kernels' step)."""
+    return G > 0 and K % G == 0 and (K // G) % 32 == 0
+
+
+@cuda.jit(device=True)
+def _group_exponent(m):
+    """E of a group whose largest |x| is the float32 m (step 1 of the numerics: m < 2^E)."""
+    return max((as_bits(m) >> 23) & 0xFF, 1) - 126
+
+
+@cuda.jit(device=True)
+def _limb(rest):
+    """(the lowest signed 7-bit digit of the integer rest, the rest above it)."""
+    d = ((rest + _HALF) & _MASK) - _HALF
+    return d, (rest - d) >> LIMB_BITS
+
+
+@cuda.jit(device=True)
+def _group_term(V, bits, E):
+    """A group's float64 term (step 4): the exact sum V (zero point applied) times the float16
+    scale with bits `bits` (``sm * 2^es``), times 2^(E - XBITS)."""
+    b = int32(bits)
+    eb = (b >> 10) & 0x1F
+    sm = int64(b & 0x3FF)
+    if eb > 0:
+        sm += 1024
+    return float64(V * sm) * pow2(max(eb, 1) - 25 + E - XBITS)
+
+
 def _make_stage(norm: bool):
     if norm in _stage_cache:
         return _stage_cache[norm]
@@ -112,21 +142,19 @@ def _make_stage(norm: bool):
             v = xval(x, nw, inv, t, k)
             m = max(m, abs(v))
         m = warp_max(m, scratch, warp, lane)
-        eb = (cuda.libdevice.float_as_int(m) >> 23) & 0xFF
-        E = max(eb, 1) - 126
-        f = cuda.libdevice.ldexp(1.0, int32(XBITS - E))
+        E = _group_exponent(m)
+        f = pow2(XBITS - E)
         s = int64(0)
         for i in range(lane, gs, 32):
             k = g * gs + i
             v = xval(x, nw, inv, t, k)
-            X = int64(cuda.libdevice.rint(float64(v) * f))
+            X = int64(rint64(float64(v) * f))
             s += X
             pos = (k & ~7) + ((k & 7) >> 1) + (k & 1) * 4
             rest = X
             for j in range(LIMBS - 1, 0, -1):
-                d = ((rest + _HALF) & _MASK) - _HALF
+                d, rest = _limb(rest)
                 limbs8[j, t, pos] = uint32(d) & uint32(0xFF)
-                rest = (rest - d) >> LIMB_BITS
             limbs8[0, t, pos] = uint32(rest) & uint32(0xFF)
         s = warp_sum(s, iscratch, warp, lane)          # integers: exact in any order
         if lane == 0:
@@ -196,12 +224,7 @@ def _make_mma(NTT: int, NCH: int, epilogue):
                             ia[b + 3] = d[3]
                 for h in range(2):
                     r = ra if h == 0 else rb
-                    bits = int32(sbits[r, g])
-                    eb = (bits >> 10) & 0x1F
-                    sm = int64(bits & 0x3FF)
-                    if eb > 0:
-                        sm += 1024
-                    es = max(eb, 1) - 25
+                    bits = sbits[r, g]
                     z = int64(zeros[r, g])
                     for tt in range(NTT):
                         for cc in range(2):
@@ -211,8 +234,7 @@ def _make_mma(NTT: int, NCH: int, epilogue):
                             for L in range(LIMBS):
                                 V += int64(ia[(L * NTT + tt) * 4 + idx]) << (LIMB_BITS * (LIMBS - 1 - L))
                             V -= z * sx[tok, g]
-                            acc[tt * 4 + idx] += float64(V * sm) * cuda.libdevice.ldexp(
-                                1.0, int32(es + ex[tok, g] - XBITS))
+                            acc[tt * 4 + idx] += _group_term(V, bits, ex[tok, g])
             for tt in range(NTT):
                 for idx in range(4):
                     part[c, tt * 8 + tig * 2 + (idx & 1), gid + 8 * (idx >> 1)] = acc[tt * 4 + idx]
@@ -352,7 +374,7 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue):
                 xv[i] = xval(x, nw, inv, k0 + i) if on else float32(0.0)
                 m = max(m, abs(xv[i]))
             m = seg_max(m, SPG, fscratch, tid)
-            E = max((as_bits(m) >> 23) & 0xFF, 1) - 126
+            E = _group_exponent(m)
             f = pow2(XBITS - E)
             s = int64(0)
             base = (m8 >> 7) * 32 * 32 + ((m8 & 3) * 2) * 32 + ((m8 >> 2) & 31)
@@ -364,15 +386,12 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue):
                 for b in range(4):
                     rest = int64(rint64(float64(xv[2 * b + h]) * f))
                     s += rest
-                    d = ((rest + _HALF) & _MASK) - _HALF
+                    d, rest = _limb(rest)
                     l3 |= (d & 255) << (8 * b)
-                    rest = (rest - d) >> LIMB_BITS
-                    d = ((rest + _HALF) & _MASK) - _HALF
+                    d, rest = _limb(rest)
                     l2 |= (d & 255) << (8 * b)
-                    rest = (rest - d) >> LIMB_BITS
-                    d = ((rest + _HALF) & _MASK) - _HALF
+                    d, rest = _limb(rest)
                     l1 |= (d & 255) << (8 * b)
-                    rest = (rest - d) >> LIMB_BITS
                     l0 |= (rest & 255) << (8 * b)
                 if on:
                     o = base + h * 32
@@ -385,7 +404,7 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue):
                 exs[k0 // GS] = E
                 sxs[k0 // GS] = s
         cuda.syncthreads()
-        # (3) the warp's rows
+        # (2) the warp's rows
         row0 = (cuda.blockIdx.x * NWG + warp) * (RP if pair else R)
         xr = cuda.local.array(32, uint32)
         nsteps = (K + GEMV_STEP_K - 1) // GEMV_STEP_K
@@ -421,13 +440,8 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue):
                             iscratch, tid)
                 g = st * GPS + lane // W
                 if lane % W == 0 and g < G:
-                    bits = int32(sbits[row, g])
-                    eb = (bits >> 10) & 0x1F
-                    sm = int64(bits & 0x3FF)
-                    if eb > 0:
-                        sm += 1024
                     V -= int64(zeros[row, g]) * sxs[g]
-                    tb[warp, r, lane // W] = float64(V * sm) * pow2(max(eb, 1) - 25 + exs[g] - XBITS)
+                    tb[warp, r, lane // W] = _group_term(V, sbits[row, g], exs[g])
             sync_warp()
             if lane < R * CPS:
                 r = lane // CPS
@@ -490,7 +504,7 @@ def supports(w, scales, K: int) -> bool:
     if scales is None or w.dtype != np.uint8 or w.ndim != 2 or 2 * w.shape[1] != K:
         return False
     G = scales.shape[1]
-    if G == 0 or K % G or (K // G) % 32:
+    if not _groups_ok(K, G):
         return False
     return cdiv(G, chunk_groups(K // G)) * 8 * 16 <= SMEM_DOUBLES
 
@@ -526,7 +540,7 @@ def matmul_exact(out, x, w, scales, zeros, limbs=None, sx=None, ex=None, accumul
     G = scales.shape[1]
     check_array(op, "w", w, np.uint8, 2, (N, K // 2))
     check_array(op, "zeros", zeros, np.uint8, 2, (N, G))
-    if G == 0 or K % G or (K // G) % 32 or K % 2:
+    if not _groups_ok(K, G):
         raise BackendError(f"{op}: in_features={K} with {G} groups: the group size must be a "
                            f"multiple of 32")
     group = K // G
