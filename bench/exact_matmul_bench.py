@@ -4,9 +4,10 @@
 error of both against float64, time of both inside captured graphs, same process. One-row
 launches take the exact matmul's dp4a kernel: `--gemv-r` times it for several rows per warp
 (GEMV_R), plain and with the fused RMS norm (the decode step's form for q|k|v, gate|up and the
-head).
+head); `--mma-nw` times the tensor-core kernel at T > 1 for several MMA_MAX_NW.
 
-    python bench/exact_matmul_bench.py [--rows 1,2,8,32,128] [--gemv-r 1,2,4] [--json out.json]
+    python bench/exact_matmul_bench.py [--rows 1,2,8,32,128] [--gemv-r 1,2,4] [--mma-nw 4,8,12]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--gemv-r", default="", help="rows per warp of the one-row kernel to time at T = 1")
+    ap.add_argument("--mma-nw", default="",
+                    help="most warps per tensor-core block (MMA_MAX_NW) to time at T > 1")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     rows = [int(t) for t in args.rows.split(",")]
@@ -88,6 +91,14 @@ def main(argv=None) -> int:
             results.append(r)
             print(f"{name:11} T={T:<4} fast {us_fast:8.1f} us  exact {us_exact:8.1f} us  x{us_fast / us_exact:5.2f}  "
                   f"bits={same}  err fast {r['err_fast']:.1e} exact {r['err_exact']:.1e}", flush=True)
+            if T > 1 and args.mma_nw:
+                default_nw = mx.MMA_MAX_NW
+                for nwv in (int(v) for v in args.mma_nw.split(",")):
+                    mx.MMA_MAX_NW = nwv
+                    r[f"exact_nw{nwv}_us"] = graph_time_ms(stream, exact, args.reps) * 1e3
+                    ok = bool(np.array_equal(out.copy_to_host(), got))
+                    print(f"   mma MMA_MAX_NW={nwv}: {r[f'exact_nw{nwv}_us']:7.1f} us (same bits {ok})", flush=True)
+                mx.MMA_MAX_NW = default_nw
             if T == 1 and args.gemv_r:
                 nw1 = cuda.to_device(rng.uniform(0.5, 1.5, K).astype(np.float32))
 

@@ -48,7 +48,10 @@ def inputs(T, K, seed=1):
     return x
 
 
-@pytest.mark.parametrize("N,K,group", [(64, 256, 64), (48, 1024, 128), (32, 2560, 32), (16, 5632, 128)])
+# group sizes whose lane words are 8-byte loads (64, 128, 256) and 4-byte ones (32, 96); more
+# chunks than a block has warps (16384: 32 chunks over 11 warps)
+@pytest.mark.parametrize("N,K,group", [(64, 256, 64), (48, 1024, 128), (32, 2560, 32), (16, 5632, 128),
+                                       (40, 960, 96), (24, 2048, 256), (20, 16384, 128)])
 @pytest.mark.parametrize("T", [1, 3, 8, 9, 33, 70])
 def test_equals_reference_bit_for_bit(N, K, group, T):
     parts, codes, (q, s, z) = weight(N, K, group)

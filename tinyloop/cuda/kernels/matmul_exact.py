@@ -14,12 +14,15 @@ up to GEMV_MAX_GROUP (and whose x fits a block's shared memory) is one launch of
   ``sx[t, g] = sum X`` (int64 butterfly, exact). Within every 8 elements the limbs are stored in
   the order k = 0, 2, 4, 6, 1, 3, 5, 7, so one 8-byte load gives a lane both B registers of an
   mma step, matching the even / odd nibbles of its 4-byte weight word.
-* ``mma`` (block = one tile of 16 weight rows, or 8 row pairs with an epilogue, x NW warps;
-  grid.y = token blocks of 8 * NTT rows): warp w takes chunks w, w + NW, ... (CHUNK_K elements of
-  k each); per group, per 32 elements of k, lane (gid, tig) loads the 4-byte weight word of rows
-  gid and gid + 8 at k0 + 8 tig, splits it into even and odd nibbles (A registers) and issues one
-  ``mma_u8s8`` per limb and token tile: exact int32 group sums of q * limb. The group's term
-  ``float64(V * sm) * 2^(es + E - XBITS)`` (V = sum over limbs of a_l * 2^(7 (3 - l)) - zero *
+* ``mma`` (block = one tile of 16 weight rows, or 8 row pairs with an epilogue, x `mma_warps`
+  warps, one per chunk up to MMA_MAX_NW; grid.y = token blocks of 8 * NTT rows): warp w takes
+  chunks w, w + NWB, ... (CHUNK_K elements of k each); per group of GS elements, lane (gid, tig)
+  holds the GS / 32 contiguous 4-byte weight words tig * GS / 32 .. of the group in rows gid and
+  gid + 8 (8-byte loads where the count is even; the next group's words are requested before
+  this group's products), and per word s splits it into even and odd nibbles (A registers) and
+  issues one ``mma_u8s8`` per limb and token tile with the limbs of the same 8 elements: exact
+  int32 group sums of q * limb (which word rides in which k-slot does not matter to a sum). The
+  group's term ``float64(V * sm) * 2^(es + E - XBITS)`` (V = sum over limbs of a_l * 2^(7 (3 - l)) - zero *
   sx) is added to the chunk partial; partials go to shared memory, and after a barrier each
   output adds its chunk partials in chunk order, rounds once to float32 and stores it (adding in
   float64 to the old value when accumulating), or hands the pair to the epilogue.
@@ -43,8 +46,8 @@ from .rmsnorm import NT as STAGE_NT
 from .matmul import epilogue_args, norm_args
 from .rmsnorm import row_inv_rms
 
-#: Warps per mma block.
-NW = 4
+#: Most warps per tensor-core block (`mma_warps`: one chunk of k per warp up to this many chunks).
+MMA_MAX_NW = 12
 #: Largest number of float64 chunk partials a block keeps in shared memory (48 KB).
 SMEM_DOUBLES = 6144
 #: Token tiles of 8 rows per block, at most.
@@ -165,8 +168,14 @@ def _make_stage(norm: bool):
     return stage
 
 
-def _make_mma(NTT: int, NCH: int, epilogue):
-    key = (NTT, NCH, None if epilogue is None else epilogue.name)
+def mma_warps(nch: int) -> int:
+    """Warps of a tensor-core block for `nch` chunks: one chunk each up to MMA_MAX_NW chunks, then
+    the chunks spread evenly (a shape rule: K and the group size only)."""
+    return cdiv(nch, cdiv(nch, MMA_MAX_NW))
+
+
+def _make_mma(NTT: int, NCH: int, GS: int, NWB: int, epilogue):
+    key = (NTT, NCH, GS, NWB, None if epilogue is None else epilogue.name)
     if key in _mma_cache:
         return _mma_cache[key]
     pair = epilogue is not None
@@ -175,10 +184,30 @@ def _make_mma(NTT: int, NCH: int, epilogue):
     TOK = 8 * NTT
     NACC = NTT * 4
     NIA = LIMBS * NTT * 4
-    NTHREADS = NW * 32
+    NTHREADS = NWB * 32
+    SPG = GS // 32                     # mma steps per group = weight words per lane and row
+    WPG = GS // 8                      # 4-byte weight words per group and row
+    V64 = SPG % 2 == 0                 # a lane's words of a group as 8-byte loads
+
+    @cuda.jit(device=True, forceinline=True)
+    def load_group(wa, wb, w32, w64, ra, rb, g, tig):
+        """Lane tig's SPG contiguous weight words of group g, rows ra and rb."""
+        base = g * WPG + tig * SPG
+        if V64:
+            for j in range(SPG // 2):
+                ua = w64[ra, (base >> 1) + j]
+                ub = w64[rb, (base >> 1) + j]
+                wa[2 * j] = uint32(ua & _LO)
+                wa[2 * j + 1] = uint32(ua >> uint64(32))
+                wb[2 * j] = uint32(ub & _LO)
+                wb[2 * j + 1] = uint32(ub >> uint64(32))
+        else:
+            for j in range(SPG):
+                wa[j] = w32[ra, base + j]
+                wb[j] = w32[rb, base + j]
 
     @cuda.jit
-    def mma(out, w32, sbits, zeros, limbs64, sx, ex, T, N, gs, cg, nch, acc_flag, ep):
+    def mma(out, w32, w64, sbits, zeros, limbs64, sx, ex, T, N, cg, nch, acc_flag, ep):
         grid_dep_wait()
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -197,16 +226,29 @@ def _make_mma(NTT: int, NCH: int, epilogue):
         part = cuda.shared.array((NCH, TOK, 16), float64)
         acc = cuda.local.array(NACC, float64)
         ia = cuda.local.array(NIA, int32)
-        for c in range(warp, nch, NW):
+        wa = cuda.local.array(SPG, uint32)
+        wb = cuda.local.array(SPG, uint32)
+        na = cuda.local.array(SPG, uint32)
+        nb = cuda.local.array(SPG, uint32)
+        if warp < nch:
+            load_group(wa, wb, w32, w64, ra, rb, warp * cg, tig)
+        for c in range(warp, nch, NWB):
             for i in range(NACC):
                 acc[i] = 0.0
-            for g in range(c * cg, min(G, c * cg + cg)):
+            g1 = min(G, c * cg + cg)
+            for g in range(c * cg, g1):
+                # the next group's weight words (the warp's next chunk after its last group)
+                # are requested before this group's products
+                gn = g + 1 if g + 1 < g1 else (c + NWB) * cg
+                if gn < G:
+                    load_group(na, nb, w32, w64, ra, rb, gn, tig)
                 for i in range(NIA):
                     ia[i] = int32(0)
-                for s in range(gs >> 5):
-                    wi = ((g * gs + s * 32) >> 3) + tig
-                    u0 = w32[ra, wi]
-                    u1 = w32[rb, wi]
+                for s in range(SPG):
+                    # lane tig's word s of the group: the limbs of the same 8 elements
+                    wi = g * WPG + tig * SPG + s
+                    u0 = wa[s]
+                    u1 = wb[s]
                     a0 = uint32(u0 & _M)
                     a2 = uint32((u0 >> uint32(4)) & _M)
                     a1 = uint32(u1 & _M)
@@ -235,6 +277,9 @@ def _make_mma(NTT: int, NCH: int, epilogue):
                                 V += int64(ia[(L * NTT + tt) * 4 + idx]) << (LIMB_BITS * (LIMBS - 1 - L))
                             V -= z * sx[tok, g]
                             acc[tt * 4 + idx] += _group_term(V, bits, ex[tok, g])
+                for j in range(SPG):
+                    wa[j] = na[j]
+                    wb[j] = nb[j]
             for tt in range(NTT):
                 for idx in range(4):
                     part[c, tt * 8 + tig * 2 + (idx & 1), gid + 8 * (idx >> 1)] = acc[tt * 4 + idx]
@@ -318,6 +363,7 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue):
     CG = chunk_groups(GS)
     CPS = max(1, GPS // CG)            # chunks per step (steps start on chunk boundaries)
     RP = R // 2
+    R2 = 2 * R                         # a lane's weight words of a step
     XS = NSTEP * GEMV_STEP_K           # shared sizes (compile-time constants)
     GM = NSTEP * 32
     NCM = 2 * NSTEP
@@ -357,6 +403,15 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue):
         tots = cuda.shared.array((NWG, R), float64)
         fscratch = cuda.shared.array(SCR, float32)
         iscratch = cuda.shared.array(SCR, int64)
+        # the warp's rows' weight words of the first step are requested before the staging pass
+        # (weights are no kernel's output: their loads overlap the staging)
+        row0 = (cuda.blockIdx.x * NWG + warp) * (RP if pair else R)
+        wc = cuda.local.array(R2, uint64)
+        wn = cuda.local.array(R2, uint64)
+        for r in range(R):
+            row = row_of(ep, row0, r, N)
+            for hw in range(2):
+                wc[2 * r + hw] = w64[row, (lane * 32 >> 4) + hw] if lane * 32 < K else uint64(0)
         inv = float32(1.0)
         if norm:
             inv = row_inv_rms(x, 0, eps)
@@ -404,24 +459,28 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue):
                 exs[k0 // GS] = E
                 sxs[k0 // GS] = s
         cuda.syncthreads()
-        # (2) the warp's rows
-        row0 = (cuda.blockIdx.x * NWG + warp) * (RP if pair else R)
+        # (2) the warp's rows; each step requests the next step's weight words first
         xr = cuda.local.array(32, uint32)
         nsteps = (K + GEMV_STEP_K - 1) // GEMV_STEP_K
         for st in range(nsteps):
             kl = st * GEMV_STEP_K + lane * 32
             on = kl < K
+            kn = kl + GEMV_STEP_K
+            if st + 1 < nsteps:
+                for r in range(R):
+                    row = row_of(ep, row0, r, N)
+                    for hw in range(2):
+                        wn[2 * r + hw] = w64[row, (kn >> 4) + hw] if kn < K else uint64(0)
             for i in range(32):
                 xr[i] = xs[(st * 32 + i) * 32 + lane]
             for r in range(R):
-                row = row_of(ep, row0, r, N)
                 a0 = int32(0)
                 a1 = int32(0)
                 a2 = int32(0)
                 a3 = int32(0)
                 if on:
                     for hw in range(2):
-                        u = w64[row, (kl >> 4) + hw]
+                        u = wc[2 * r + hw]
                         for q in range(2):
                             wd = uint32((u >> uint64(32 * q)) & _LO)
                             lo = uint32(wd & _M)
@@ -440,6 +499,7 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue):
                             iscratch, tid)
                 g = st * GPS + lane // W
                 if lane % W == 0 and g < G:
+                    row = row_of(ep, row0, r, N)
                     V -= int64(zeros[row, g]) * sxs[g]
                     tb[warp, r, lane // W] = _group_term(V, sbits[row, g], exs[g])
             sync_warp()
@@ -453,6 +513,8 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue):
                         if g0 + i < G:
                             a += tb[warp, r, c * CG + i]
                     ps[warp, r, st * CPS + c] = a
+            for i in range(R2):
+                wc[i] = wn[i]
             sync_warp()
         if lane < R:
             tot = float64(0.0)
@@ -583,8 +645,9 @@ def matmul_exact(out, x, w, scales, zeros, limbs=None, sx=None, ex=None, accumul
     sbits = scales.view(np.uint16)
     l64 = limbs.view(np.uint64)
     tiles = cdiv(N // 2, 8) if epilogue is not None else cdiv(N, 16)
-    _make_mma(NTT, nch, epilogue)[(tiles, TB), NW * 32, stream](
-        out, w32, sbits, zeros, l64, sx, ex, T, N, group, cg, nch, 1 if accumulate else 0, ep)
+    nwb = mma_warps(nch)
+    _make_mma(NTT, nch, group, nwb, epilogue)[(tiles, TB), nwb * 32, stream](
+        out, w32, w.view(np.uint64), sbits, zeros, l64, sx, ex, T, N, cg, nch, 1 if accumulate else 0, ep)
 
 
 def ptx_signatures(epilogues=()):
@@ -593,12 +656,14 @@ def ptx_signatures(epilogues=()):
     sigs = [(f"matmul_exact_stage{'_norm' if norm else ''}", _make_stage(norm).py_func,
              "void(uint8[:, :, ::1], int64[:, ::1], int32[:, ::1], float32[:, ::1], float32[::1], float32, int64)")
             for norm in (False, True)]
-    head = ("float32[:, ::1], uint32[:, ::1], uint16[:, ::1], uint8[:, ::1], uint64[:, :, ::1], int64[:, ::1], "
-            "int32[:, ::1], int64, int64, int64, int64, int64, int64")
-    for NTT, NCH, epi in [(1, 4, None), (4, 4, None), (1, 44, None)] + [(1, 4, e) for e in epilogues]:
+    head = ("float32[:, ::1], uint32[:, ::1], uint64[:, ::1], uint16[:, ::1], uint8[:, ::1], uint64[:, :, ::1], "
+            "int64[:, ::1], int32[:, ::1], int64, int64, int64, int64, int64")
+    for NTT, NCH, GS, epi in [(1, 4, 128, None), (4, 4, 128, None), (1, 44, 128, None), (1, 8, 32, None),
+                              (2, 4, 96, None), (1, 2, 256, None)] + [(1, 4, 128, e) for e in epilogues]:
         es = "UniTuple(int64, 1)" if epi is None else epi.sig
         tag = "" if epi is None else f"_{epi.name}"
-        sigs.append((f"matmul_exact_mma{tag}_{NTT}_{NCH}", _make_mma(NTT, NCH, epi).py_func, f"void({head}, {es})"))
+        sigs.append((f"matmul_exact_mma{tag}_{NTT}_{NCH}_{GS}", _make_mma(NTT, NCH, GS, mma_warps(NCH), epi).py_func,
+                     f"void({head}, {es})"))
     ghead = ("float32[:, ::1], uint64[:, ::1], uint16[:, ::1], uint8[:, ::1], float32[:, ::1], float32[::1], "
              "float32, int64, int64")
     for NSTEP, GS, norm, epi in [(2, 128, False, None), (2, 64, True, None), (6, 32, True, None), (1, 256, False, None)] + \
@@ -611,4 +676,4 @@ def ptx_signatures(epilogues=()):
 
 
 __all__ = ["matmul_exact", "ptx_signatures", "staging_shapes", "staging_bound", "supports", "available",
-           "needs_staging", "gemv_fits", "NW", "MAX_NTT", "SMEM_DOUBLES", "CHUNK_K"]
+           "needs_staging", "gemv_fits", "mma_warps", "MMA_MAX_NW", "MAX_NTT", "SMEM_DOUBLES", "CHUNK_K"]
