@@ -511,6 +511,31 @@ def test_window_generation_matches_cpu(small_path, monkeypatch):
         tl.free_model(gpu)
 
 
+def test_prompt_rows_in_power_of_two_pieces(small_path, monkeypatch):
+    """A prompt chunk launched as binary pieces (`row_pieces`: what the backend does with graphs, so
+    that a few captured forwards serve every prompt length; 7 rows = 4 + 2 + 1) gives the tokens of
+    the unsplit chunk and of the CPU (kept small: the simulator is slow at multi-row launches)."""
+    cpu = tl.load_model(str(small_path), max_seq_len=8, backend="cpu")
+    whole = tl.load_model(str(small_path), max_seq_len=8, backend="cuda")
+    split = tl.load_model(str(small_path), max_seq_len=8, backend="cuda")
+    try:
+        split.backend.split_rows = True
+        assert whole.backend.row_pieces(7) == [7] and split.backend.row_pieces(7) == [4, 2, 1]
+        assert split.backend.row_pieces(8) == [8] and split.backend.row_pieces(1) == [1]
+        seen = []
+        pieces = split.backend.row_pieces
+        monkeypatch.setattr(split.backend, "row_pieces", lambda T: seen.append(T) or pieces(T))
+        cfg = tl.GenerateConfig(max_tokens=2, loops=1, cache_mode="fp32")
+        prompt = [3, 1, 4]
+        want = tl.generate(cpu, prompt, cfg)
+        assert tl.generate(whole, prompt, cfg) == want
+        assert tl.generate(split, prompt, cfg) == want
+        assert seen == [3]
+    finally:
+        for m in (cpu, whole, split):
+            tl.free_model(m)
+
+
 def test_memory_estimate_equals_held_memory(small_path):
     """On CUDA too, inspect's estimate is what the model holds: weights + workspace at load, plus
     the KV cache of a request of max_seq_len tokens (CUDA rounds a cache to a power of two >= 128

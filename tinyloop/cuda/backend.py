@@ -318,6 +318,8 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         self._spares = []                 # released caches kept for later requests (oldest first)
         self._graphs: "OrderedDict[Any, tuple]" = OrderedDict()
         self.use_graphs = env_switch("TINYLOOP_CUDA_GRAPHS") and not numba.config.ENABLE_CUDASIM
+        # prompt chunks split into power-of-two pieces (row_pieces): None follows use_graphs
+        self.split_rows = None
         self.fuse = env_switch("TINYLOOP_CUDA_FUSE")
         # programmatic kernel -> kernel edges in the captured steps (kernels/_pdl.py)
         self.pdl = self.use_graphs and env_switch("TINYLOOP_CUDA_PDL") and k_pdl.enabled()
@@ -1006,8 +1008,16 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         self._replay(("guarded", key), eager, step=True, capture=capture)
 
     # ------------------------------------------------------------------ graphs
-    def replay(self, key, fn) -> None:
-        self._replay(key, fn, step=True)
+    def replay(self, key, fn, step: bool = True) -> None:
+        self._replay(key, fn, step=step)
+
+    def row_pieces(self, T: int) -> list:
+        """With graphs (or `split_rows` set): the binary pieces of T, largest first (a 100-row chunk
+        is 64 + 32 + 4), so at most log2(rows) + 1 captured forwards serve every prompt length and a
+        prompt's forward is a few graph launches instead of ~10 Python kernel launches per block."""
+        if not (self.use_graphs if self.split_rows is None else self.split_rows):
+            return [T]
+        return [1 << b for b in range(T.bit_length() - 1, -1, -1) if T >> b & 1]
 
     def _replay(self, key, fn, step: bool, capture=None) -> None:
         """replay; `step`: `fn` is a decode step (its captured node counts are reported as the

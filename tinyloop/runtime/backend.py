@@ -408,11 +408,19 @@ class Backend(ABC):
     def read_argmax_rows(self, ws: Workspace, n: int) -> list:
         """The argmax of each of ws.logits[0:n] (ties to the lowest id), as host ints."""
 
-    def replay(self, key, fn) -> None:
+    def replay(self, key, fn, step: bool = True) -> None:
         """Run `fn` (a fixed sequence of ops). A backend with graphs captures it under `key` on first
         use and replays the captured graph afterwards; positions and ids live in device buffers that
-        the caller updates before each call, so the same graph serves every step."""
+        the caller updates before each call, so the same graph serves every step. `step`: `fn` is a
+        decode step (a prompt's forward is not), for the backend's node counts."""
         fn()
+
+    def row_pieces(self, T: int) -> list:
+        """How a prompt chunk of T rows is launched: consecutive pieces of these row counts (sum T).
+        A backend that captures graphs gives a few fixed sizes, so that a handful of captured
+        forwards serve every prompt length; rows are independent (batch-invariant kernels), so any
+        split computes the same bits."""
+        return [T]
 
 
 # =============================================================================== capabilities

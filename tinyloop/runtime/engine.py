@@ -546,16 +546,16 @@ class Session:
         plain = stop if self._exit is None else min(stop, max(start, self._prompt_len))
         for a in range(start, plain, rows):
             T = min(rows, plain - a)
-            ids = be.set_ids(ws, self.tokens[a:a + T])
-            pos = be.positions(a)
-            last = a + T == stop
-            if T == 1 and last:
-                self._one_token_step(ids, pos)
-            else:
-                fwd.forward(ids, pos, T, self.cache, self.loops)
-                if last:
-                    fwd.logits(T - 1, 1)
-                    self._launch_pick(pos, T)
+            b = a
+            for n in be.row_pieces(T):
+                ids = be.set_ids(ws, self.tokens[b:b + n])
+                pos = be.positions(b)
+                last = b + n == stop
+                if n == 1 and last:
+                    self._one_token_step(ids, pos)
+                else:
+                    self._rows_forward(ids, pos, n, last)
+                b += n
             self.stats.loop_iters_run += self.loops
             self.logits_depth = self.loops
         for p in range(plain, stop):
@@ -566,6 +566,20 @@ class Session:
             self.stats.loop_iters_run += depth
             self.logits_depth = depth
         self.position = stop
+
+    def _rows_forward(self, ids, pos, n: int, last: bool) -> None:
+        """The forward of n prompt rows at `pos` (backend buffers), with the last row's logits and
+        token choice when they end the prompt: a fixed op sequence per (n, loops, cache, last), which
+        the backend may capture once and replay."""
+        fwd = self.model.fwd
+
+        def rows_forward(ids=ids, pos=pos):
+            fwd.forward(ids, pos, n, self.cache, self.loops)
+            if last:
+                fwd.logits(n - 1, 1)
+                self._launch_pick(pos, n)
+        key = ("rows", n, self.loops, self.cache, last, last and self._device_draw)
+        self.model.backend.replay(key, rows_forward, step=False)
 
     def _launch_pick(self, pos, T: int) -> None:
         """Queue the token choice behind the pending logits (row 0 of a T-row launch at `pos`):
