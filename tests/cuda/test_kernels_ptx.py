@@ -84,7 +84,7 @@ def test_compiles_for_sm90(cc90_device, name, fn, sig):
         # nothing in local memory; float64 is on purpose here (the exact numerics' terms)
         assert ("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32" in ptx) == ("_mma" in name)
         assert ("dp4a.u32.s32" in ptx) == ("_gemv" in name)
-        if "_stage" in name or "_gemv" in name:
+        if name.startswith("matmul_exact_stage") or ("_gemv" in name and "_staged" not in name):
             assert "cvt.rni.s64.f64" in ptx or "cvt.rni.f64.f64" in ptx
         assert "ld.local" not in ptx and "st.local" not in ptx
     elif name.startswith(("matmul", "rmsnorm", "norm_add", "attention", "swiglu", "add", "embed", "argmax", "rope",
@@ -92,6 +92,43 @@ def test_compiles_for_sm90(cc90_device, name, fn, sig):
         # No accidental float64 arithmetic (an untyped 0.0 literal promotes a float32 chain);
         # rope reads cos/sin from a float32 table (only sample uses float64, on purpose).
         assert ".f64" not in ptx, f"{name} uses float64 arithmetic"
+
+
+def _sass_registers(ptx: str):
+    """(registers a thread, spill store bytes) of `ptx` assembled for sm_90 by nvJitLink's ptxas."""
+    import re
+    nvjitlink = pytest.importorskip("cuda.bindings.nvjitlink")
+    h = nvjitlink.create(2, ["-arch=sm_90", "-verbose"])
+    try:
+        data = ptx.encode()
+        nvjitlink.add_data(h, nvjitlink.InputType.PTX, data, len(data), "kernel")
+        nvjitlink.complete(h)
+        buf = bytearray(nvjitlink.get_info_log_size(h))
+        nvjitlink.get_info_log(h, buf)
+    finally:
+        nvjitlink.destroy(h)
+    log = buf.decode(errors="ignore")
+    regs, spill = re.search(r"Used (\d+) registers", log), re.search(r"(\d+) bytes spill stores", log)
+    assert regs, log
+    return int(regs.group(1)), int(spill.group(1)) if spill else 0
+
+
+MMA_SIGS = [s for s in SIGNATURES if s[0].startswith("matmul_exact_mma")]
+
+
+@pytest.mark.parametrize("name,fn,sig", MMA_SIGS, ids=[s[0] for s in MMA_SIGS])
+def test_exact_mma_blocks_fit_the_register_file(cc90_device, name, fn, sig):
+    # the launcher's warps per block (mma_warps) times the kernel's registers must fit an SM's
+    # 64K registers, or the launch fails with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES
+    from tinyloop.cuda.kernels import matmul_exact as mx
+    NTT, NCH, GS = (int(v) for v in name.rsplit("_", 3)[1:])
+    ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0))
+    regs, spill = _sass_registers(ptx)
+    assert spill == 0, f"{name}: {spill} bytes spilled"
+    warps = mx.mma_warps(NCH, NTT)
+    # registers are allocated per warp in units of 256
+    assert warps * -(-regs * 32 // 256) * 256 <= 65536, (name, regs, warps)
+    assert mx.mma_warps(44, NTT) * -(-regs * 32 // 256) * 256 <= 65536, (name, regs)
 
 
 def test_every_module_lists_signatures():

@@ -46,7 +46,8 @@ from .rmsnorm import NT as STAGE_NT
 from .matmul import epilogue_args, norm_args
 from .rmsnorm import row_inv_rms
 
-#: Most warps per tensor-core block (`mma_warps`: one chunk of k per warp up to this many chunks).
+#: Most warps per tensor-core block of one token tile (`mma_warps`: one chunk of k per warp up to
+#: this many chunks; the one-tile variants use at most 120 registers a thread, ptxas 13, sm_90).
 MMA_MAX_NW = 12
 #: Largest number of float64 chunk partials a block keeps in shared memory (48 KB).
 SMEM_DOUBLES = 6144
@@ -171,10 +172,12 @@ def _make_stage(norm: bool):
     return stage
 
 
-def mma_warps(nch: int) -> int:
-    """Warps of a tensor-core block for `nch` chunks: one chunk each up to MMA_MAX_NW chunks, then
-    the chunks spread evenly (a shape rule: K and the group size only)."""
-    return cdiv(nch, cdiv(nch, MMA_MAX_NW))
+def mma_warps(nch: int, NTT: int = 1) -> int:
+    """Warps of a tensor-core block for `nch` chunks and NTT token tiles: one chunk each up to
+    MMA_MAX_NW chunks (8 with more than one token tile: those variants take up to 255 registers a
+    thread, and 8 warps of 255 fit an SM's 64K), then the chunks spread evenly."""
+    cap = MMA_MAX_NW if NTT == 1 else 8
+    return cdiv(nch, cdiv(nch, cap))
 
 
 def _make_mma(NTT: int, NCH: int, GS: int, NWB: int, epilogue):
@@ -670,7 +673,7 @@ def matmul_exact(out, x, w, scales, zeros, limbs=None, sx=None, ex=None, accumul
     sbits = scales.view(np.uint16)
     l64 = limbs.view(np.uint64)
     tiles = cdiv(N // 2, 8) if epilogue is not None else cdiv(N, 16)
-    nwb = mma_warps(nch)
+    nwb = mma_warps(nch, NTT)
     _make_mma(NTT, nch, group, nwb, epilogue)[(tiles, TB), nwb * 32, stream](
         out, w32, w.view(np.uint64), sbits, zeros, l64, sx, ex, T, N, cg, nch, 1 if accumulate else 0, ep)
 
@@ -687,7 +690,7 @@ def ptx_signatures(epilogues=()):
                               (2, 4, 96, None), (1, 2, 256, None)] + [(1, 4, 128, e) for e in epilogues]:
         es = "UniTuple(int64, 1)" if epi is None else epi.sig
         tag = "" if epi is None else f"_{epi.name}"
-        sigs.append((f"matmul_exact_mma{tag}_{NTT}_{NCH}_{GS}", _make_mma(NTT, NCH, GS, mma_warps(NCH), epi).py_func,
+        sigs.append((f"matmul_exact_mma{tag}_{NTT}_{NCH}_{GS}", _make_mma(NTT, NCH, GS, mma_warps(NCH, NTT), epi).py_func,
                      f"void({head}, {es})"))
     ghead = ("float32[:, ::1], uint64[:, ::1], uint16[:, ::1], uint8[:, ::1], float32[:, ::1], float32[::1], "
              "float32, uint64[:, :, ::1], int64[:, ::1], int32[:, ::1], int64, int64")
