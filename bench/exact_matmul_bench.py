@@ -4,8 +4,7 @@
 error of both against float64, time of both inside captured graphs, same process. One-row
 launches take the exact matmul's dp4a kernel: `--gemv-r` times it for several rows per warp
 (GEMV_R), plain and with the fused RMS norm (the decode step's form for q|k|v, gate|up and the
-head); `--gemv-staged` times the one-row kernel after a staging launch and staging in its
-blocks; `--mma-nw` times the tensor-core kernel at T > 1 for several MMA_MAX_NW.
+head); `--mma-nw` times the tensor-core kernel at T > 1 for several MMA_MAX_NW.
 
     python bench/exact_matmul_bench.py [--rows 1,2,8,32,128] [--gemv-r 1,2,4] [--mma-nw 4,8,12]
         [--json out.json]
@@ -34,8 +33,6 @@ def main(argv=None) -> int:
     ap.add_argument("--gemv-r", default="", help="rows per warp of the one-row kernel to time at T = 1")
     ap.add_argument("--mma-nw", default="",
                     help="most warps per tensor-core block (MMA_MAX_NW) to time at T > 1")
-    ap.add_argument("--gemv-staged", action="store_true",
-                    help="time the one-row kernel at T = 1 with x staged once per launch and in every block")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     rows = [int(t) for t in args.rows.split(",")]
@@ -102,15 +99,6 @@ def main(argv=None) -> int:
                     ok = bool(np.array_equal(out.copy_to_host(), got))
                     print(f"   mma MMA_MAX_NW={nwv}: {r[f'exact_nw{nwv}_us']:7.1f} us (same bits {ok})", flush=True)
                 mx.MMA_MAX_NW = default_nw
-            if T == 1 and args.gemv_staged:
-                default_sn = mx.GEMV_STAGED_N
-                for tag, sn in (("staged", 0), ("in_block", 1 << 40)):
-                    mx.GEMV_STAGED_N = sn
-                    r[f"exact_{tag}_us"] = graph_time_ms(stream, exact, args.reps) * 1e3
-                    ok = bool(np.array_equal(out.copy_to_host(), got))
-                    print(f"   one-row, x staged {tag.replace('_', ' ')}: {r[f'exact_{tag}_us']:7.1f} us "
-                          f"(same bits {ok})", flush=True)
-                mx.GEMV_STAGED_N = default_sn
             if T == 1 and args.gemv_r:
                 nw1 = cuda.to_device(rng.uniform(0.5, 1.5, K).astype(np.float32))
 

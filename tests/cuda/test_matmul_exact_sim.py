@@ -80,39 +80,12 @@ def test_one_row_norm_accumulate_and_glu():
     np.testing.assert_array_equal(h.copy_to_host(), want.copy_to_host())
 
 
-@pytest.mark.parametrize("N,K,group,norm", [(24, 1536, 64, False), (20, 1088, 32, True)])
-def test_one_row_kernel_after_a_staging_launch(monkeypatch, N, K, group, norm):
-    # wide weights (GEMV_STAGED_N rows and more) stage x once per launch and the one-row kernel's
-    # lanes read the limbs from the staging buffers: the same bits as staging in every block
-    monkeypatch.setattr(mx, "GEMV_STAGED_N", 16)
-    assert mx.needs_staging(1, K, group, N)
-    parts, codes, (q, s, z) = weight(N, K, group, seed=9)
-    x = row(K, seed=10)
-    x[0, :64] += 1.0
-    ls, ss, es = mx.staging_shapes(1, K, group)
-    bufs = D(np.zeros(ls, np.uint8)), D(np.zeros(ss, np.int64)), D(np.zeros(es, np.int32))
-    out = D(np.full((1, N), np.nan, np.float32))
-    xin = x
-    if norm:
-        nw = D(np.random.default_rng(11).uniform(0.5, 1.5, K).astype(np.float32))
-        xn = D(np.zeros((1, K), np.float32))
-        rmsnorm.rmsnorm(xn, D(x), nw, 1e-5)
-        xin = xn.copy_to_host()
-        mx.matmul_exact(out, D(x), q, s, z, *bufs, norm_w=nw, eps=1e-5)
-    else:
-        mx.matmul_exact(out, D(x), q, s, z, *bufs)
-    np.testing.assert_array_equal(out.copy_to_host(), exact_matmul(xin, codes, parts["scales"], parts["zeros"]))
-    with pytest.raises(BackendError, match="staging buffers"):
-        mx.matmul_exact(out, D(x), q, s, z)
-
-
 def test_which_launches_need_staging():
     assert not mx.gemv_fits(2048, 96)              # not a power of two: the mma kernel serves it
     assert not mx.gemv_fits(4096, 512)             # a group longer than a warp's staging
     assert not mx.gemv_fits(17920, 128)            # x's limbs do not fit a block's shared memory
     assert mx.needs_staging(2, 2048, 128, 64) and mx.needs_staging(1, 2048, 96, 64)
     assert not mx.needs_staging(1, 8192, 128, 2048) and mx.needs_staging(1, 8192, 128, 8192)   # 4 rows a warp: too much shared memory
-    assert mx.needs_staging(1, 2048, 128, mx.GEMV_STAGED_N) and not mx.needs_staging(1, 2048, 128, 8192)
     parts, codes, (q, s, z) = weight(16, 192, 96)
     with pytest.raises(BackendError, match="staging buffers"):
         mx.matmul_exact(D(np.zeros((1, 16), np.float32)), D(row(192)), q, s, z)

@@ -73,9 +73,6 @@ GEMV_STEP_K = 1024
 GEMV_SMEM = 48 * 1024
 #: Largest group of the one-row kernel: a group's staging threads (8 elements each) share a warp.
 GEMV_MAX_GROUP = 256
-#: Weights of at least this many rows take the one-row kernel after a staging launch (x staged
-#: once, lanes read the limbs from global memory) instead of staging x in every block.
-GEMV_STAGED_N = 16384
 
 _stage_cache = {}
 _mma_cache = {}
@@ -341,12 +338,9 @@ def gemv_fits(K: int, group: int, R: int = 0) -> bool:
             and _gemv_smem(cdiv(K, GEMV_STEP_K), R) <= GEMV_SMEM)
 
 
-def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue, staged: bool = False):
+def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue):
     """The one-row exact kernel with dp4a (T = 1): R rows per warp, at most NSTEP warp steps of
     GEMV_STEP_K elements, group size GS (a power of two, 32..GEMV_MAX_GROUP), all compile-time.
-    `staged`: x was staged by the `stage` kernel (limbs, sx, ex in global memory, the layout the
-    tensor-core kernel reads) and every lane reads its limbs from there (the wide weights: one
-    staging for the whole launch instead of one per block); otherwise:
 
     The block stages x itself in one pass, thread per 8 elements: x (normed as ``(x * inv) * nw``
     with the variant's norm), the group's exponent E (max over the group's GS / 8 threads, which
@@ -358,7 +352,7 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue, staged: bool =
     over its 32 elements (exact int64); the GS / 32 lanes of a group add their V by shuffles
     (`seg_sum`, exact), the group's leader forms the term, and one lane per (row, chunk) adds the chunk's
     terms in group order; after the last step lane r adds row r's chunks in order."""
-    key = (R, NSTEP, GS, norm, None if epilogue is None else epilogue.name, staged)
+    key = (R, NSTEP, GS, norm, None if epilogue is None else epilogue.name)
     if key in _gemv_cache:
         return _gemv_cache[key]
     assert LIMBS == 4 and LIMB_BITS == 7 and GS & (GS - 1) == 0 and 32 <= GS <= GEMV_MAX_GROUP
@@ -373,8 +367,8 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue, staged: bool =
     CPS = max(1, GPS // CG)            # chunks per step (steps start on chunk boundaries)
     RP = R // 2
     R2 = 2 * R                         # a lane's weight words of a step
-    XS = 1 if staged else NSTEP * GEMV_STEP_K       # shared sizes (compile-time constants)
-    GM = 1 if staged else NSTEP * 32
+    XS = NSTEP * GEMV_STEP_K           # shared sizes (compile-time constants)
+    GM = NSTEP * 32
     NCM = 2 * NSTEP
     SPG = GS // 8                      # staging threads per group
     SCR = NT if SIM else 1             # the simulator twins' segment scratch
@@ -397,7 +391,7 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue, staged: bool =
         return min(row0 + r, N - 1)
 
     @cuda.jit
-    def gemv(out, w64, sbits, zeros, x, nw, eps, limbs64, sx, ex, N, acc_flag, ep):
+    def gemv(out, w64, sbits, zeros, x, nw, eps, N, acc_flag, ep):
         grid_dep_wait()
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -422,14 +416,14 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue, staged: bool =
             for hw in range(2):
                 wc[2 * r + hw] = w64[row, (lane * 32 >> 4) + hw] if lane * 32 < K else uint64(0)
         inv = float32(1.0)
-        if norm and not staged:
+        if norm:
             inv = row_inv_rms(x, 0, eps)
         # (1) one pass, 8 elements per thread (block-uniform loop: the simulator's segment
         # reductions are block barriers): the group's exponent E (max over the group's SPG
         # threads), X and its four 7-bit limbs, the group's integer sum; limbs as words (module
         # doc) in shared memory, E and the sum per group
         xv = cuda.local.array(8, float32)
-        for it in range(0, 0 if staged else K >> 3, NT):
+        for it in range(0, K >> 3, NT):
             m8 = it + tid
             on = m8 < (K >> 3)
             k0 = m8 * 8
@@ -467,8 +461,7 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue, staged: bool =
             if on and m8 % SPG == 0:
                 exs[k0 // GS] = E
                 sxs[k0 // GS] = s
-        if not staged:
-            cuda.syncthreads()
+        cuda.syncthreads()
         # (2) the warp's rows; each step requests the next step's weight words first
         xr = cuda.local.array(32, uint32)
         nsteps = (K + GEMV_STEP_K - 1) // GEMV_STEP_K
@@ -481,15 +474,8 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue, staged: bool =
                     row = row_of(ep, row0, r, N)
                     for hw in range(2):
                         wn[2 * r + hw] = w64[row, (kn >> 4) + hw] if kn < K else uint64(0)
-            if staged:
-                for L in range(LIMBS):
-                    for j in range(4):
-                        bw = limbs64[L, 0, (kl >> 3) + j] if on else uint64(0)
-                        xr[8 * L + 2 * j] = uint32(bw & _LO)
-                        xr[8 * L + 2 * j + 1] = uint32(bw >> uint64(32))
-            else:
-                for i in range(32):
-                    xr[i] = xs[(st * 32 + i) * 32 + lane]
+            for i in range(32):
+                xr[i] = xs[(st * 32 + i) * 32 + lane]
             for r in range(R):
                 a0 = int32(0)
                 a1 = int32(0)
@@ -517,12 +503,8 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue, staged: bool =
                 g = st * GPS + lane // W
                 if lane % W == 0 and g < G:
                     row = row_of(ep, row0, r, N)
-                    if staged:
-                        V -= int64(zeros[row, g]) * sx[0, g]
-                        tb[warp, r, lane // W] = _group_term(V, sbits[row, g], ex[0, g])
-                    else:
-                        V -= int64(zeros[row, g]) * sxs[g]
-                        tb[warp, r, lane // W] = _group_term(V, sbits[row, g], exs[g])
+                    V -= int64(zeros[row, g]) * sxs[g]
+                    tb[warp, r, lane // W] = _group_term(V, sbits[row, g], exs[g])
             sync_warp()
             if lane < R * CPS:
                 r = lane // CPS
@@ -601,8 +583,8 @@ def staging_bound(rows: int, K: int) -> tuple:
 
 def needs_staging(T: int, K: int, group: int, N: int, pair: bool = False) -> bool:
     """Whether a launch of T rows of an (N, K) weight uses the staging buffers (everything but the
-    one-row kernel that stages x in its blocks; `pair`: with a pair epilogue)."""
-    return not (T == 1 and gemv_fits(K, group, gemv_rows(N, pair))) or N >= GEMV_STAGED_N
+    one-row kernel; `pair`: with a pair epilogue)."""
+    return not (T == 1 and gemv_fits(K, group, gemv_rows(N, pair)))
 
 
 def matmul_exact(out, x, w, scales, zeros, limbs=None, sx=None, ex=None, accumulate=False, stream=0,
@@ -653,19 +635,12 @@ def matmul_exact(out, x, w, scales, zeros, limbs=None, sx=None, ex=None, accumul
     if T == 0:
         return
     nwx = norm_w if norm else x[0]
-    if T == 1 and gemv_fits(K, group, gemv_rows(N, epilogue is not None)):
+    if not staged:
         R = gemv_rows(N, epilogue is not None)
         per_block = GEMV_NW * (R // 2 if epilogue is not None else R)
         units = N // 2 if epilogue is not None else N
-        w64 = w.view(np.uint64)
-        if staged:        # a wide weight: x staged once for the launch
-            _make_stage(norm)[(cdiv(G, STAGE_NT // 32), 1), STAGE_NT, stream](limbs, sx, ex, x, nwx, eps, group)
-            st = (limbs.view(np.uint64), sx, ex)
-        else:             # the staging arguments are unused: views of w stand in for them
-            st = (w64.reshape(1, N, K // 16), w.view(np.int64), w.view(np.int32))
-        _make_gemv(R, cdiv(K, GEMV_STEP_K), group, norm and not staged, epilogue, staged)[
-            cdiv(units, per_block), GEMV_NW * 32, stream](
-            out, w64, scales.view(np.uint16), zeros, x, nwx, eps, *st, N, 1 if accumulate else 0, ep)
+        _make_gemv(R, cdiv(K, GEMV_STEP_K), group, norm, epilogue)[cdiv(units, per_block), GEMV_NW * 32, stream](
+            out, w.view(np.uint64), scales.view(np.uint16), zeros, x, nwx, eps, N, 1 if accumulate else 0, ep)
         return
     TB = cdiv(T, 8 * NTT)
     _make_stage(norm)[(cdiv(G, STAGE_NT // 32), T), STAGE_NT, stream](limbs, sx, ex, x, nwx, eps, group)
@@ -693,17 +668,15 @@ def ptx_signatures(epilogues=()):
         sigs.append((f"matmul_exact_mma{tag}_{NTT}_{NCH}_{GS}", _make_mma(NTT, NCH, GS, mma_warps(NCH, NTT), epi).py_func,
                      f"void({head}, {es})"))
     ghead = ("float32[:, ::1], uint64[:, ::1], uint16[:, ::1], uint8[:, ::1], float32[:, ::1], float32[::1], "
-             "float32, uint64[:, :, ::1], int64[:, ::1], int32[:, ::1], int64, int64")
-    for NSTEP, GS, norm, epi, stg in [(2, 128, False, None, False), (2, 64, True, None, False),
-                                      (6, 32, True, None, False), (1, 256, False, None, False),
-                                      (2, 128, False, None, True), (6, 32, False, None, True)] + \
-            [(2, 128, True, e, False) for e in epilogues]:
+             "float32, int64, int64")
+    for NSTEP, GS, norm, epi in [(2, 128, False, None), (2, 64, True, None), (6, 32, True, None), (1, 256, False, None)] + \
+            [(2, 128, True, e) for e in epilogues]:
         es = "UniTuple(int64, 1)" if epi is None else epi.sig
-        tag = ("_norm" if norm else "") + ("_staged" if stg else "") + ("" if epi is None else f"_{epi.name}")
-        sigs.append((f"matmul_exact_gemv{tag}_{NSTEP}_{GS}", _make_gemv(GEMV_R, NSTEP, GS, norm, epi, stg).py_func,
+        tag = ("_norm" if norm else "") + ("" if epi is None else f"_{epi.name}")
+        sigs.append((f"matmul_exact_gemv{tag}_{NSTEP}_{GS}", _make_gemv(GEMV_R, NSTEP, GS, norm, epi).py_func,
                      f"void({ghead}, {es})"))
     return sigs
 
 
 __all__ = ["matmul_exact", "ptx_signatures", "staging_shapes", "staging_bound", "supports", "available",
-           "needs_staging", "gemv_fits", "GEMV_STAGED_N", "mma_warps", "MMA_MAX_NW", "MAX_NTT", "SMEM_DOUBLES", "CHUNK_K"]
+           "needs_staging", "gemv_fits", "mma_warps", "MMA_MAX_NW", "MAX_NTT", "SMEM_DOUBLES", "CHUNK_K"]
