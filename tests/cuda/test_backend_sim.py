@@ -137,10 +137,12 @@ def test_lockstep_batch_with_device_chaining_matches_cpu(small_path):
     """generate_batch on the CUDA backend (lanes as tree rows, the greedy look-ahead chaining each
     step's argmax rows into the next step's ids and advancing the lanes' positions on the device)
     gives every lane the tokens of generate on the CPU; a lane that stops early (max_tokens is
-    shared, so by a stop sequence) drops out of the launch. Slow under the simulator; run it with
+    shared, so by a stop sequence) drops out of the launch; the lanes' prompt rows are packed
+    into binary pieces as with graphs (3 rows = 2 + 1). Slow under the simulator; run it with
     ``NUMBA_ENABLE_CUDASIM=1 pytest -m cudasim tests/cuda/test_backend_sim.py -k lockstep``."""
     cpu = tl.load_model(str(small_path), max_seq_len=12, backend="cpu")
     gpu = tl.load_model(str(small_path), max_seq_len=12, backend="cuda")
+    gpu.backend.split_rows = True
     try:
         prompts = [[3, 4], [5], [6, 7, 8]]
         cfg = tl.GenerateConfig(max_tokens=4, loops=1, cache_mode="fp32")

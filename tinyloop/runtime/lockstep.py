@@ -154,15 +154,21 @@ class LockstepBatch:
 
     # ------------------------------------------------------------------ the batch
     def _prefill(self) -> None:
-        """Every lane's prompt but its last token, packed across lanes into launches."""
+        """Every lane's prompt but its last token, packed across lanes into launches (each launch
+        as the backend's row pieces, a captured forward per piece size)."""
         be, fwd, ws = self.model.backend, self.model.fwd, self.model.ws
         rows = [(lane.index, p, t) for lane in self.lanes for p, t in enumerate(lane.ids[:-1])]
         for a in range(0, len(rows), ws.rows):
-            chunk = rows[a:a + ws.rows]
-            T = len(chunk)
-            ids = be.set_ids(ws, [t for _, _, t in chunk])
-            pos = be.lane_positions(self.cache, [l for l, _, _ in chunk], [p for _, p, _ in chunk])
-            fwd.forward(ids, pos, T, self.cache, self.loops)
+            b = a
+            for n in be.row_pieces(min(ws.rows, len(rows) - a)):
+                piece = rows[b:b + n]
+                b += n
+                ids = be.set_ids(ws, [t for _, _, t in piece])
+                pos = be.lane_positions(self.cache, [l for l, _, _ in piece], [p for _, p, _ in piece])
+
+                def prefill_rows(ids=ids, pos=pos, n=n):
+                    fwd.forward(ids, pos, n, self.cache, self.loops)
+                be.replay(("lane-rows", n, self.loops, self.cache), prefill_rows, step=False)
         for lane in self.lanes:
             lane.stats.loop_iters_run += self.loops * (len(lane.ids) - 1)
 
