@@ -318,8 +318,10 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         self._spares = []                 # released caches kept for later requests (oldest first)
         self._graphs: "OrderedDict[Any, tuple]" = OrderedDict()
         self.use_graphs = env_switch("TINYLOOP_CUDA_GRAPHS") and not numba.config.ENABLE_CUDASIM
-        # prompt chunks split into power-of-two pieces (row_pieces): None follows use_graphs
-        self.split_rows = None
+        # prompt chunks split into power-of-two pieces (row_pieces): opt-in, TINYLOOP_CUDA_SPLIT_ROWS=1
+        # (on an H100 the int8 / int4 cache tests against the CPU failed with it at L = 3; see
+        # docs/BENCHMARKS.md, "Prompt forwards captured")
+        self.split_rows = os.environ.get("TINYLOOP_CUDA_SPLIT_ROWS", "0") == "1"
         self.fuse = env_switch("TINYLOOP_CUDA_FUSE")
         # programmatic kernel -> kernel edges in the captured steps (kernels/_pdl.py)
         self.pdl = self.use_graphs and env_switch("TINYLOOP_CUDA_PDL") and k_pdl.enabled()
@@ -1012,10 +1014,11 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         self._replay(key, fn, step=step)
 
     def row_pieces(self, T: int) -> list:
-        """With graphs (or `split_rows` set): the binary pieces of T, largest first (a 100-row chunk
-        is 64 + 32 + 4), so at most log2(rows) + 1 captured forwards serve every prompt length and a
-        prompt's forward is a few graph launches instead of ~10 Python kernel launches per block."""
-        if not (self.use_graphs if self.split_rows is None else self.split_rows):
+        """The whole chunk; with `split_rows` (TINYLOOP_CUDA_SPLIT_ROWS=1) its binary pieces, largest
+        first (a 100-row chunk is 64 + 32 + 4), so that at most log2(rows) + 1 captured forwards
+        serve every prompt length. Either way each piece's forward is replayed from a graph once its
+        row count was seen before (engine `_rows_forward`)."""
+        if not self.split_rows:
             return [T]
         return [1 << b for b in range(T.bit_length() - 1, -1, -1) if T >> b & 1]
 
