@@ -4,7 +4,8 @@
 error of both against float64, time of both inside captured graphs, same process. One-row
 launches take the exact matmul's dp4a kernel: `--gemv-r` times it for several rows per warp
 (GEMV_R), plain and with the fused RMS norm (the decode step's form for q|k|v, gate|up and the
-head); `--mma-nw` times the tensor-core kernel at T > 1 for several MMA_MAX_NW.
+head); `--mma-nw` times the tensor-core kernel at T > 1 for several MMA_MAX_NW. Launches of at least
+MMA_WIDE_T rows take the wide tensor-core kernel; each is also timed on the narrow one (same bits).
 
     python bench/exact_matmul_bench.py [--rows 1,2,8,32,128] [--gemv-r 1,2,4] [--mma-nw 4,8,12]
         [--json out.json]
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
             got_fast = out.copy_to_host()
             us_exact = graph_time_ms(stream, exact, args.reps) * 1e3
             got = out.copy_to_host()
-            if T <= 32 or N <= 11264:
+            if T <= 32 or (N <= 11264 and T <= 128):
                 want = exact_matmul(xh, codes, parts["scales"], parts["zeros"])
                 same = bool(np.array_equal(got, want))
             else:
@@ -91,6 +92,17 @@ def main(argv=None) -> int:
             results.append(r)
             print(f"{name:11} T={T:<4} fast {us_fast:8.1f} us  exact {us_exact:8.1f} us  x{us_fast / us_exact:5.2f}  "
                   f"bits={same}  err fast {r['err_fast']:.1e} exact {r['err_exact']:.1e}", flush=True)
+            if T >= mx.MMA_WIDE_T:
+                # the same launch on the narrow tensor-core kernel (the one below MMA_WIDE_T rows)
+                wide_t = mx.MMA_WIDE_T
+                mx.MMA_WIDE_T = 1 << 30
+                try:
+                    r["exact_narrow_us"] = graph_time_ms(stream, exact, args.reps) * 1e3
+                    r["narrow_same_bits"] = bool(np.array_equal(out.copy_to_host(), got))
+                finally:
+                    mx.MMA_WIDE_T = wide_t
+                print(f"   narrow mma kernel: {r['exact_narrow_us']:8.1f} us (same bits {r['narrow_same_bits']}); "
+                      f"wide x{r['exact_narrow_us'] / us_exact:5.2f}", flush=True)
             if T > 1 and args.mma_nw:
                 default_nw = mx.MMA_MAX_NW
                 for nwv in (int(v) for v in args.mma_nw.split(",")):

@@ -113,7 +113,8 @@ def _sass_registers(ptx: str):
     return int(regs.group(1)), int(spill.group(1)) if spill else 0
 
 
-MMA_SIGS = [s for s in SIGNATURES if s[0].startswith("matmul_exact_mma")]
+MMA_SIGS = [s for s in SIGNATURES if s[0].startswith("matmul_exact_mma") and "_wide" not in s[0]]
+WIDE_SIGS = [s for s in SIGNATURES if s[0].startswith("matmul_exact_mma_wide")]
 
 
 @pytest.mark.parametrize("name,fn,sig", MMA_SIGS, ids=[s[0] for s in MMA_SIGS])
@@ -129,6 +130,16 @@ def test_exact_mma_blocks_fit_the_register_file(cc90_device, name, fn, sig):
     # registers are allocated per warp in units of 256
     assert warps * -(-regs * 32 // 256) * 256 <= 65536, (name, regs, warps)
     assert mx.mma_warps(44, NTT) * -(-regs * 32 // 256) * 256 <= 65536, (name, regs)
+
+
+@pytest.mark.parametrize("name,fn,sig", WIDE_SIGS, ids=[s[0] for s in WIDE_SIGS])
+def test_exact_wide_mma_blocks_fit_the_register_file(cc90_device, name, fn, sig):
+    # the wide kernel's block (MMA_WIDE_NW warps) must launch, and two blocks should share an SM
+    from tinyloop.cuda.kernels import matmul_exact as mx
+    ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0))
+    regs, spill = _sass_registers(ptx)
+    assert spill == 0, f"{name}: {spill} bytes spilled"
+    assert 2 * mx.MMA_WIDE_NW * -(-regs * 32 // 256) * 256 <= 65536, (name, regs)
 
 
 def test_every_module_lists_signatures():

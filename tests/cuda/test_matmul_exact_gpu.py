@@ -52,7 +52,8 @@ def inputs(T, K, seed=1):
 # chunks than a block has warps (16384: 32 chunks over 11 warps)
 @pytest.mark.parametrize("N,K,group", [(64, 256, 64), (48, 1024, 128), (32, 2560, 32), (16, 5632, 128),
                                        (40, 960, 96), (24, 2048, 256), (20, 16384, 128)])
-@pytest.mark.parametrize("T", [1, 3, 8, 9, 33, 70])
+# from MMA_WIDE_T rows on, the wide kernel (64, 70, 130; N = 20: fewer row tiles than its warps)
+@pytest.mark.parametrize("T", [1, 3, 8, 9, 33, 64, 70, 130])
 def test_equals_reference_bit_for_bit(N, K, group, T):
     parts, codes, (q, s, z) = weight(N, K, group)
     x = inputs(T, K)
@@ -64,17 +65,20 @@ def test_equals_reference_bit_for_bit(N, K, group, T):
 def test_rows_alone_equal_rows_in_a_launch():
     N, K, group = 96, 1024, 64
     parts, codes, (q, s, z) = weight(N, K, group, seed=3)
-    x = inputs(40, K, seed=4)
-    full = D(np.zeros((40, N), np.float32))
-    mx.matmul_exact(full, D(x), q, s, z, *staging(40, K, group))
+    x = inputs(100, K, seed=4)
+    full = D(np.zeros((100, N), np.float32))
+    mx.matmul_exact(full, D(x), q, s, z, *staging(100, K, group))      # the wide kernel
     full = full.copy_to_host()
-    for t in (0, 1, 17, 39):
+    part = D(np.zeros((40, N), np.float32))
+    mx.matmul_exact(part, D(x[:40]), q, s, z, *staging(40, K, group))   # the narrow one
+    np.testing.assert_array_equal(part.copy_to_host(), full[:40])
+    for t in (0, 1, 17, 39, 99):
         one = D(np.zeros((1, N), np.float32))
         mx.matmul_exact(one, D(x[t:t + 1]), q, s, z, *staging(1, K, group))
         np.testing.assert_array_equal(one.copy_to_host()[0], full[t])
 
 
-@pytest.mark.parametrize("T", [1, 8, 20])
+@pytest.mark.parametrize("T", [1, 8, 20, 70])
 def test_accumulate_norm_and_glu_epilogue(T):
     N, K, group = 64, 512, 128
     parts, codes, (q, s, z) = weight(N, K, group, seed=5)

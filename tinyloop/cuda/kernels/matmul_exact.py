@@ -53,6 +53,12 @@ MMA_MAX_NW = 12
 SMEM_DOUBLES = 6144
 #: Token tiles of 8 rows per block, at most.
 MAX_NTT = 4
+#: Launches of at least this many rows take the wide tensor-core kernel (`_make_mma_wide`: warps
+#: own row tiles over the whole of k, the token rows' limbs staged in shared memory); MMA_WIDE_NW
+#: warps (16-row tiles) per block, WIDE_NTT token tiles of 8 rows per warp.
+MMA_WIDE_T = 64
+MMA_WIDE_NW = 4
+WIDE_NTT = MAX_NTT
 
 _M = uint32(0x0F0F0F0F)
 _LO = uint64(0xFFFFFFFF)
@@ -313,6 +319,154 @@ def _make_mma(NTT: int, NCH: int, GS: int, NWB: int, epilogue):
                     if acc_flag:
                         v += float64(out[t, n])
                     out[t, n] = float32(v)
+
+    _mma_cache[key] = mma
+    return mma
+
+
+def _make_mma_wide(GS: int, NWB: int, epilogue):
+    """The tensor-core kernel for launches of at least MMA_WIDE_T rows: warp w of block (bx, by)
+    owns 16-row tile bx * NWB + w (8 row pairs with an epilogue) and token rows 32 by .. 32 by + 31
+    (four token tiles) over the whole of k, so a weight tile is read once per 32 token rows and no
+    partials cross warps; the token rows' limbs of each mma step (lane tig's word of the group in
+    every limb and token row: 4 KB) are staged into shared memory, double-buffered, and read by all
+    of the block's warps (the narrow kernel reads them from global memory in every warp). A warp's
+    outputs add their chunks' partials in chunk order in registers: the narrow kernel's sums, the
+    same bits."""
+    key = ("wide", GS, NWB, None if epilogue is None else epilogue.name)
+    if key in _mma_cache:
+        return _mma_cache[key]
+    pair = epilogue is not None
+    rows_of = epilogue.rows if pair else None
+    store_pair = epilogue.store if pair else None
+    NTT = WIDE_NTT
+    TOK = 8 * NTT
+    NACC = NTT * 4
+    NIA = LIMBS * NTT * 4
+    NTHREADS = NWB * 32
+    SPG = GS // 32
+    WPG = GS // 8
+    NSR = LIMBS * TOK * 4 // NTHREADS  # staged words per thread and step
+    assert NSR * NTHREADS == LIMBS * TOK * 4
+
+    @cuda.jit(device=True, inline=True)
+    def stage_load(sr, limbs64, tok0, j, tid):
+        """Registers <- step j's limb words: (limb, token row, tig) of word g * WPG + tig * SPG + s."""
+        g = j // SPG
+        s = j - g * SPG
+        for r in range(NSR):
+            i = tid + r * NTHREADS
+            sr[r] = limbs64[i // (TOK * 4), tok0 + ((i >> 2) % TOK), g * WPG + (i & 3) * SPG + s]
+
+    @cuda.jit(device=True, inline=True)
+    def stage_store(buf, sr, b, tid):
+        for r in range(NSR):
+            i = tid + r * NTHREADS
+            buf[b, i // (TOK * 4), (i >> 2) % TOK, i & 3] = sr[r]
+
+    @cuda.jit
+    def mma(out, w32, w64, sbits, zeros, limbs64, sx, ex, T, N, cg, nch, acc_flag, ep):
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        gid = lane >> 2
+        tig = lane & 3
+        tok0 = cuda.blockIdx.y * TOK
+        G = sbits.shape[1]
+        ntile = (N // 2 + 7) // 8 if pair else (N + 15) // 16
+        tile = cuda.blockIdx.x * NWB + warp
+        live = tile < ntile              # a warp past the last tile stages and waits, stores nothing
+        tile = min(tile, ntile - 1)
+        if pair:
+            p = min(tile * 8 + gid, N // 2 - 1)
+            ra, rb = rows_of(ep, p, N)
+        else:
+            ra = min(tile * 16 + gid, N - 1)
+            rb = min(tile * 16 + gid + 8, N - 1)
+        buf = cuda.shared.array((2, LIMBS, TOK, 4), uint64)
+        sr = cuda.local.array(NSR, uint64)
+        tot = cuda.local.array(NACC, float64)
+        acc = cuda.local.array(NACC, float64)
+        ia = cuda.local.array(NIA, int32)
+        grid_dep_wait()
+        # lane tig's weight word of step j (group g = j // SPG, s = j % SPG): g * WPG + tig * SPG + s
+        u0n = w32[ra, tig * SPG]
+        u1n = w32[rb, tig * SPG]
+        stage_load(sr, limbs64, tok0, 0, tid)
+        stage_store(buf, sr, 0, tid)
+        cuda.syncthreads()
+        nsteps = G * SPG
+        for i in range(NACC):
+            tot[i] = 0.0
+        for c in range(nch):
+            for i in range(NACC):
+                acc[i] = 0.0
+            g1 = min(G, c * cg + cg)
+            for g in range(c * cg, g1):
+                for i in range(NIA):
+                    ia[i] = int32(0)
+                for s in range(SPG):
+                    j = g * SPG + s
+                    b = j & 1
+                    more = j + 1 < nsteps
+                    u0 = u0n
+                    u1 = u1n
+                    if more:
+                        stage_load(sr, limbs64, tok0, j + 1, tid)
+                        gn = (j + 1) // SPG
+                        wn = gn * WPG + tig * SPG + (j + 1 - gn * SPG)
+                        u0n = w32[ra, wn]
+                        u1n = w32[rb, wn]
+                    a0 = uint32(u0 & _M)
+                    a2 = uint32((u0 >> uint32(4)) & _M)
+                    a1 = uint32(u1 & _M)
+                    a3 = uint32((u1 >> uint32(4)) & _M)
+                    for tt in range(NTT):
+                        for L in range(LIMBS):
+                            bw = buf[b, L, tt * 8 + gid, tig]
+                            q = (L * NTT + tt) * 4
+                            d = mma_u8s8(a0, a1, a2, a3, uint32(bw & _LO), uint32(bw >> uint64(32)),
+                                         ia[q], ia[q + 1], ia[q + 2], ia[q + 3])
+                            ia[q] = d[0]
+                            ia[q + 1] = d[1]
+                            ia[q + 2] = d[2]
+                            ia[q + 3] = d[3]
+                    if more:
+                        stage_store(buf, sr, b ^ 1, tid)
+                    cuda.syncthreads()
+                for h in range(2):
+                    r = ra if h == 0 else rb
+                    bits = sbits[r, g]
+                    z = int64(zeros[r, g])
+                    for tt in range(NTT):
+                        for cc in range(2):
+                            tok = tok0 + tt * 8 + tig * 2 + cc
+                            idx = h * 2 + cc
+                            V = int64(0)
+                            for L in range(LIMBS):
+                                V += int64(ia[(L * NTT + tt) * 4 + idx]) << (LIMB_BITS * (LIMBS - 1 - L))
+                            V -= z * sx[tok, g]
+                            acc[tt * 4 + idx] += _group_term(V, bits, ex[tok, g])
+            for i in range(NACC):
+                tot[i] += acc[i]
+        if not live:
+            return
+        for tt in range(NTT):
+            for cc in range(2):
+                t = tok0 + tt * 8 + tig * 2 + cc
+                if t < T:
+                    if pair:
+                        pp = tile * 8 + gid
+                        if pp < N // 2:
+                            store_pair(ep, out, t, pp, float32(tot[tt * 4 + cc]), float32(tot[tt * 4 + 2 + cc]), N)
+                    else:
+                        for h in range(2):
+                            n = tile * 16 + gid + 8 * h
+                            if n < N:
+                                v = tot[tt * 4 + h * 2 + cc]
+                                if acc_flag:
+                                    v += float64(out[t, n])
+                                out[t, n] = float32(v)
 
     _mma_cache[key] = mma
     return mma
@@ -648,6 +802,11 @@ def matmul_exact(out, x, w, scales, zeros, limbs=None, sx=None, ex=None, accumul
     sbits = scales.view(np.uint16)
     l64 = limbs.view(np.uint64)
     tiles = cdiv(N // 2, 8) if epilogue is not None else cdiv(N, 16)
+    if T >= MMA_WIDE_T:
+        _make_mma_wide(group, MMA_WIDE_NW, epilogue)[(cdiv(tiles, MMA_WIDE_NW), cdiv(T, 8 * WIDE_NTT)),
+                                                     MMA_WIDE_NW * 32, stream](
+            out, w32, w.view(np.uint64), sbits, zeros, l64, sx, ex, T, N, cg, nch, 1 if accumulate else 0, ep)
+        return
     nwb = mma_warps(nch, NTT)
     _make_mma(NTT, nch, group, nwb, epilogue)[(tiles, TB), nwb * 32, stream](
         out, w32, w.view(np.uint64), sbits, zeros, l64, sx, ex, T, N, cg, nch, 1 if accumulate else 0, ep)
@@ -667,6 +826,11 @@ def ptx_signatures(epilogues=()):
         tag = "" if epi is None else f"_{epi.name}"
         sigs.append((f"matmul_exact_mma{tag}_{NTT}_{NCH}_{GS}", _make_mma(NTT, NCH, GS, mma_warps(NCH, NTT), epi).py_func,
                      f"void({head}, {es})"))
+    for GS, epi in [(128, None), (32, None), (96, None), (256, None)] + [(128, e) for e in epilogues]:
+        es = "UniTuple(int64, 1)" if epi is None else epi.sig
+        tag = "" if epi is None else f"_{epi.name}"
+        sigs.append((f"matmul_exact_mma_wide{tag}_{GS}", _make_mma_wide(GS, MMA_WIDE_NW, epi).py_func,
+                     f"void({head}, {es})"))
     ghead = ("float32[:, ::1], uint64[:, ::1], uint16[:, ::1], uint8[:, ::1], float32[:, ::1], float32[::1], "
              "float32, int64, int64")
     for NSTEP, GS, norm, epi in [(2, 128, False, None), (2, 64, True, None), (6, 32, True, None), (1, 256, False, None)] + \
@@ -679,4 +843,4 @@ def ptx_signatures(epilogues=()):
 
 
 __all__ = ["matmul_exact", "ptx_signatures", "staging_shapes", "staging_bound", "supports", "available",
-           "needs_staging", "gemv_fits", "mma_warps", "MMA_MAX_NW", "MAX_NTT", "SMEM_DOUBLES", "CHUNK_K"]
+           "needs_staging", "gemv_fits", "mma_warps", "MMA_MAX_NW", "MAX_NTT", "MMA_WIDE_T", "MMA_WIDE_NW", "SMEM_DOUBLES", "CHUNK_K"]
