@@ -320,7 +320,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         self.use_graphs = env_switch("TINYLOOP_CUDA_GRAPHS") and not numba.config.ENABLE_CUDASIM
         # prompt chunks split into power-of-two pieces (row_pieces): opt-in, TINYLOOP_CUDA_SPLIT_ROWS=1
         # (on an H100 the int8 / int4 cache tests against the CPU failed with it at L = 3; see
-        # docs/BENCHMARKS.md, "Prompt forwards captured")
+        # docs/BENCHMARKS.md, "Prompt forwards captured, ...")
         self.split_rows = os.environ.get("TINYLOOP_CUDA_SPLIT_ROWS", "0") == "1"
         self.fuse = env_switch("TINYLOOP_CUDA_FUSE")
         # programmatic kernel -> kernel edges in the captured steps (kernels/_pdl.py)
