@@ -8,7 +8,7 @@ argmax. tinyloop's first request of a length runs eagerly, the second captures t
 forward pieces (binary pieces of the chunk, `CUDABackend.row_pieces`), later ones replay them:
 the table gives the first run and the median of the replays.
 
-    python -m bench.prefill_bench --prompt-lens 128,1024 --loops 8 --repeats 5 --json out.json
+    python -m bench.prefill_bench --prompt-lens 128,1024 --loops 8 --repeats 5 [--profile] --json out.json
 """
 
 from __future__ import annotations
@@ -28,7 +28,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.decode_bench import _commit, _median, _timed_ms, gpu_name, log  # noqa: E402
 
 
-def tinyloop_ttft(path: str, prompt: list, loops: int, repeats: int, exact: bool) -> dict:
+def kernel_times(fn) -> dict:
+    """Device microseconds per kernel name (CUPTI through torch.profiler, which sees numba's
+    kernels and graph replays too) of one call of fn, largest first."""
+    from collections import defaultdict
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.profile_decode import short_name
+    per = defaultdict(float)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            per[short_name(ev.name)] += ev.device_time_total
+    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
+
+
+def tinyloop_ttft(path: str, prompt: list, loops: int, repeats: int, exact: bool, prof: bool = False) -> dict:
     import tinyloop as tl
     old = os.environ.get("TINYLOOP_CUDA_EXACT")
     os.environ["TINYLOOP_CUDA_EXACT"] = "1" if exact else "0"
@@ -45,9 +64,13 @@ def tinyloop_ttft(path: str, prompt: list, loops: int, repeats: int, exact: bool
             st = tl.GenerateStats()
             toks.append(tl.generate(m, prompt, tl.GenerateConfig(max_tokens=1, loops=loops), stats=st))
             runs.append(st.first_token_ms)
-        return {"exact": bool(m.backend.exact), "first_run_ms": runs[0], "capture_run_ms": runs[1],
-                "ttft_ms": _median(runs[2:]), "runs_ms": runs, "pieces": m.backend.row_pieces(len(prompt)),
-                "token": toks[-1], "same_token_every_run": all(t == toks[0] for t in toks)}
+        res = {"exact": bool(m.backend.exact), "first_run_ms": runs[0], "capture_run_ms": runs[1],
+               "ttft_ms": _median(runs[2:]), "runs_ms": runs, "pieces": m.backend.row_pieces(len(prompt)),
+               "token": toks[-1], "same_token_every_run": all(t == toks[0] for t in toks)}
+        if prof:
+            res["kernel_us"] = kernel_times(
+                lambda: tl.generate(m, prompt, tl.GenerateConfig(max_tokens=1, loops=loops)))
+        return res
     finally:
         tl.free_model(m)
 
@@ -82,6 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-lens", default="128,1024")
     ap.add_argument("--repeats", type=int, default=5, help="timed replays per row (median)")
     ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="also the device time per kernel of one replayed first token (torch.profiler)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     lens = [int(v) for v in args.prompt_lens.split(",") if v]
@@ -100,8 +125,11 @@ def main(argv=None) -> int:
         prompt = [int(t) for t in rng.integers(0, vocab, n)]
         row = {"prompt_len": n}
         for exact in (False, True):
-            row["exact" if exact else "fast"] = tinyloop_ttft(path, prompt, args.loops, args.repeats, exact)
-            log(f"prompt {n}: tinyloop {'exact' if exact else 'fast'} {row['exact' if exact else 'fast']}")
+            r = row["exact" if exact else "fast"] = tinyloop_ttft(path, prompt, args.loops, args.repeats, exact,
+                                                                  args.profile)
+            log(f"prompt {n}: tinyloop {'exact' if exact else 'fast'} ttft {r['ttft_ms']:.2f} ms")
+            for k, us in list(r.get("kernel_us", {}).items())[:8]:
+                log(f"    {k[:60]:<60} {us / 1e3:8.3f} ms")
         if not args.skip_torch:
             row["torch_eager_bf16"] = torch_ttft(path, prompt, args.loops, args.repeats)
             log(f"prompt {n}: torch {row['torch_eager_bf16']['ttft_ms']:.2f} ms")
