@@ -5,7 +5,8 @@ error of both against float64, time of both inside captured graphs, same process
 launches take the exact matmul's dp4a kernel: `--gemv-r` times it for several rows per warp
 (GEMV_R), plain and with the fused RMS norm (the decode step's form for q|k|v, gate|up and the
 head); `--mma-nw` times the tensor-core kernel at T > 1 for several MMA_MAX_NW. Launches of at least
-MMA_WIDE_T rows take the wide tensor-core kernel; each is also timed on the narrow one (same bits).
+MMA_WIDE_T rows take the wide tensor-core kernel; each is also timed on the narrow one (same bits),
+and `--wide-nw` times the wide one for several MMA_WIDE_NW.
 
     python bench/exact_matmul_bench.py [--rows 1,2,8,32,128] [--gemv-r 1,2,4] [--mma-nw 4,8,12]
         [--json out.json]
@@ -34,6 +35,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gemv-r", default="", help="rows per warp of the one-row kernel to time at T = 1")
     ap.add_argument("--mma-nw", default="",
                     help="most warps per tensor-core block (MMA_MAX_NW) to time at T > 1")
+    ap.add_argument("--wide-nw", default="",
+                    help="warps per block of the wide tensor-core kernel (MMA_WIDE_NW, dividing 16) to time "
+                         "at T >= MMA_WIDE_T")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     rows = [int(t) for t in args.rows.split(",")]
@@ -103,6 +107,17 @@ def main(argv=None) -> int:
                     mx.MMA_WIDE_T = wide_t
                 print(f"   narrow mma kernel: {r['exact_narrow_us']:8.1f} us (same bits {r['narrow_same_bits']}); "
                       f"wide x{r['exact_narrow_us'] / us_exact:5.2f}", flush=True)
+            if T >= mx.MMA_WIDE_T and args.wide_nw:
+                default_nw = mx.MMA_WIDE_NW
+                for nwv in (int(v) for v in args.wide_nw.split(",")):
+                    mx.MMA_WIDE_NW = nwv
+                    try:
+                        r[f"exact_wide_nw{nwv}_us"] = graph_time_ms(stream, exact, args.reps) * 1e3
+                        ok = bool(np.array_equal(out.copy_to_host(), got))
+                    finally:
+                        mx.MMA_WIDE_NW = default_nw
+                    print(f"   wide MMA_WIDE_NW={nwv}: {r[f'exact_wide_nw{nwv}_us']:7.1f} us (same bits {ok})",
+                          flush=True)
             if T > 1 and args.mma_nw:
                 default_nw = mx.MMA_MAX_NW
                 for nwv in (int(v) for v in args.mma_nw.split(",")):

@@ -115,6 +115,45 @@ def _group_term(V, bits, E):
     return float64(V * sm) * pow2(max(eb, 1) - 25 + E - XBITS)
 
 
+_tile_ops_cache = {}
+
+
+def _make_tile_ops(NTT: int):
+    """The tensor-core kernels' per-lane steps for NTT token tiles: `mma_limb` (one mma of a limb
+    and token tile into the int32 group sums ia[q .. q + 3], B from an 8-byte limb word) and
+    `group_terms` (the group's float64 terms of rows ra, rb added to the chunk partials acc)."""
+    if NTT in _tile_ops_cache:
+        return _tile_ops_cache[NTT]
+
+    @cuda.jit(device=True, inline=True)
+    def mma_limb(ia, q, a0, a1, a2, a3, bw):
+        d = mma_u8s8(a0, a1, a2, a3, uint32(bw & _LO), uint32(bw >> uint64(32)),
+                     ia[q], ia[q + 1], ia[q + 2], ia[q + 3])
+        ia[q] = d[0]
+        ia[q + 1] = d[1]
+        ia[q + 2] = d[2]
+        ia[q + 3] = d[3]
+
+    @cuda.jit(device=True, inline=True)
+    def group_terms(acc, ia, sbits, zeros, sx, ex, ra, rb, g, tok0, tig):
+        for h in range(2):
+            r = ra if h == 0 else rb
+            bits = sbits[r, g]
+            z = int64(zeros[r, g])
+            for tt in range(NTT):
+                for cc in range(2):
+                    tok = tok0 + tt * 8 + tig * 2 + cc
+                    idx = h * 2 + cc
+                    V = int64(0)
+                    for L in range(LIMBS):
+                        V += int64(ia[(L * NTT + tt) * 4 + idx]) << (LIMB_BITS * (LIMBS - 1 - L))
+                    V -= z * sx[tok, g]
+                    acc[tt * 4 + idx] += _group_term(V, bits, ex[tok, g])
+
+    _tile_ops_cache[NTT] = (mma_limb, group_terms)
+    return mma_limb, group_terms
+
+
 def _make_stage(norm: bool):
     if norm in _stage_cache:
         return _stage_cache[norm]
@@ -194,6 +233,7 @@ def _make_mma(NTT: int, NCH: int, GS: int, NWB: int, epilogue):
     NACC = NTT * 4
     NIA = LIMBS * NTT * 4
     NTHREADS = NWB * 32
+    mma_limb, group_terms = _make_tile_ops(NTT)
     SPG = GS // 32                     # mma steps per group = weight words per lane and row
     WPG = GS // 8                      # 4-byte weight words per group and row
     V64 = SPG % 2 == 0                 # a lane's words of a group as 8-byte loads
@@ -265,27 +305,8 @@ def _make_mma(NTT: int, NCH: int, GS: int, NWB: int, epilogue):
                     for tt in range(NTT):
                         tok = tok0 + tt * 8 + gid
                         for L in range(LIMBS):
-                            bw = limbs64[L, tok, wi]
-                            b = (L * NTT + tt) * 4
-                            d = mma_u8s8(a0, a1, a2, a3, uint32(bw & _LO), uint32(bw >> uint64(32)),
-                                         ia[b], ia[b + 1], ia[b + 2], ia[b + 3])
-                            ia[b] = d[0]
-                            ia[b + 1] = d[1]
-                            ia[b + 2] = d[2]
-                            ia[b + 3] = d[3]
-                for h in range(2):
-                    r = ra if h == 0 else rb
-                    bits = sbits[r, g]
-                    z = int64(zeros[r, g])
-                    for tt in range(NTT):
-                        for cc in range(2):
-                            tok = tok0 + tt * 8 + tig * 2 + cc
-                            idx = h * 2 + cc
-                            V = int64(0)
-                            for L in range(LIMBS):
-                                V += int64(ia[(L * NTT + tt) * 4 + idx]) << (LIMB_BITS * (LIMBS - 1 - L))
-                            V -= z * sx[tok, g]
-                            acc[tt * 4 + idx] += _group_term(V, bits, ex[tok, g])
+                            mma_limb(ia, (L * NTT + tt) * 4, a0, a1, a2, a3, limbs64[L, tok, wi])
+                group_terms(acc, ia, sbits, zeros, sx, ex, ra, rb, g, tok0, tig)
                 for j in range(SPG):
                     wa[j] = na[j]
                     wb[j] = nb[j]
@@ -344,6 +365,7 @@ def _make_mma_wide(GS: int, NWB: int, epilogue):
     NACC = NTT * 4
     NIA = LIMBS * NTT * 4
     NTHREADS = NWB * 32
+    mma_limb, group_terms = _make_tile_ops(NTT)
     SPG = GS // 32
     WPG = GS // 8
     NSR = LIMBS * TOK * 4 // NTHREADS  # staged words per thread and step
@@ -423,30 +445,11 @@ def _make_mma_wide(GS: int, NWB: int, epilogue):
                     a3 = uint32((u1 >> uint32(4)) & _M)
                     for tt in range(NTT):
                         for L in range(LIMBS):
-                            bw = buf[b, L, tt * 8 + gid, tig]
-                            q = (L * NTT + tt) * 4
-                            d = mma_u8s8(a0, a1, a2, a3, uint32(bw & _LO), uint32(bw >> uint64(32)),
-                                         ia[q], ia[q + 1], ia[q + 2], ia[q + 3])
-                            ia[q] = d[0]
-                            ia[q + 1] = d[1]
-                            ia[q + 2] = d[2]
-                            ia[q + 3] = d[3]
+                            mma_limb(ia, (L * NTT + tt) * 4, a0, a1, a2, a3, buf[b, L, tt * 8 + gid, tig])
                     if more:
                         stage_store(buf, sr, b ^ 1, tid)
                     cuda.syncthreads()
-                for h in range(2):
-                    r = ra if h == 0 else rb
-                    bits = sbits[r, g]
-                    z = int64(zeros[r, g])
-                    for tt in range(NTT):
-                        for cc in range(2):
-                            tok = tok0 + tt * 8 + tig * 2 + cc
-                            idx = h * 2 + cc
-                            V = int64(0)
-                            for L in range(LIMBS):
-                                V += int64(ia[(L * NTT + tt) * 4 + idx]) << (LIMB_BITS * (LIMBS - 1 - L))
-                            V -= z * sx[tok, g]
-                            acc[tt * 4 + idx] += _group_term(V, bits, ex[tok, g])
+                group_terms(acc, ia, sbits, zeros, sx, ex, ra, rb, g, tok0, tig)
             for i in range(NACC):
                 tot[i] += acc[i]
         if not live:
