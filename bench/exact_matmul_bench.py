@@ -6,7 +6,7 @@ launches take the exact matmul's dp4a kernel: `--gemv-r` times it for several ro
 (GEMV_R), plain and with the fused RMS norm (the decode step's form for q|k|v, gate|up and the
 head); `--mma-nw` times the tensor-core kernel at T > 1 for several MMA_MAX_NW. Launches of at least
 MMA_WIDE_T rows take the wide tensor-core kernel; each is also timed on the narrow one (same bits),
-and `--wide-nw` times the wide one for several MMA_WIDE_NW.
+and `--wide-nw` / `--wide-stages` time the wide one for several MMA_WIDE_NW / MMA_WIDE_STAGES.
 
     python bench/exact_matmul_bench.py [--rows 1,2,8,32,128] [--gemv-r 1,2,4] [--mma-nw 4,8,12]
         [--json out.json]
@@ -38,6 +38,8 @@ def main(argv=None) -> int:
     ap.add_argument("--wide-nw", default="",
                     help="warps per block of the wide tensor-core kernel (MMA_WIDE_NW, dividing 16) to time "
                          "at T >= MMA_WIDE_T")
+    ap.add_argument("--wide-stages", default="",
+                    help="pipeline stages of the wide tensor-core kernel (MMA_WIDE_STAGES) to time at T >= MMA_WIDE_T")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     rows = [int(t) for t in args.rows.split(",")]
@@ -117,6 +119,17 @@ def main(argv=None) -> int:
                     finally:
                         mx.MMA_WIDE_NW = default_nw
                     print(f"   wide MMA_WIDE_NW={nwv}: {r[f'exact_wide_nw{nwv}_us']:7.1f} us (same bits {ok})",
+                          flush=True)
+            if T >= mx.MMA_WIDE_T and args.wide_stages:
+                default_ns = mx.MMA_WIDE_STAGES
+                for nsv in (int(v) for v in args.wide_stages.split(",")):
+                    mx.MMA_WIDE_STAGES = nsv
+                    try:
+                        r[f"exact_wide_ns{nsv}_us"] = graph_time_ms(stream, exact, args.reps) * 1e3
+                        ok = bool(np.array_equal(out.copy_to_host(), got))
+                    finally:
+                        mx.MMA_WIDE_STAGES = default_ns
+                    print(f"   wide MMA_WIDE_STAGES={nsv}: {r[f'exact_wide_ns{nsv}_us']:7.1f} us (same bits {ok})",
                           flush=True)
             if T > 1 and args.mma_nw:
                 default_nw = mx.MMA_MAX_NW

@@ -38,6 +38,7 @@ from numba import cuda, float32, float64, int32, int64, uint32, uint64
 
 from ...errors import BackendError
 from ...model.exact_matmul import CHUNK_K, LIMB_BITS, LIMBS, XBITS, chunk_groups
+from ._cp_async import cp_async, cp_async_commit, cp_async_wait
 from ._common import SIM, as_bits, cdiv, check_array, pow2, rint64, seg_max, seg_sum, sync_warp, warp_max, warp_sum
 from ._dp4a import dp4a_us
 from ._mma import mma_u8s8
@@ -59,6 +60,8 @@ MAX_NTT = 4
 MMA_WIDE_T = 64
 MMA_WIDE_NW = 4
 WIDE_NTT = MAX_NTT
+#: Pipeline stages of the wide kernel: mma steps whose operands are in flight (cp.async) at once.
+MMA_WIDE_STAGES = 4
 
 _M = uint32(0x0F0F0F0F)
 _LO = uint64(0xFFFFFFFF)
@@ -135,20 +138,21 @@ def _make_tile_ops(NTT: int):
         ia[q + 3] = d[3]
 
     @cuda.jit(device=True, inline=True)
-    def group_terms(acc, ia, sbits, zeros, sx, ex, ra, rb, g, tok0, tig):
+    def group_terms(acc, ia, bits_a, z_a, bits_b, z_b, sx, ex, tb, col, tig):
+        """Rows ra (scale bits bits_a, zero z_a) and rb; the group's sums of X and exponents of
+        token row tb + i at sx[tb + i, col], ex[tb + i, col]."""
         for h in range(2):
-            r = ra if h == 0 else rb
-            bits = sbits[r, g]
-            z = int64(zeros[r, g])
+            bits = bits_a if h == 0 else bits_b
+            z = int64(z_a if h == 0 else z_b)
             for tt in range(NTT):
                 for cc in range(2):
-                    tok = tok0 + tt * 8 + tig * 2 + cc
+                    tok = tb + tt * 8 + tig * 2 + cc
                     idx = h * 2 + cc
                     V = int64(0)
                     for L in range(LIMBS):
                         V += int64(ia[(L * NTT + tt) * 4 + idx]) << (LIMB_BITS * (LIMBS - 1 - L))
-                    V -= z * sx[tok, g]
-                    acc[tt * 4 + idx] += _group_term(V, bits, ex[tok, g])
+                    V -= z * sx[tok, col]
+                    acc[tt * 4 + idx] += _group_term(V, bits, ex[tok, col])
 
     _tile_ops_cache[NTT] = (mma_limb, group_terms)
     return mma_limb, group_terms
@@ -306,7 +310,7 @@ def _make_mma(NTT: int, NCH: int, GS: int, NWB: int, epilogue):
                         tok = tok0 + tt * 8 + gid
                         for L in range(LIMBS):
                             mma_limb(ia, (L * NTT + tt) * 4, a0, a1, a2, a3, limbs64[L, tok, wi])
-                group_terms(acc, ia, sbits, zeros, sx, ex, ra, rb, g, tok0, tig)
+                group_terms(acc, ia, sbits[ra, g], zeros[ra, g], sbits[rb, g], zeros[rb, g], sx, ex, tok0, g, tig)
                 for j in range(SPG):
                     wa[j] = na[j]
                     wb[j] = nb[j]
@@ -345,16 +349,16 @@ def _make_mma(NTT: int, NCH: int, GS: int, NWB: int, epilogue):
     return mma
 
 
-def _make_mma_wide(GS: int, NWB: int, epilogue):
+def _make_mma_wide(GS: int, NWB: int, NS: int, epilogue):
     """The tensor-core kernel for launches of at least MMA_WIDE_T rows: warp w of block (bx, by)
     owns 16-row tile bx * NWB + w (8 row pairs with an epilogue) and token rows 32 by .. 32 by + 31
     (four token tiles) over the whole of k, so a weight tile is read once per 32 token rows and no
-    partials cross warps; the token rows' limbs of each mma step (lane tig's word of the group in
-    every limb and token row: 4 KB) are staged into shared memory, double-buffered, and read by all
-    of the block's warps (the narrow kernel reads them from global memory in every warp). A warp's
-    outputs add their chunks' partials in chunk order in registers: the narrow kernel's sums, the
-    same bits."""
-    key = ("wide", GS, NWB, None if epilogue is None else epilogue.name)
+    partials cross warps. Every mma step's operands come through shared memory, NS steps in flight
+    (cp.async, no registers held for them): the block's 4 KB of limbs (4 limbs x 32 token rows x
+    the 4 words of the step), each lane's two weight words, and at a group's first step the
+    group's X sums and exponents of the 32 token rows. One barrier per step. A warp's outputs add
+    their chunks' partials in registers in chunk order: the narrow kernel's sums, the same bits."""
+    key = ("wide", GS, NWB, NS, None if epilogue is None else epilogue.name)
     if key in _mma_cache:
         return _mma_cache[key]
     pair = epilogue is not None
@@ -365,26 +369,42 @@ def _make_mma_wide(GS: int, NWB: int, epilogue):
     NACC = NTT * 4
     NIA = LIMBS * NTT * 4
     NTHREADS = NWB * 32
-    mma_limb, group_terms = _make_tile_ops(NTT)
     SPG = GS // 32
     WPG = GS // 8
-    NSR = LIMBS * TOK * 4 // NTHREADS  # staged words per thread and step
-    assert NSR * NTHREADS == LIMBS * TOK * 4
+    LW = LIMBS * TOK * 4               # limb words of one step
+    NSR = LW // NTHREADS               # of them copied by each thread
+    assert NSR * NTHREADS == LW and NTHREADS >= 2 * TOK and NS >= 2
+    SL = NS * LW                       # shared sizes must be literal constants
+    SW = NS * NTHREADS * 2
+    mma_limb, group_terms = _make_tile_ops(NTT)
+    wait_stage = cp_async_wait(NS - 2)
 
     @cuda.jit(device=True, inline=True)
-    def stage_load(sr, limbs64, tok0, j, tid):
-        """Registers <- step j's limb words: (limb, token row, tig) of word g * WPG + tig * SPG + s."""
-        g = j // SPG
-        s = j - g * SPG
-        for r in range(NSR):
-            i = tid + r * NTHREADS
-            sr[r] = limbs64[i // (TOK * 4), tok0 + ((i >> 2) % TOK), g * WPG + (i & 3) * SPG + s]
-
-    @cuda.jit(device=True, inline=True)
-    def stage_store(buf, sr, b, tid):
-        for r in range(NSR):
-            i = tid + r * NTHREADS
-            buf[b, i // (TOK * 4), (i >> 2) % TOK, i & 3] = sr[r]
+    def issue(bl, bw, bsx, bex, limbs64, w32, sx, ex, ra, rb, tok0, j, nsteps, tid, tig):
+        """Start the copies of step j's operands into stage j % NS, and commit them as one group
+        (an empty group past the last step, so every thread's group count stays in step)."""
+        if j < nsteps:
+            st = j % NS
+            g = j // SPG
+            s = j - g * SPG
+            TP = limbs64.shape[1]
+            K8 = limbs64.shape[2]
+            for r in range(NSR):
+                i = tid + r * NTHREADS
+                # word i of the stage: limb i // (TOK * 4), token row (i >> 2) % TOK, tig i & 3
+                cp_async(bl, st * LW + i, limbs64,
+                         ((i // (TOK * 4)) * TP + tok0 + ((i >> 2) % TOK)) * K8 + g * WPG + (i & 3) * SPG + s)
+            KW = w32.shape[1]
+            wi = g * WPG + tig * SPG + s
+            cp_async(bw, (st * NTHREADS + tid) * 2, w32, ra * KW + wi)
+            cp_async(bw, (st * NTHREADS + tid) * 2 + 1, w32, rb * KW + wi)
+            if s == 0:
+                G = sx.shape[1]
+                if tid < TOK:
+                    cp_async(bsx, tid * NS + g % NS, sx, (tok0 + tid) * G + g)
+                elif tid < 2 * TOK:
+                    cp_async(bex, (tid - TOK) * NS + g % NS, ex, (tok0 + tid - TOK) * G + g)
+        cp_async_commit()
 
     @cuda.jit
     def mma(out, w32, w64, sbits, zeros, limbs64, sx, ex, T, N, cg, nch, acc_flag, ep):
@@ -405,19 +425,17 @@ def _make_mma_wide(GS: int, NWB: int, epilogue):
         else:
             ra = min(tile * 16 + gid, N - 1)
             rb = min(tile * 16 + gid + 8, N - 1)
-        buf = cuda.shared.array((2, LIMBS, TOK, 4), uint64)
-        sr = cuda.local.array(NSR, uint64)
+        bl = cuda.shared.array(SL, uint64)
+        bw = cuda.shared.array(SW, uint32)
+        bsx = cuda.shared.array((TOK, NS), int64)
+        bex = cuda.shared.array((TOK, NS), int32)
         tot = cuda.local.array(NACC, float64)
         acc = cuda.local.array(NACC, float64)
         ia = cuda.local.array(NIA, int32)
         grid_dep_wait()
-        # lane tig's weight word of step j (group g = j // SPG, s = j % SPG): g * WPG + tig * SPG + s
-        u0n = w32[ra, tig * SPG]
-        u1n = w32[rb, tig * SPG]
-        stage_load(sr, limbs64, tok0, 0, tid)
-        stage_store(buf, sr, 0, tid)
-        cuda.syncthreads()
         nsteps = G * SPG
+        for j in range(NS - 1):
+            issue(bl, bw, bsx, bex, limbs64, w32, sx, ex, ra, rb, tok0, j, nsteps, tid, tig)
         for i in range(NACC):
             tot[i] = 0.0
         for c in range(nch):
@@ -427,29 +445,29 @@ def _make_mma_wide(GS: int, NWB: int, epilogue):
             for g in range(c * cg, g1):
                 for i in range(NIA):
                     ia[i] = int32(0)
+                bits_a = sbits[ra, g]      # used after the group's steps
+                z_a = zeros[ra, g]
+                bits_b = sbits[rb, g]
+                z_b = zeros[rb, g]
                 for s in range(SPG):
                     j = g * SPG + s
-                    b = j & 1
-                    more = j + 1 < nsteps
-                    u0 = u0n
-                    u1 = u1n
-                    if more:
-                        stage_load(sr, limbs64, tok0, j + 1, tid)
-                        gn = (j + 1) // SPG
-                        wn = gn * WPG + tig * SPG + (j + 1 - gn * SPG)
-                        u0n = w32[ra, wn]
-                        u1n = w32[rb, wn]
+                    # step j's copies are done (NS - 2 younger groups may be in flight); after the
+                    # barrier every thread's are visible, and stage (j - 1) % NS is free again
+                    wait_stage()
+                    cuda.syncthreads()
+                    issue(bl, bw, bsx, bex, limbs64, w32, sx, ex, ra, rb, tok0, j + NS - 1, nsteps, tid, tig)
+                    st = j % NS
+                    u0 = bw[(st * NTHREADS + tid) * 2]
+                    u1 = bw[(st * NTHREADS + tid) * 2 + 1]
                     a0 = uint32(u0 & _M)
                     a2 = uint32((u0 >> uint32(4)) & _M)
                     a1 = uint32(u1 & _M)
                     a3 = uint32((u1 >> uint32(4)) & _M)
                     for tt in range(NTT):
                         for L in range(LIMBS):
-                            mma_limb(ia, (L * NTT + tt) * 4, a0, a1, a2, a3, buf[b, L, tt * 8 + gid, tig])
-                    if more:
-                        stage_store(buf, sr, b ^ 1, tid)
-                    cuda.syncthreads()
-                group_terms(acc, ia, sbits, zeros, sx, ex, ra, rb, g, tok0, tig)
+                            mma_limb(ia, (L * NTT + tt) * 4, a0, a1, a2, a3,
+                                     bl[st * LW + (L * TOK + tt * 8 + gid) * 4 + tig])
+                group_terms(acc, ia, bits_a, z_a, bits_b, z_b, bsx, bex, 0, g % NS, tig)
             for i in range(NACC):
                 tot[i] += acc[i]
         if not live:
@@ -806,7 +824,7 @@ def matmul_exact(out, x, w, scales, zeros, limbs=None, sx=None, ex=None, accumul
     l64 = limbs.view(np.uint64)
     tiles = cdiv(N // 2, 8) if epilogue is not None else cdiv(N, 16)
     if T >= MMA_WIDE_T:
-        _make_mma_wide(group, MMA_WIDE_NW, epilogue)[(cdiv(tiles, MMA_WIDE_NW), cdiv(T, 8 * WIDE_NTT)),
+        _make_mma_wide(group, MMA_WIDE_NW, MMA_WIDE_STAGES, epilogue)[(cdiv(tiles, MMA_WIDE_NW), cdiv(T, 8 * WIDE_NTT)),
                                                      MMA_WIDE_NW * 32, stream](
             out, w32, w.view(np.uint64), sbits, zeros, l64, sx, ex, T, N, cg, nch, 1 if accumulate else 0, ep)
         return
@@ -832,7 +850,7 @@ def ptx_signatures(epilogues=()):
     for GS, epi in [(128, None), (32, None), (96, None), (256, None)] + [(128, e) for e in epilogues]:
         es = "UniTuple(int64, 1)" if epi is None else epi.sig
         tag = "" if epi is None else f"_{epi.name}"
-        sigs.append((f"matmul_exact_mma_wide{tag}_{GS}", _make_mma_wide(GS, MMA_WIDE_NW, epi).py_func,
+        sigs.append((f"matmul_exact_mma_wide{tag}_{GS}", _make_mma_wide(GS, MMA_WIDE_NW, MMA_WIDE_STAGES, epi).py_func,
                      f"void({head}, {es})"))
     ghead = ("float32[:, ::1], uint64[:, ::1], uint16[:, ::1], uint8[:, ::1], float32[:, ::1], float32[::1], "
              "float32, int64, int64")
