@@ -225,6 +225,27 @@ def test_rmsnorm_add_swiglu_embed_gpu():
     close(host(o), W[ids], 1e-6)
 
 
+@pytest.mark.parametrize("cdt", [np.float16, np.float32])
+def test_attention_rows_form_equals_split_blocks_gpu(monkeypatch, cdt):
+    """A prefill-sized launch (100 rows over up to 1100 keys, 16 heads of 128, GQA 4:1) in the rows
+    form gives the split blocks' bits, and against the float64 reference."""
+    rng = np.random.default_rng(3)
+    T, H, Hk, hd, S, p0 = 100, 16, 4, 128, 1200, 1000
+    kc_h = rng.standard_normal((1, S, Hk, hd)).astype(cdt)
+    vc_h = rng.standard_normal((1, S, Hk, hd)).astype(cdt)
+    q = rng.standard_normal((T, H * hd)).astype(np.float32)
+    kc, vc, qd, pos = D(kc_h), D(vc_h), D(q), D(np.array([p0], np.int32))
+    work, cnt = att_ws(T, H, hd)
+    outs = []
+    for rows_t in (1 << 30, 1):
+        monkeypatch.setattr(attention, "ROWS_T", rows_t)
+        out = D(np.full((T, H * hd), np.nan, np.float32))
+        attention.attention(out, qd, kc, vc, 0, pos, work, cnt)
+        outs.append(host(out))
+    assert np.array_equal(outs[0], outs[1])
+    assert rel_err(outs[1], ref_attention(q, kc_h, vc_h, 0, p0, H, Hk, hd)) < 1e-5
+
+
 def test_rope_attention_long_context_gpu():
     rng = np.random.default_rng(2)
     T, H, Hk, hd, L, S, layer = 4, 16, 4, 128, 3, 8192, 2

@@ -1543,6 +1543,36 @@ def test_attention_ring(name, p0):
         assert np.array_equal(host(o1)[0], got[t]), t
 
 
+@pytest.mark.parametrize("name,layout", [("fp16", "causal"), ("int4", "causal"), ("int8", "ring"),
+                                         ("fp32", "tree")])
+def test_attention_rows_form_equals_split_blocks(monkeypatch, name, layout):
+    """The rows form (ROWS_T rows and more: one block per (row, head) running the Z splits in
+    turn, combined in registers) gives the split blocks' bits: causal rows of Z + 1 chunks (split
+    0 takes two), a wrapped ring, draft-tree rows."""
+    codec, impl = CODECS[name]
+    rng = np.random.default_rng(36)
+    T, H, Hk, hd, p0 = 3, 2, 1, 8, CK * Z + 1
+    W = 11 if layout == "ring" else 0
+    S = 16 if layout == "ring" else p0 + T + 1
+    kr, _ = encoded_cache(codec, rng.standard_normal((1, S, Hk, hd)).astype(np.float32))
+    vr, _ = encoded_cache(codec, rng.standard_normal((1, S, Hk, hd)).astype(np.float32))
+    q = D(rng.standard_normal((T, H * hd)).astype(np.float32))
+    pos = D(np.array([p0 + 20 if layout == "ring" else p0], np.int32))
+    tree = {}
+    if layout == "tree":                     # root, then two siblings at depth 1
+        tree = dict(depth=D(np.array([0, 1, 1], np.int32)), path=D(np.array([[0, 0], [0, 1], [0, 2]], np.int32)))
+    work, cnt = att_ws(T, H, hd)
+    outs = []
+    for rows_t in (1 << 30, 1):
+        monkeypatch.setattr(attention, "ROWS_T", rows_t)
+        out = D(np.full((T, H * hd), np.nan, np.float32))
+        attention.attention(out, q, kr, vr, 0, pos, work, cnt, codec=impl, window=W, **tree)
+        outs.append(host(out))
+    assert not np.isnan(outs[0]).any()
+    assert np.array_equal(outs[0], outs[1])
+    assert not host(cnt).any()
+
+
 def test_attention_ring_without_wrap_equals_linear():
     """Before anything wraps (positions < S) and with a window covering them, the ring kernel
     reduces the same keys in the same order as the linear one: the same bits."""

@@ -144,17 +144,26 @@ REC = 2                 # floats ahead of acc in a split's record: m, l
 _JIT_OPTS = {} if SIM else {"max_registers": 128}   # 256 threads x 128 registers: 2 blocks per SM
 
 assert CK % NW == 0 and 0 < KPW <= 32 and KPW % U == 0, (CK, NW, U)
+#: Launches of at least this many rows take the rows form (grid (T, H): a block runs its row's Z
+#: splits one after the other and combines them in registers); fewer rows keep the splits in Z
+#: blocks, whose parallelism a short launch needs. The same bits either way.
+ROWS_T = 64
 
 _kernels = {}
 
 
-def _make_kernel(nd, codec=FP16, ring=False):
+def _make_kernel(nd, codec=FP16, ring=False, seq=False):
     """The attention kernel for head widths with nd = ceil(hd / 32) dims per lane, cache rows
-    decoded by `codec` (a kv_codecs.CUDAKVCodec), over a ring of slots when `ring`."""
-    key = (nd, codec, bool(ring))
+    decoded by `codec` (a kv_codecs.CUDAKVCodec), over a ring of slots when `ring`; `seq`: the
+    rows form (grid (T, H); each block runs the Z splits one after the other and combines them
+    in registers, no workspace, no arrival count), the same arithmetic for every row."""
+    key = (nd, codec, bool(ring), bool(seq))
     if key in _kernels:
         return _kernels[key]
     RING = bool(ring)
+    SEQ = bool(seq)
+    ZS = Z if SEQ else 1              # splits a block runs
+    ZH = MAX_HD if SEQ else 1         # the rows form keeps each split's acc in shared memory
     PACK = codec.pack
     row_params = codec.row_params
     lane_offset = codec.lane_offset
@@ -190,7 +199,6 @@ def _make_kernel(nd, codec=FP16, ring=False):
         H = q.shape[1] // hd
         t = cuda.blockIdx.x
         h = cuda.blockIdx.y
-        z = cuda.blockIdx.z
         kvh = h // (H // Hk)
         # Flat cache offsets in unsigned arithmetic (no negative-index wrap-around per load):
         # code (layer, slot, kvh, c) is at base + slot * row + c, the row's scale and zero at
@@ -213,6 +221,9 @@ def _make_kernel(nd, codec=FP16, ring=False):
         kk = cuda.local.array((KPW, nd), float32)
         vv = cuda.local.array((KPW, nd), float32)
         tv = cuda.local.array(nd, float32)
+        sm = cuda.shared.array(ZS, float32)  # the rows form's split results (m, l, acc)
+        sl = cuda.shared.array(ZS, float32)
+        sa = cuda.shared.array((ZS, ZH), float32)
         for k in range(nd):
             d = lane + 32 * k
             qv[k] = q[t, h * hd + d] if d < hd else float32(0.0)
@@ -222,86 +233,112 @@ def _make_kernel(nd, codec=FP16, ring=False):
         # pos[0] has arrived (their slots do not depend on it; clamped into the cache, a row past
         # the key count is loaded but never used). A ring's slots depend on the position.
         ahead = not tree and not RING
-        if ahead:
-            for i in range(KPW):
-                slot = uint64(min(z * CK + warp + NW * i, S - 1))
-                load_row(kf, ks, kz, base + slot * row, sbase + slot * uhk, kk, i, lane, hd)
-                load_row(vf, vs, vz, base + slot * row, sbase + slot * uhk, vv, i, lane, hd)
-        p0 = pos[0]
-        s0 = 0
-        if RING:
-            pt = p0 + t
-            j0 = max(0, pt - W + 1)
-            n_slots = pt - j0 + 1
-            s0 = j0 % S
-        elif tree:
-            n_slots = min(p0 + depth[t] + 1, S)
-        else:
-            n_slots = min(p0 + t + 1, S)
-        m = NEG_INF
-        l = float32(0.0)
-        acc = float32(0.0)
-        for c in range(z, (n_slots + CK - 1) // CK, Z):
-            c0 = c * CK
-            cn = min(CK, n_slots - c0)
-            n_mine = (cn - warp + NW - 1) // NW  # keys of this warp
-            s_mine = NEG_INF
-            # 1. scores, U keys at a time; the same keys' value rows are requested with their key
-            # rows (step 4 reads them from registers), unless they came ahead. Every warp runs the
-            # KPW / U steps (the butterflies stay in uniform control flow); a key past n_mine
-            # reads slot 0, unused.
-            for i0 in range(0, KPW, U):
-                if not (ahead and c == z):
+        for zi in range(ZS):
+            z = zi if SEQ else cuda.blockIdx.z
+            if ahead:
+                for i in range(KPW):
+                    slot = uint64(min(z * CK + warp + NW * i, S - 1))
+                    load_row(kf, ks, kz, base + slot * row, sbase + slot * uhk, kk, i, lane, hd)
+                    load_row(vf, vs, vz, base + slot * row, sbase + slot * uhk, vv, i, lane, hd)
+            p0 = pos[0]
+            s0 = 0
+            if RING:
+                pt = p0 + t
+                j0 = max(0, pt - W + 1)
+                n_slots = pt - j0 + 1
+                s0 = j0 % S
+            elif tree:
+                n_slots = min(p0 + depth[t] + 1, S)
+            else:
+                n_slots = min(p0 + t + 1, S)
+            m = NEG_INF
+            l = float32(0.0)
+            acc = float32(0.0)
+            for c in range(z, (n_slots + CK - 1) // CK, Z):
+                c0 = c * CK
+                cn = min(CK, n_slots - c0)
+                n_mine = (cn - warp + NW - 1) // NW  # keys of this warp
+                s_mine = NEG_INF
+                # 1. scores, U keys at a time; the same keys' value rows are requested with their key
+                # rows (step 4 reads them from registers), unless they came ahead. Every warp runs the
+                # KPW / U steps (the butterflies stay in uniform control flow); a key past n_mine
+                # reads slot 0, unused.
+                for i0 in range(0, KPW, U):
+                    if not (ahead and c == z):
+                        for u in range(U):
+                            i = i0 + u
+                            slot = 0
+                            if i < n_mine:
+                                slot = slot_of(c0 + warp + NW * i, p0, t, tree, path, s0, S)
+                            off = base + uint64(slot) * row
+                            srow = sbase + uint64(slot) * uhk
+                            load_row(kf, ks, kz, off, srow, kk, i, lane, hd)
+                            load_row(vf, vs, vz, off, srow, vv, i, lane, hd)
                     for u in range(U):
-                        i = i0 + u
-                        slot = 0
-                        if i < n_mine:
-                            slot = slot_of(c0 + warp + NW * i, p0, t, tree, path, s0, S)
-                        off = base + uint64(slot) * row
-                        srow = sbase + uint64(slot) * uhk
-                        load_row(kf, ks, kz, off, srow, kk, i, lane, hd)
-                        load_row(vf, vs, vz, off, srow, vv, i, lane, hd)
-                for u in range(U):
-                    pp = float32(0.0)
-                    for k in range(nd):
-                        pp = cuda.fma(qv[k], kk[i0 + u, k], pp)
-                    tot = warp_sum(pp, scratch, warp, lane)
-                    if lane == i0 + u and i0 + u < n_mine:
-                        s_mine = tot * scale
-            # 2. running max
-            m_new = max(m, block_max_once(s_mine, scratch, pmax, warp, lane, NW))
-            # 3. weights and their sum
-            e = float32(0.0)
-            if lane < n_mine:
-                e = math.exp(s_mine - m_new)
-            if lane < KPW:
-                sc[warp + NW * lane] = e
-            # (the barrier inside also publishes every lane's sc[] entries)
-            csum = block_sum_once(e, scratch, psum, warp, lane, NW)
-            alpha = math.exp(m - m_new)  # exp(-inf) = 0 on the block's first chunk
-            l = cuda.fma(l, alpha, csum)
-            # 4. values: the warp's keys in order, from the rows loaded in step 1
-            for k in range(nd):
-                tv[k] = float32(0.0)
-            for i in range(KPW):
-                if i < n_mine:
-                    ew = sc[warp + NW * i]
-                    for k in range(nd):
-                        tv[k] = cuda.fma(ew, vv[i, k], tv[k])
-            for k in range(nd):
-                d = lane + 32 * k
-                if d < hd:
-                    pv[warp, d] = tv[k]
-            # Every warp's partials must be stored before thread d adds them up. (No barrier at the
-            # chunk's end: the next chunk writes pmax after this barrier, sc/psum after its
-            # first and pv after its second, when every thread is done reading the old values.)
+                        pp = float32(0.0)
+                        for k in range(nd):
+                            pp = cuda.fma(qv[k], kk[i0 + u, k], pp)
+                        tot = warp_sum(pp, scratch, warp, lane)
+                        if lane == i0 + u and i0 + u < n_mine:
+                            s_mine = tot * scale
+                # 2. running max
+                m_new = max(m, block_max_once(s_mine, scratch, pmax, warp, lane, NW))
+                # 3. weights and their sum
+                e = float32(0.0)
+                if lane < n_mine:
+                    e = math.exp(s_mine - m_new)
+                if lane < KPW:
+                    sc[warp + NW * lane] = e
+                # (the barrier inside also publishes every lane's sc[] entries)
+                csum = block_sum_once(e, scratch, psum, warp, lane, NW)
+                alpha = math.exp(m - m_new)  # exp(-inf) = 0 on the block's first chunk
+                l = cuda.fma(l, alpha, csum)
+                # 4. values: the warp's keys in order, from the rows loaded in step 1
+                for k in range(nd):
+                    tv[k] = float32(0.0)
+                for i in range(KPW):
+                    if i < n_mine:
+                        ew = sc[warp + NW * i]
+                        for k in range(nd):
+                            tv[k] = cuda.fma(ew, vv[i, k], tv[k])
+                for k in range(nd):
+                    d = lane + 32 * k
+                    if d < hd:
+                        pv[warp, d] = tv[k]
+                # Every warp's partials must be stored before thread d adds them up. (No barrier at the
+                # chunk's end: the next chunk writes pmax after this barrier, sc/psum after its
+                # first and pv after its second, when every thread is done reading the old values.)
+                cuda.syncthreads()
+                if tid < hd:
+                    tvs = pv[0, tid]
+                    for w in range(1, NW):
+                        tvs += pv[w, tid]
+                    acc = cuda.fma(acc, alpha, tvs)
+                m = m_new
+
+            if SEQ:
+                if tid == 0:              # m and l are the same in every thread
+                    sm[zi] = m
+                    sl[zi] = l
+                if tid < hd:
+                    sa[zi, tid] = acc
+
+        if SEQ:
+            # the last-block combine below, on the block's own records: the same values in the
+            # same order
             cuda.syncthreads()
+            mx = sm[0]
+            for zz in range(1, Z):
+                mx = max(mx, sm[zz])
             if tid < hd:
-                tvs = pv[0, tid]
-                for w in range(1, NW):
-                    tvs += pv[w, tid]
-                acc = cuda.fma(acc, alpha, tvs)
-            m = m_new
+                ls = float32(0.0)
+                a = float32(0.0)
+                for zz in range(Z):
+                    wz = math.exp(sm[zz] - mx)
+                    ls = cuda.fma(sl[zz], wz, ls)
+                    a = cuda.fma(sa[zz, tid], wz, a)
+                out[t, h * hd + tid] = a / ls
+            return
 
         # Combine: publish this split's record, count the arrival; the last block adds them up.
         th = t * H + h
@@ -437,7 +474,8 @@ def attention(out, q, k_cache, v_cache, layer, pos, work, counter, stream=0, dep
     n = L * S * Hk * cols
     # codecs without a scale or zero point never read those arguments: `work` stands in
     ks, kz, vs, vz = (work if a is None else a for a in (ks, kz, vs, vz))
-    _make_kernel((hd + 31) // 32, cdc, window > 0)[(T, H, Z), NT, stream](
+    seq = T >= ROWS_T
+    _make_kernel((hd + 31) // 32, cdc, window > 0, seq)[(T, H, 1 if seq else Z), NT, stream](
         out, q, kr.data.reshape(n), ks, kz, vr.data.reshape(n), vs, vz, S, Hk, hd, layer, pos, scale,
         window, depth, path, work, counter)
 
@@ -452,10 +490,12 @@ def ptx_signatures():
     sigs = []
     for codec, nds in PTX_VARIANTS:
         c = f"{np.dtype(codec.dtype).name}[::1]"
-        for ring in (False, True):
+        for ring, seq in ((False, False), (True, False), (False, True), (True, True)):
+            if seq and nds != PTX_VARIANTS[0][1] and codec is not INT4:
+                continue                         # the rows form: fp16 and int4, every head width
             for nd in nds:
-                sigs.append((f"attention_{codec.name}_nd{nd}{'_ring' if ring else ''}",
-                             _make_kernel(nd, codec, ring).py_func,
+                sigs.append((f"attention_{codec.name}_nd{nd}{'_ring' if ring else ''}{'_rows' if seq else ''}",
+                             _make_kernel(nd, codec, ring, seq).py_func,
                              f"void({m}, {m}, {c}, {f}, {f}, {c}, {f}, {f}, int64, int64, int64, int64, "
                              "int32[::1], float32, int64, int32[::1], int32[:, ::1], float32[::1], "
                              "int32[::1])"))
