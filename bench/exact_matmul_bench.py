@@ -5,8 +5,8 @@ error of both against float64, time of both inside captured graphs, same process
 launches take the exact matmul's dp4a kernel: `--gemv-r` times it for several rows per warp
 (GEMV_R), plain and with the fused RMS norm (the decode step's form for q|k|v, gate|up and the
 head); `--mma-nw` times the tensor-core kernel at T > 1 for several MMA_MAX_NW. Launches of at least
-MMA_WIDE_T rows take the wide tensor-core kernel; each is also timed on the narrow one (same bits),
-and `--wide-nw` / `--wide-stages` time the wide one for several MMA_WIDE_NW / MMA_WIDE_STAGES.
+MMA_WIDE_T rows take the wide tensor-core kernel where it fills MMA_WIDE_BLOCKS blocks; each such
+launch is also timed on both tensor-core kernels (same bits).
 
     python bench/exact_matmul_bench.py [--rows 1,2,8,32,128] [--gemv-r 1,2,4] [--mma-nw 4,8,12]
         [--json out.json]
@@ -35,11 +35,6 @@ def main(argv=None) -> int:
     ap.add_argument("--gemv-r", default="", help="rows per warp of the one-row kernel to time at T = 1")
     ap.add_argument("--mma-nw", default="",
                     help="most warps per tensor-core block (MMA_MAX_NW) to time at T > 1")
-    ap.add_argument("--wide-nw", default="",
-                    help="warps per block of the wide tensor-core kernel (MMA_WIDE_NW, dividing 16) to time "
-                         "at T >= MMA_WIDE_T")
-    ap.add_argument("--wide-stages", default="",
-                    help="pipeline stages of the wide tensor-core kernel (MMA_WIDE_STAGES) to time at T >= MMA_WIDE_T")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     rows = [int(t) for t in args.rows.split(",")]
@@ -99,38 +94,20 @@ def main(argv=None) -> int:
             print(f"{name:11} T={T:<4} fast {us_fast:8.1f} us  exact {us_exact:8.1f} us  x{us_fast / us_exact:5.2f}  "
                   f"bits={same}  err fast {r['err_fast']:.1e} exact {r['err_exact']:.1e}", flush=True)
             if T >= mx.MMA_WIDE_T:
-                # the same launch on the narrow tensor-core kernel (the one below MMA_WIDE_T rows)
-                wide_t = mx.MMA_WIDE_T
-                mx.MMA_WIDE_T = 1 << 30
+                # the same launch on each tensor-core kernel (the launcher picks one by its block rule)
+                wide_t, wide_b = mx.MMA_WIDE_T, mx.MMA_WIDE_BLOCKS
                 try:
+                    mx.MMA_WIDE_T = 1 << 30
                     r["exact_narrow_us"] = graph_time_ms(stream, exact, args.reps) * 1e3
                     r["narrow_same_bits"] = bool(np.array_equal(out.copy_to_host(), got))
+                    mx.MMA_WIDE_T, mx.MMA_WIDE_BLOCKS = wide_t, 1
+                    r["exact_wide_us"] = graph_time_ms(stream, exact, args.reps) * 1e3
+                    r["wide_same_bits"] = bool(np.array_equal(out.copy_to_host(), got))
                 finally:
-                    mx.MMA_WIDE_T = wide_t
-                print(f"   narrow mma kernel: {r['exact_narrow_us']:8.1f} us (same bits {r['narrow_same_bits']}); "
-                      f"wide x{r['exact_narrow_us'] / us_exact:5.2f}", flush=True)
-            if T >= mx.MMA_WIDE_T and args.wide_nw:
-                default_nw = mx.MMA_WIDE_NW
-                for nwv in (int(v) for v in args.wide_nw.split(",")):
-                    mx.MMA_WIDE_NW = nwv
-                    try:
-                        r[f"exact_wide_nw{nwv}_us"] = graph_time_ms(stream, exact, args.reps) * 1e3
-                        ok = bool(np.array_equal(out.copy_to_host(), got))
-                    finally:
-                        mx.MMA_WIDE_NW = default_nw
-                    print(f"   wide MMA_WIDE_NW={nwv}: {r[f'exact_wide_nw{nwv}_us']:7.1f} us (same bits {ok})",
-                          flush=True)
-            if T >= mx.MMA_WIDE_T and args.wide_stages:
-                default_ns = mx.MMA_WIDE_STAGES
-                for nsv in (int(v) for v in args.wide_stages.split(",")):
-                    mx.MMA_WIDE_STAGES = nsv
-                    try:
-                        r[f"exact_wide_ns{nsv}_us"] = graph_time_ms(stream, exact, args.reps) * 1e3
-                        ok = bool(np.array_equal(out.copy_to_host(), got))
-                    finally:
-                        mx.MMA_WIDE_STAGES = default_ns
-                    print(f"   wide MMA_WIDE_STAGES={nsv}: {r[f'exact_wide_ns{nsv}_us']:7.1f} us (same bits {ok})",
-                          flush=True)
+                    mx.MMA_WIDE_T, mx.MMA_WIDE_BLOCKS = wide_t, wide_b
+                print(f"   narrow mma kernel {r['exact_narrow_us']:8.1f} us, wide {r['exact_wide_us']:8.1f} us "
+                      f"(same bits {r['narrow_same_bits']} {r['wide_same_bits']}); wide x"
+                      f"{r['exact_narrow_us'] / r['exact_wide_us']:5.2f}", flush=True)
             if T > 1 and args.mma_nw:
                 default_nw = mx.MMA_MAX_NW
                 for nwv in (int(v) for v in args.mma_nw.split(",")):

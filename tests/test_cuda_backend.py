@@ -73,6 +73,26 @@ def test_greedy_tokens_equal_cpu(pair, loops, cache_mode):
         assert tl.generate(gpu, p, cfg) == tl.generate(cpu, p, cfg)
 
 
+@pytest.mark.parametrize("cache_mode", ["fp16", "int4"])
+def test_long_prompt_rows_form_equals_chunks_and_cpu(pair, cache_mode):
+    """A 100-token prompt in one chunk (attention's rows form: ROWS_T rows and more) gives the
+    tokens of 8-row chunks (the split blocks), and with an fp16 cache those of the CPU (an int4
+    cache's CPU comparison allows near-ties: test_quantized_cache_greedy_tokens_equal_cpu)."""
+    path, cpu, gpu = pair
+    p = [(7 * i + 3) % 96 + 1 for i in range(100)]
+    cfg = tl.GenerateConfig(max_tokens=12, loops=3, cache_mode=cache_mode)
+    whole = tl.load_model(str(path), max_seq_len=128, backend="cuda", prefill_chunk=128)
+    chunked = tl.load_model(str(path), max_seq_len=128, backend="cuda", prefill_chunk=8)
+    try:
+        got = tl.generate(whole, p, cfg)
+        assert got == tl.generate(chunked, p, cfg)
+        if cache_mode == "fp16":
+            assert got == tl.generate(cpu, p, cfg)
+    finally:
+        tl.free_model(whole)
+        tl.free_model(chunked)
+
+
 def test_decode_paths_identical_on_gpu(pair, monkeypatch):
     path, _, gpu = pair
     p = PROMPTS[0]

@@ -28,6 +28,13 @@ from tinyloop.model.quant import quantize, unpack  # noqa: E402
 D = cuda.to_device
 
 
+@pytest.fixture(autouse=True)
+def wide_from_64_rows(monkeypatch):
+    # every launch of MMA_WIDE_T rows and more takes the wide kernel here, however few blocks
+    # it fills (the launcher's block rule would keep these small weights on the narrow one)
+    monkeypatch.setattr(mx, "MMA_WIDE_BLOCKS", 1)
+
+
 def weight(N, K, group, seed=0):
     rng = np.random.default_rng(seed)
     parts = quantize(rng.standard_normal((N, K), dtype=np.float32) * 0.05, TensorQuant("q4", group))

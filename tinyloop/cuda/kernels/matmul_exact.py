@@ -59,6 +59,9 @@ MAX_NTT = 4
 #: warps (16-row tiles) per block, WIDE_NTT token tiles of 8 rows per warp.
 MMA_WIDE_T = 64
 MMA_WIDE_NW = 4
+#: ... and fill at least this many blocks (two per SM of an H100 or H200): with fewer, the
+#: narrow kernel's chunk-parallel blocks are faster (2048-row weights at T = 64: 0.5x).
+MMA_WIDE_BLOCKS = 256
 WIDE_NTT = MAX_NTT
 #: Pipeline stages of the wide kernel: mma steps whose operands are in flight (cp.async) at once.
 MMA_WIDE_STAGES = 4
@@ -823,7 +826,7 @@ def matmul_exact(out, x, w, scales, zeros, limbs=None, sx=None, ex=None, accumul
     sbits = scales.view(np.uint16)
     l64 = limbs.view(np.uint64)
     tiles = cdiv(N // 2, 8) if epilogue is not None else cdiv(N, 16)
-    if T >= MMA_WIDE_T:
+    if T >= MMA_WIDE_T and cdiv(tiles, MMA_WIDE_NW) * cdiv(T, 8 * WIDE_NTT) >= MMA_WIDE_BLOCKS:
         _make_mma_wide(group, MMA_WIDE_NW, MMA_WIDE_STAGES, epilogue)[(cdiv(tiles, MMA_WIDE_NW), cdiv(T, 8 * WIDE_NTT)),
                                                      MMA_WIDE_NW * 32, stream](
             out, w32, w.view(np.uint64), sbits, zeros, l64, sx, ex, T, N, cg, nch, 1 if accumulate else 0, ep)
