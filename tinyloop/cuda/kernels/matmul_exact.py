@@ -161,6 +161,28 @@ def _make_tile_ops(NTT: int):
     return mma_limb, group_terms
 
 
+_tile_rows_cache = {}
+
+
+def _make_tile_rows(epilogue):
+    """`tile_rows(ep, tile, gid, N)`: the weight rows a lane's mma rows gid and gid + 8 of 16-row
+    tile `tile` stand for (with a pair epilogue: pair tile * 8 + gid's two rows), clamped."""
+    name = None if epilogue is None else epilogue.name
+    if name in _tile_rows_cache:
+        return _tile_rows_cache[name]
+    pair = epilogue is not None
+    rows_of = epilogue.rows if pair else None
+
+    @cuda.jit(device=True, inline=True)
+    def tile_rows(ep, tile, gid, N):
+        if pair:
+            return rows_of(ep, min(tile * 8 + gid, N // 2 - 1), N)
+        return min(tile * 16 + gid, N - 1), min(tile * 16 + gid + 8, N - 1)
+
+    _tile_rows_cache[name] = tile_rows
+    return tile_rows
+
+
 def _make_stage(norm: bool):
     if norm in _stage_cache:
         return _stage_cache[norm]
@@ -234,7 +256,7 @@ def _make_mma(NTT: int, NCH: int, GS: int, NWB: int, epilogue):
     if key in _mma_cache:
         return _mma_cache[key]
     pair = epilogue is not None
-    rows_of = epilogue.rows if pair else None
+    tile_rows = _make_tile_rows(epilogue)
     store_pair = epilogue.store if pair else None
     TOK = 8 * NTT
     NACC = NTT * 4
@@ -273,12 +295,7 @@ def _make_mma(NTT: int, NCH: int, GS: int, NWB: int, epilogue):
         tile = cuda.blockIdx.x
         tok0 = cuda.blockIdx.y * TOK
         G = sbits.shape[1]
-        if pair:
-            p = min(tile * 8 + gid, N // 2 - 1)
-            ra, rb = rows_of(ep, p, N)
-        else:
-            ra = min(tile * 16 + gid, N - 1)
-            rb = min(tile * 16 + gid + 8, N - 1)
+        ra, rb = tile_rows(ep, tile, gid, N)
         part = cuda.shared.array((NCH, TOK, 16), float64)
         acc = cuda.local.array(NACC, float64)
         ia = cuda.local.array(NIA, int32)
@@ -365,7 +382,7 @@ def _make_mma_wide(GS: int, NWB: int, NS: int, epilogue):
     if key in _mma_cache:
         return _mma_cache[key]
     pair = epilogue is not None
-    rows_of = epilogue.rows if pair else None
+    tile_rows = _make_tile_rows(epilogue)
     store_pair = epilogue.store if pair else None
     NTT = WIDE_NTT
     TOK = 8 * NTT
@@ -422,12 +439,7 @@ def _make_mma_wide(GS: int, NWB: int, NS: int, epilogue):
         tile = cuda.blockIdx.x * NWB + warp
         live = tile < ntile              # a warp past the last tile stages and waits, stores nothing
         tile = min(tile, ntile - 1)
-        if pair:
-            p = min(tile * 8 + gid, N // 2 - 1)
-            ra, rb = rows_of(ep, p, N)
-        else:
-            ra = min(tile * 16 + gid, N - 1)
-            rb = min(tile * 16 + gid + 8, N - 1)
+        ra, rb = tile_rows(ep, tile, gid, N)
         bl = cuda.shared.array(SL, uint64)
         bw = cuda.shared.array(SW, uint32)
         bsx = cuda.shared.array((TOK, NS), int64)
