@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import numba
 import numpy as np
-from numba import cuda, float32, int32, uint32, uint64
+from numba import cuda, float32, int32, int64, uint32, uint64
 
 from ...errors import BackendError
 from ...model.init_state import C1, C2, mix
@@ -126,6 +126,13 @@ if not SIM:
         """2.0 ** e as a float64 (exact for every int e of the float64 range)."""
         return cuda.libdevice.ldexp(1.0, int32(e))
 
+    @cuda.jit(device=True)
+    def pow2n(e):
+        """2.0 ** e for e in the normal range [-1022, 1023], built from its exponent bits: the
+        value of `pow2(e)` in one integer add and shift (libdevice's ldexp guards the whole range
+        with clamps, selects and four float64 multiplies)."""
+        return cuda.libdevice.longlong_as_double(int64(int32(e) + int32(1023)) << 52)
+
 else:  # CUDA simulator twins: same butterfly, through shared memory.
     # Each lane publishes its value, reads all 32, and replays the butterfly locally, so the result
     # is bit for bit the shuffle version's, with two barriers instead of one per step (the
@@ -216,6 +223,11 @@ else:  # CUDA simulator twins: same butterfly, through shared memory.
 
     @cuda.jit(device=True)
     def pow2(e):
+        return np.ldexp(np.float64(1.0), int(e))
+
+    @cuda.jit(device=True)
+    def pow2n(e):
+        assert -1022 <= e <= 1023
         return np.ldexp(np.float64(1.0), int(e))
 
 
@@ -370,4 +382,4 @@ class Epilogue(NamedTuple):
 __all__ = ["SIM", "Epilogue", "FULL_MASK", "NEG_INF", "warp_sum", "warp_max", "block_sum",
            "block_max", "block_sum_once", "block_max_once", "as_float", "as_bits", "cdiv",
            "is_device_array", "check_array", "check_workspace", "device_pointer", "no_tree",
-           "check_tree", "rint", "mul_rn", "rint64", "pow2", "sync_warp", "seg_max", "seg_sum", "float32", "uint32"]
+           "check_tree", "rint", "mul_rn", "rint64", "pow2", "pow2n", "sync_warp", "seg_max", "seg_sum", "float32", "uint32"]

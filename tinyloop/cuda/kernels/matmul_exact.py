@@ -39,7 +39,7 @@ from numba import cuda, float32, float64, int32, int64, uint32, uint64
 from ...errors import BackendError
 from ...model.exact_matmul import CHUNK_K, LIMB_BITS, LIMBS, XBITS, chunk_groups
 from ._cp_async import cp_async, cp_async_commit, cp_async_wait
-from ._common import SIM, as_bits, cdiv, check_array, pow2, rint64, seg_max, seg_sum, sync_warp, warp_max, warp_sum
+from ._common import SIM, as_bits, cdiv, check_array, pow2, pow2n, rint64, seg_max, seg_sum, sync_warp, warp_max, warp_sum
 from ._dp4a import dp4a_us
 from ._mma import mma_u8s8
 from ._pdl import grid_dep_wait
@@ -109,27 +109,46 @@ def _limb(rest):
     return d, (rest - d) >> LIMB_BITS
 
 
-@cuda.jit(device=True)
-def _group_term(V, bits, E):
-    """A group's float64 term (step 4): the exact sum V (zero point applied) times the float16
-    scale with bits `bits` (``sm * 2^es``), times 2^(E - XBITS)."""
+@cuda.jit(device=True, inline=True)
+def _term_parts(V, bits, E):
+    """(float64(V * sm), e) of a group's term float64(V * sm) * 2^e: the exact sum V (zero point
+    applied) times the float16 scale with bits `bits` (``sm * 2^es``), e = es + E - XBITS in
+    [-176, 108] (es in [-24, 6], E in [-125, 129]): float64's normal range."""
     b = int32(bits)
     eb = (b >> 10) & 0x1F
     sm = int64(b & 0x3FF)
     if eb > 0:
         sm += 1024
-    return float64(V * sm) * pow2(max(eb, 1) - 25 + E - XBITS)
+    return float64(V * sm), max(eb, 1) - 25 + E - XBITS
+
+
+@cuda.jit(device=True)
+def _group_term(V, bits, E):
+    """A group's float64 term (step 4 of the numerics), 2^e from its exponent bits (`pow2n`)."""
+    f, e = _term_parts(V, bits, E)
+    return f * pow2n(e)
+
+
+@cuda.jit(device=True)
+def _group_term_ldexp(V, bits, E):
+    """`_group_term`'s value with 2^e from libdevice's ldexp (`pow2`): more instructions, fewer
+    live registers in the 4-tile narrow kernel, which spills with `pow2n`."""
+    f, e = _term_parts(V, bits, E)
+    return f * pow2(e)
 
 
 _tile_ops_cache = {}
 
 
-def _make_tile_ops(NTT: int):
+def _make_tile_ops(NTT: int, ldexp: bool = False):
     """The tensor-core kernels' per-lane steps for NTT token tiles: `mma_limb` (one mma of a limb
     and token tile into the int32 group sums ia[q .. q + 3], B from an 8-byte limb word) and
-    `group_terms` (the group's float64 terms of rows ra, rb added to the chunk partials acc)."""
-    if NTT in _tile_ops_cache:
-        return _tile_ops_cache[NTT]
+    `group_terms` (the group's float64 terms of rows ra, rb added to the chunk partials acc;
+    `ldexp`: 2^e through `_group_term_ldexp`, the same values)."""
+    key = (NTT, ldexp)
+    if key in _tile_ops_cache:
+        return _tile_ops_cache[key]
+    term = _group_term_ldexp if ldexp else _group_term
 
     @cuda.jit(device=True, inline=True)
     def mma_limb(ia, q, a0, a1, a2, a3, bw):
@@ -155,9 +174,9 @@ def _make_tile_ops(NTT: int):
                     for L in range(LIMBS):
                         V += int64(ia[(L * NTT + tt) * 4 + idx]) << (LIMB_BITS * (LIMBS - 1 - L))
                     V -= z * sx[tok, col]
-                    acc[tt * 4 + idx] += _group_term(V, bits, ex[tok, col])
+                    acc[tt * 4 + idx] += term(V, bits, ex[tok, col])
 
-    _tile_ops_cache[NTT] = (mma_limb, group_terms)
+    _tile_ops_cache[key] = (mma_limb, group_terms)
     return mma_limb, group_terms
 
 
@@ -221,7 +240,7 @@ def _make_stage(norm: bool):
             m = max(m, abs(v))
         m = warp_max(m, scratch, warp, lane)
         E = _group_exponent(m)
-        f = pow2(XBITS - E)
+        f = pow2n(XBITS - E)
         s = int64(0)
         for i in range(lane, gs, 32):
             k = g * gs + i
@@ -262,7 +281,7 @@ def _make_mma(NTT: int, NCH: int, GS: int, NWB: int, epilogue):
     NACC = NTT * 4
     NIA = LIMBS * NTT * 4
     NTHREADS = NWB * 32
-    mma_limb, group_terms = _make_tile_ops(NTT)
+    mma_limb, group_terms = _make_tile_ops(NTT, ldexp=NTT >= 4)
     SPG = GS // 32                     # mma steps per group = weight words per lane and row
     WPG = GS // 8                      # 4-byte weight words per group and row
     V64 = SPG % 2 == 0                 # a lane's words of a group as 8-byte loads
@@ -623,7 +642,7 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue):
                 m = max(m, abs(xv[i]))
             m = seg_max(m, SPG, fscratch, tid)
             E = _group_exponent(m)
-            f = pow2(XBITS - E)
+            f = pow2n(XBITS - E)
             s = int64(0)
             base = (m8 >> 7) * 32 * 32 + ((m8 & 3) * 2) * 32 + ((m8 >> 2) & 31)
             for h in range(2):
