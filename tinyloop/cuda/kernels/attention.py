@@ -95,6 +95,12 @@ included) counts from zero again. The counters must therefore be zero before the
 zeroed, once) and a workspace serves one launch at a time (launches on one stream are ordered). A
 launch that dies part-way leaves its counters non-zero: zero them again before reusing them.
 
+The rows form (launches of at least ROWS_T rows: prefill chunks, whose T x H blocks need no
+split for parallelism): grid (T, H), block (t, h) runs splits z = 0 .. Z-1 one after the other
+(each exactly as block (t, h, z) would, from a fresh m, l, acc), keeps the Z records in shared
+memory and combines them in z order as above, without `work`, fences or `counter`: the same
+arithmetic, so a row's bits do not depend on which form ran it.
+
 Determinism and batch invariance: chunk boundaries, which block takes a chunk, every step of a
 block's reduction and the combine order depend only on the row's position (its first key and key
 count, from pos[0], the window and the tree tables), the cache contents, q and the build constants
@@ -145,7 +151,7 @@ _JIT_OPTS = {} if SIM else {"max_registers": 128}   # 256 threads x 128 register
 
 assert CK % NW == 0 and 0 < KPW <= 32 and KPW % U == 0, (CK, NW, U)
 #: Launches of at least this many rows take the rows form (grid (T, H): a block runs its row's Z
-#: splits one after the other and combines them in registers); fewer rows keep the splits in Z
+#: splits one after the other and combines them itself); fewer rows keep the splits in Z
 #: blocks, whose parallelism a short launch needs. The same bits either way.
 ROWS_T = 64
 
@@ -155,8 +161,8 @@ _kernels = {}
 def _make_kernel(nd, codec=FP16, ring=False, seq=False):
     """The attention kernel for head widths with nd = ceil(hd / 32) dims per lane, cache rows
     decoded by `codec` (a kv_codecs.CUDAKVCodec), over a ring of slots when `ring`; `seq`: the
-    rows form (grid (T, H); each block runs the Z splits one after the other and combines them
-    in registers, no workspace, no arrival count), the same arithmetic for every row."""
+    rows form (grid (T, H); each block runs the Z splits one after the other and combines their
+    records from shared memory, no workspace, no arrival count), the same arithmetic for every row."""
     key = (nd, codec, bool(ring), bool(seq))
     if key in _kernels:
         return _kernels[key]

@@ -27,6 +27,13 @@ up to GEMV_MAX_GROUP (and whose x fits a block's shared memory) is one launch of
   output adds its chunk partials in chunk order, rounds once to float32 and stores it (adding in
   float64 to the old value when accumulating), or hands the pair to the epilogue.
 
+* ``mma_wide`` (launches of at least MMA_WIDE_T rows that fill MMA_WIDE_BLOCKS blocks: prefill
+  chunks): the same steps with the split turned around: warp w of a block owns 16-row tile
+  bx * MMA_WIDE_NW + w over the whole of k for 32 token rows, every step's operands (limb words,
+  weight words, a group's X sums and exponents) come into shared memory by cp.async
+  (MMA_WIDE_STAGES steps in flight), and a warp adds its chunks' partials in registers in chunk
+  order: the narrow kernel's sums, the same bits.
+
 Limits (BackendError otherwise): q4 weights, group size a multiple of 32, at most
 ``SMEM_DOUBLES`` partials per block (CHUNK_K * 44 elements of k at 8 token rows).
 """
