@@ -11,8 +11,8 @@ equal what the H200 reports for the loaded kernels (`regs_per_thread`: 64 for th
     python bench/sass_report.py --list
 
 Arguments select kernels by substring of the names in `tinyloop.cuda.kernels.ptx_signatures()`
-(default: the one-row q4 matmuls). Needs `ptxas` (CUDA toolkit) and `cuobjdump` (toolkit, or
-`pip install nvidia-cuda-cuobjdump`; `--cuobjdump PATH`). numba's NVVM may emit a newer PTX ISA
+(default: the one-row q4 matmuls). Needs `ptxas` (CUDA toolkit) and `cuobjdump` with its
+`nvdisasm` (toolkit, or `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`; `--cuobjdump PATH`). numba's NVVM may emit a newer PTX ISA
 version than the local ptxas accepts; `--ptx-version 9.0` rewrites the version line (the kernels
 use no newer instructions), the default being to try as emitted and retry with 9.0.
 """
@@ -71,7 +71,13 @@ def report(name: str, fn, sig: str, ptxas: str, cuobjdump: str, workdir: str, ve
         m = re.search(pattern, info)
         return int(m.group(1)) if m else 0
 
-    sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    # cuobjdump runs nvdisasm, which pip's nvidia-cuda-nvdisasm puts beside pip's cuobjdump
+    env = {**os.environ, "PATH": os.path.dirname(os.path.abspath(cuobjdump)) + os.pathsep + os.environ.get("PATH", "")}
+    done = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, env=env)
+    if done.returncode:
+        sys.exit(f"error: cuobjdump -sass failed: {done.stderr.strip()} (nvdisasm: `pip install "
+                 f"nvidia-cuda-nvdisasm`)")
+    sass = done.stdout
     if dump:
         Path(dump).mkdir(parents=True, exist_ok=True)
         (Path(dump) / f"{name}.sass").write_text(sass)
