@@ -158,6 +158,25 @@ ROWS_T = 64
 _kernels = {}
 
 
+@cuda.jit(device=True, inline=True)
+def _combine(out, rec, r0, rl, t, h, hd, tid):
+    """Out row t, head h from the Z split records at rec[r0 + z * rl] (m, l, acc[0:hd]), in z order
+    (the module doc's combine): the last block reads them from `work`, the rows form from shared
+    memory."""
+    mx = rec[r0]
+    for zz in range(1, Z):
+        mx = max(mx, rec[r0 + zz * rl])
+    if tid < hd:
+        ls = float32(0.0)
+        a = float32(0.0)
+        for zz in range(Z):
+            r = r0 + zz * rl
+            wz = math.exp(rec[r] - mx)
+            ls = cuda.fma(rec[r + 1], wz, ls)
+            a = cuda.fma(rec[r + REC + tid], wz, a)
+        out[t, h * hd + tid] = a / ls
+
+
 def _make_kernel(nd, codec=FP16, ring=False, seq=False):
     """The attention kernel for head widths with nd = ceil(hd / 32) dims per lane, cache rows
     decoded by `codec` (a kv_codecs.CUDAKVCodec), over a ring of slots when `ring`; `seq`: the
@@ -169,7 +188,7 @@ def _make_kernel(nd, codec=FP16, ring=False, seq=False):
     RING = bool(ring)
     SEQ = bool(seq)
     ZS = Z if SEQ else 1              # splits a block runs
-    ZH = MAX_HD if SEQ else 1         # the rows form keeps each split's acc in shared memory
+    ZR = Z * (MAX_HD + REC) if SEQ else 1   # the rows form's split records, in shared memory
     PACK = codec.pack
     row_params = codec.row_params
     lane_offset = codec.lane_offset
@@ -227,9 +246,7 @@ def _make_kernel(nd, codec=FP16, ring=False, seq=False):
         kk = cuda.local.array((KPW, nd), float32)
         vv = cuda.local.array((KPW, nd), float32)
         tv = cuda.local.array(nd, float32)
-        sm = cuda.shared.array(ZS, float32)  # the rows form's split results (m, l, acc)
-        sl = cuda.shared.array(ZS, float32)
-        sa = cuda.shared.array((ZS, ZH), float32)
+        srec = cuda.shared.array(ZR, float32)   # the rows form's records, laid out as in `work`
         for k in range(nd):
             d = lane + 32 * k
             qv[k] = q[t, h * hd + d] if d < hd else float32(0.0)
@@ -324,26 +341,15 @@ def _make_kernel(nd, codec=FP16, ring=False, seq=False):
 
             if SEQ:
                 if tid == 0:              # m and l are the same in every thread
-                    sm[zi] = m
-                    sl[zi] = l
+                    srec[zi * (hd + REC)] = m
+                    srec[zi * (hd + REC) + 1] = l
                 if tid < hd:
-                    sa[zi, tid] = acc
+                    srec[zi * (hd + REC) + REC + tid] = acc
 
         if SEQ:
-            # the last-block combine below, on the block's own records: the same values in the
-            # same order
+            # the last-block combine below, on the block's own records
             cuda.syncthreads()
-            mx = sm[0]
-            for zz in range(1, Z):
-                mx = max(mx, sm[zz])
-            if tid < hd:
-                ls = float32(0.0)
-                a = float32(0.0)
-                for zz in range(Z):
-                    wz = math.exp(sm[zz] - mx)
-                    ls = cuda.fma(sl[zz], wz, ls)
-                    a = cuda.fma(sa[zz, tid], wz, a)
-                out[t, h * hd + tid] = a / ls
+            _combine(out, srec, 0, hd + REC, t, h, hd, tid)
             return
 
         # Combine: publish this split's record, count the arrival; the last block adds them up.
@@ -370,19 +376,7 @@ def _make_kernel(nd, codec=FP16, ring=False, seq=False):
         if is_last[0] != 0:
             # Every reading thread fences too (the records are read through its own loads).
             cuda.threadfence()
-            r0 = th * Z * rl
-            mx = work[r0]
-            for zz in range(1, Z):
-                mx = max(mx, work[r0 + zz * rl])
-            if tid < hd:
-                ls = float32(0.0)
-                a = float32(0.0)
-                for zz in range(Z):
-                    r = r0 + zz * rl
-                    wz = math.exp(work[r] - mx)
-                    ls = cuda.fma(work[r + 1], wz, ls)
-                    a = cuda.fma(work[r + REC + tid], wz, a)
-                out[t, h * hd + tid] = a / ls
+            _combine(out, work, th * Z * rl, rl, t, h, hd, tid)
             if tid == 0:
                 counter[th] = 0
 
