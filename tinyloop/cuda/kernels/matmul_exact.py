@@ -144,6 +144,14 @@ def _group_term_ldexp(V, bits, E):
     return f * pow2(e)
 
 
+@cuda.jit(device=True, inline=True)
+def _a_regs(u0, u1):
+    """The mma's A registers from a lane's weight words of rows gid (u0) and gid + 8 (u1): even
+    nibbles (k-slots 4 tig ..) and odd nibbles (16 + 4 tig ..), one mask each (_mma.py)."""
+    return (uint32(u0 & _M), uint32(u1 & _M), uint32((u0 >> uint32(4)) & _M),
+            uint32((u1 >> uint32(4)) & _M))
+
+
 _tile_ops_cache = {}
 
 
@@ -348,10 +356,7 @@ def _make_mma(NTT: int, NCH: int, GS: int, NWB: int, epilogue):
                     wi = g * WPG + tig * SPG + s
                     u0 = wa[s]
                     u1 = wb[s]
-                    a0 = uint32(u0 & _M)
-                    a2 = uint32((u0 >> uint32(4)) & _M)
-                    a1 = uint32(u1 & _M)
-                    a3 = uint32((u1 >> uint32(4)) & _M)
+                    a0, a1, a2, a3 = _a_regs(u0, u1)
                     for tt in range(NTT):
                         tok = tok0 + tt * 8 + gid
                         for L in range(LIMBS):
@@ -500,10 +505,7 @@ def _make_mma_wide(GS: int, NWB: int, NS: int, epilogue):
                     st = j % NS
                     u0 = bw[(st * NTHREADS + tid) * 2]
                     u1 = bw[(st * NTHREADS + tid) * 2 + 1]
-                    a0 = uint32(u0 & _M)
-                    a2 = uint32((u0 >> uint32(4)) & _M)
-                    a1 = uint32(u1 & _M)
-                    a3 = uint32((u1 >> uint32(4)) & _M)
+                    a0, a1, a2, a3 = _a_regs(u0, u1)
                     for tt in range(NTT):
                         for L in range(LIMBS):
                             mma_limb(ia, (L * NTT + tt) * 4, a0, a1, a2, a3,
@@ -864,9 +866,11 @@ def matmul_exact(out, x, w, scales, zeros, limbs=None, sx=None, ex=None, accumul
     sbits = scales.view(np.uint16)
     l64 = limbs.view(np.uint64)
     tiles = cdiv(N // 2, 8) if epilogue is not None else cdiv(N, 16)
-    if T >= MMA_WIDE_T and cdiv(tiles, MMA_WIDE_NW) * cdiv(T, 8 * WIDE_NTT) >= MMA_WIDE_BLOCKS:
-        _make_mma_wide(group, MMA_WIDE_NW, MMA_WIDE_STAGES, epilogue)[(cdiv(tiles, MMA_WIDE_NW), cdiv(T, 8 * WIDE_NTT)),
-                                                     MMA_WIDE_NW * 32, stream](
+    # the wide kernel reads token rows up to a multiple of 32: within staging_shapes' rows, which
+    # round to 8 * MAX_NTT = 32 from 25 rows on
+    wide = (cdiv(tiles, MMA_WIDE_NW), cdiv(T, 8 * WIDE_NTT))
+    if T >= MMA_WIDE_T and wide[0] * wide[1] >= MMA_WIDE_BLOCKS:
+        _make_mma_wide(group, MMA_WIDE_NW, MMA_WIDE_STAGES, epilogue)[wide, MMA_WIDE_NW * 32, stream](
             out, w32, w.view(np.uint64), sbits, zeros, l64, sx, ex, T, N, cg, nch, 1 if accumulate else 0, ep)
         return
     nwb = mma_warps(nch, NTT)
