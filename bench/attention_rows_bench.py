@@ -33,6 +33,10 @@ def main(argv=None) -> int:
     rows = [int(t) for t in args.rows.split(",") if t]
     if not rows or min(rows) < 1 or args.reps < 1:
         ap.error("--rows and --reps must be at least 1")
+    if args.kv_heads < 1 or args.heads < 1 or args.heads % args.kv_heads:
+        ap.error(f"--heads={args.heads} must be a positive multiple of --kv-heads={args.kv_heads}")
+    if args.head_dim < 2 or args.head_dim % 2 or args.head_dim > 256:
+        ap.error(f"--head-dim={args.head_dim} must be even, from 2 to 256")
     from numba import cuda
 
     from bench.decode_bench import gpu_name, graph_time_ms
