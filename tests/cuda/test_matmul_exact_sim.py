@@ -1,8 +1,9 @@
-"""The exact matmul's one-row dp4a kernel (kernels/matmul_exact.py, `_make_gemv`) under the CUDA
-simulator (or on a GPU): bit for bit the numpy reference of tinyloop/model/exact_matmul.py for
-every supported group size, partial warp steps, a fused norm, accumulation and a pair epilogue.
-The tensor-core kernel has no simulator twin; tests/cuda/test_matmul_exact_gpu.py checks both
-kernels against the same reference on a GPU.
+"""The exact matmul's kernels (kernels/matmul_exact.py) under the CUDA simulator (or on a GPU):
+bit for bit the numpy reference of tinyloop/model/exact_matmul.py. The one-row dp4a kernel
+(`_make_gemv`) for every supported group size, partial warp steps, a fused norm, accumulation and a
+pair epilogue; the narrow and wide tensor-core kernels through the simulator's twin of the mma
+(kernels/_mma.py) on small shapes, including groups at the extremes of the float64 group terms'
+range. tests/cuda/test_matmul_exact_gpu.py checks all of them against the same reference on a GPU.
 
     NUMBA_ENABLE_CUDASIM=1 python -m pytest -m cudasim tests/cuda/test_matmul_exact_sim.py -q
 """
@@ -89,3 +90,65 @@ def test_which_launches_need_staging():
     parts, codes, (q, s, z) = weight(16, 192, 96)
     with pytest.raises(BackendError, match="staging buffers"):
         mx.matmul_exact(D(np.zeros((1, 16), np.float32)), D(row(192)), q, s, z)
+
+
+def staging(T, K, group):
+    ls, ss, es = mx.staging_shapes(T, K, group)
+    return D(np.zeros(ls, np.uint8)), D(np.zeros(ss, np.int64)), D(np.zeros(es, np.int32))
+
+
+# the narrow kernel: 4- and 8-byte lane words (groups 96 / 64), one and two token tiles, two chunks
+@pytest.mark.parametrize("N,K,group,T", [(20, 192, 96, 3), (16, 1024, 64, 9), (24, 128, 32, 2)])
+def test_tensor_core_kernel_equals_reference(N, K, group, T):
+    parts, codes, (q, s, z) = weight(N, K, group, seed=T)
+    x = np.concatenate([row(K, seed=T + i) for i in range(T)])
+    out = D(np.full((T, N), np.nan, np.float32))
+    mx.matmul_exact(out, D(x), q, s, z, *staging(T, K, group))
+    np.testing.assert_array_equal(out.copy_to_host(), exact_matmul(x, codes, parts["scales"], parts["zeros"]))
+
+
+def test_wide_tensor_core_kernel_equals_reference(monkeypatch):
+    monkeypatch.setattr(mx, "MMA_WIDE_T", 2)        # take the wide kernel on a small launch
+    monkeypatch.setattr(mx, "MMA_WIDE_BLOCKS", 1)
+    N, K, group, T = 72, 128, 64, 34               # 5 row tiles over 2 blocks of 4 warps; 2 token blocks
+    parts, codes, (q, s, z) = weight(N, K, group, seed=11)
+    x = np.concatenate([row(K, seed=20 + i) for i in range(T)])
+    base = np.random.default_rng(12).standard_normal((T, N)).astype(np.float32)
+    out = D(base)
+    mx.matmul_exact(out, D(x), q, s, z, *staging(T, K, group), accumulate=True)
+    np.testing.assert_array_equal(out.copy_to_host(),
+                                  exact_matmul(x, codes, parts["scales"], parts["zeros"], out=base.copy()))
+
+
+def test_group_terms_exact_at_the_extremes():
+    """Every term at its largest: x just below a power of two everywhere (X = +-(2^XBITS - 8)),
+    |q - z| = 15 in every element (codes 15 with zero 0, or codes 0 with zero 15), the largest
+    float16 significand, groups of 256 (|V * sm| near 2^50), as well as subnormal scales and
+    mixed signs: the one-row and tensor-core kernels equal the int64 reference."""
+    N, K, group = 16, 512, 256
+    G = K // group
+    rng = np.random.default_rng(3)
+    high = rng.random((N, G)) < 0.5
+    codes = np.repeat(np.where(high, 15, 0), group, axis=1).astype(np.uint8)
+    q = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    zeros = np.where(high, 0, 15).astype(np.uint8)
+    scales = np.full((N, G), 65504.0, np.float16)
+    scales[::4] = np.float16(2.0 ** -24 * 1023)      # subnormal scales too
+    assert (unpack(q, 4, K) == codes).all()
+    top = np.nextafter(np.float32(1.0), np.float32(0.0))
+    for T in (1, 3):
+        x = np.full((T, K), top, np.float32)
+        if T > 1:
+            x[1] = -top
+            x[2] = np.where(rng.random(K) < 0.5, -top, top)
+        out = D(np.full((T, N), np.nan, np.float32))
+        mx.matmul_exact(out, D(x), D(q), D(scales), D(zeros), *staging(T, K, group))
+        np.testing.assert_array_equal(out.copy_to_host(), exact_matmul(x, codes, scales, zeros))
+
+
+def test_groups_past_the_exact_range_are_refused():
+    parts, codes, (q, s, z) = weight(8, 4096, 4096)
+    assert not mx.supports(q, s, 4096)
+    with pytest.raises(BackendError, match="at most 2048"):
+        mx.matmul_exact(D(np.zeros((2, 8), np.float32)), D(np.zeros((2, 4096), np.float32)), q, s, z,
+                        *staging(2, 4096, 2048))

@@ -43,16 +43,19 @@ if SIM or intrinsic is None:
         return _no_wait
 
 else:
-    def _index(builder, v):
+    def _index(builder, v, ty):
+        """The index v (numba type ty) widened to 64 bits: zero-extended when unsigned."""
         i64 = ir.IntType(64)
-        return builder.sext(v, i64) if v.type.width < 64 else v
+        if v.type.width >= 64:
+            return v
+        return builder.sext(v, i64) if ty.signed else builder.zext(v, i64)
 
     def _copy_codegen(context, builder, sig, args):
-        dty, _, sty, _ = sig.args
+        dty, ity, sty, jty = sig.args
         dst = context.make_array(dty)(context, builder, args[0])
         src = context.make_array(sty)(context, builder, args[2])
-        dp = builder.gep(dst.data, [_index(builder, args[1])])
-        sp = builder.gep(src.data, [_index(builder, args[3])])
+        dp = builder.gep(dst.data, [_index(builder, args[1], ity)])
+        sp = builder.gep(src.data, [_index(builder, args[3], jty)])
         size = context.get_abi_sizeof(context.get_data_type(dty.dtype))
         asm = ("{\n.reg .u64 d, s;\ncvta.to.shared.u64 d, $0;\ncvta.to.global.u64 s, $1;\n"
                f"cp.async.ca.shared.global [d], [s], {size};\n}}")

@@ -19,16 +19,28 @@ The k-slots are only names: a kernel may map any 32 k values onto them as long a
 same map in every lane (a sum does not care which slot carries which k).
 
 Arguments must already be uint32 (a*, b*) and int32 (c*). Compiles only for compute capability
->= 8.0; there is no simulator twin (the simulator has no tensor cores).
+>= 8.0. Under the CUDA simulator (which runs a block's threads as Python threads) a twin does the
+warp's exchange itself: each lane posts its fragments, waits at a barrier of its warp's 32 lanes,
+computes its own D fragment from all of them in exact integers, and waits again before the slots
+are reused; so the tensor-core kernels run, slowly, against the numpy reference in CI.
 """
 
 from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from ._common import SIM
 
 try:
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
 except ImportError:        # a numba-cuda without CUDA intrinsics
+    intrinsic = None
+
+if SIM:
     intrinsic = None
 
 _ASM = ("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 "
@@ -51,5 +63,46 @@ if intrinsic is not None:
         if not all(t == types.uint32 for t in ab) or not all(t == types.int32 for t in cs):
             return None
         return types.UniTuple(types.int32, 4)(*ab, *cs), _mma_codegen
+elif SIM:
+    from numba import cuda
+
+    _warps = {}
+    _warps_lock = threading.Lock()
+
+    def _warp_state(key):
+        with _warps_lock:
+            if key not in _warps:
+                _warps[key] = (threading.Barrier(32), [None] * 32)
+            return _warps[key]
+
+    def _bytes(r, signed):
+        b = np.array([(int(r) >> (8 * i)) & 255 for i in range(4)], np.int64)
+        return np.where(b > 127, b - 256, b) if signed else b
+
+    @cuda.jit(device=True)
+    def mma_u8s8(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """The simulator's twin (module doc): the same D fragment, exactly."""
+        bd, ti, bi = cuda.blockDim, cuda.threadIdx, cuda.blockIdx
+        tid = ti.x + bd.x * (ti.y + bd.y * ti.z)
+        lane = tid % 32
+        bar, slots = _warp_state((bi.x, bi.y, bi.z, tid // 32))
+        slots[lane] = (a0, a1, a2, a3, b0, b1)
+        bar.wait()
+        A = np.zeros((16, 32), np.int64)
+        B = np.zeros((32, 8), np.int64)
+        for ln in range(32):
+            g, t = ln >> 2, ln & 3
+            f = slots[ln]
+            A[g, 4 * t:4 * t + 4] = _bytes(f[0], False)
+            A[g + 8, 4 * t:4 * t + 4] = _bytes(f[1], False)
+            A[g, 16 + 4 * t:20 + 4 * t] = _bytes(f[2], False)
+            A[g + 8, 16 + 4 * t:20 + 4 * t] = _bytes(f[3], False)
+            B[4 * t:4 * t + 4, g] = _bytes(f[4], True)
+            B[16 + 4 * t:20 + 4 * t, g] = _bytes(f[5], True)
+        bar.wait()
+        D = A @ B
+        g, t = lane >> 2, lane & 3
+        return (np.int32(D[g, 2 * t] + c0), np.int32(D[g, 2 * t + 1] + c1),
+                np.int32(D[g + 8, 2 * t] + c2), np.int32(D[g + 8, 2 * t + 1] + c3))
 else:
     mma_u8s8 = None

@@ -23,7 +23,9 @@ up to GEMV_MAX_GROUP (and whose x fits a block's shared memory) is one launch of
   issues one ``mma_u8s8`` per limb and token tile with the limbs of the same 8 elements: exact
   int32 group sums of q * limb (which word rides in which k-slot does not matter to a sum). The
   group's term ``float64(V * sm) * 2^(es + E - XBITS)`` (V = sum over limbs of a_l * 2^(7 (3 - l)) - zero *
-  sx) is added to the chunk partial; partials go to shared memory, and after a barrier each
+  sx) is formed in float64 where every step is exact (`_group_term`: groups of at most
+  MAX_GROUP elements, zero points below 16 as the format requires of q4) and added to the
+  chunk partial; partials go to shared memory, and after a barrier each
   output adds its chunk partials in chunk order, rounds once to float32 and stores it (adding in
   float64 to the old value when accumulating), or hands the pair to the epilogue.
 
@@ -34,7 +36,7 @@ up to GEMV_MAX_GROUP (and whose x fits a block's shared memory) is one launch of
   (MMA_WIDE_STAGES steps in flight), and a warp adds its chunks' partials in registers in chunk
   order: the narrow kernel's sums, the same bits.
 
-Limits (BackendError otherwise): q4 weights, group size a multiple of 32, at most
+Limits (BackendError otherwise): q4 weights, group size a multiple of 32 and at most MAX_GROUP, at most
 ``SMEM_DOUBLES`` partials per block (CHUNK_K * 44 elements of k at 8 token rows).
 """
 
@@ -90,6 +92,9 @@ GEMV_WIDE_R = 4
 GEMV_WIDE_N = 4096
 GEMV_STEP_K = 1024
 GEMV_SMEM = 48 * 1024
+#: Largest group the kernels take: below it a group's V * sm stays under 2^53, so the float64
+#: group terms are exact (`_group_term`); larger groups are refused (`supports` is False).
+MAX_GROUP = 2048
 #: Largest group of the one-row kernel: a group's staging threads (8 elements each) share a warp.
 GEMV_MAX_GROUP = 256
 
@@ -99,8 +104,9 @@ _gemv_cache = {}
 
 
 def _groups_ok(K: int, G: int) -> bool:
-    """K inputs in G groups whose size is a multiple of 32 (the kernels' step)."""
-    return G > 0 and K % G == 0 and (K // G) % 32 == 0
+    """K inputs in G groups whose size is a multiple of 32 (the kernels' step) and at most
+    MAX_GROUP (the float64 group terms' exactness, `_group_term`)."""
+    return G > 0 and K % G == 0 and (K // G) % 32 == 0 and K // G <= MAX_GROUP
 
 
 @cuda.jit(device=True)
@@ -117,31 +123,37 @@ def _limb(rest):
 
 
 @cuda.jit(device=True, inline=True)
-def _term_parts(V, bits, E):
-    """(float64(V * sm), e) of a group's term float64(V * sm) * 2^e: the exact sum V (zero point
-    applied) times the float16 scale with bits `bits` (``sm * 2^es``), e = es + E - XBITS in
-    [-176, 108] (es in [-24, 6], E in [-125, 129]): float64's normal range."""
+def _scale_value(bits):
+    """The float16 scale with bits `bits` (finite, > 0) as a float64, exactly: ``sm * 2^es``
+    with sm its integer significand (step 4 of the numerics)."""
     b = int32(bits)
     eb = (b >> 10) & 0x1F
-    sm = int64(b & 0x3FF)
+    sm = b & 0x3FF
     if eb > 0:
         sm += 1024
-    return float64(V * sm), max(eb, 1) - 25 + E - XBITS
+    return float64(sm) * pow2n(max(eb, 1) - 25)
 
 
-@cuda.jit(device=True)
-def _group_term(V, bits, E):
-    """A group's float64 term (step 4 of the numerics), 2^e from its exponent bits (`pow2n`)."""
-    f, e = _term_parts(V, bits, E)
-    return f * pow2n(e)
+@cuda.jit(device=True, inline=True)
+def _limb_value(a0, a1, a2, a3):
+    """``a0 2^21 + a1 2^14 + a2 2^7 + a3`` of four int32 limb sums (most significant first) as
+    a float64, exactly: the pairs ``a0 2^7 + a1`` and ``a2 2^7 + a3`` stay within int32 for
+    groups of up to MAX_GROUP elements (|a_l| <= 15 * 65 * GS), and the whole below 2^53."""
+    hi = int32(a0 * 128 + a1)
+    lo = int32(a2 * 128 + a3)
+    return float64(hi) * 16384.0 + float64(lo)
 
 
-@cuda.jit(device=True)
-def _group_term_ldexp(V, bits, E):
-    """`_group_term`'s value with 2^e from libdevice's ldexp (`pow2`): more instructions, fewer
-    live registers in the 4-tile narrow kernel, which spills with `pow2n`."""
-    f, e = _term_parts(V, bits, E)
-    return f * pow2(e)
+@cuda.jit(device=True, inline=True)
+def _group_term(v, z, sxd, sd, p):
+    """A group's float64 term (step 4 of the numerics) from the exact float64 sum v of q * X:
+    ``(v - z * sum X) * (scale * 2^(E - XBITS))``. Every step is exact, so it equals
+    ``float64(V * sm) * 2^(es + E - XBITS)`` bit for bit: z * sum X and V are integers below
+    2^53 (z < 16, |sum X| <= GS 2^XBITS); the scale times the power of two is an 11-bit integer
+    times 2^e with e in [-176, 108] (float64's normal range); and V * sm is below 2^53 for groups
+    of up to MAX_GROUP elements (|V| <= 15 GS 2^XBITS, sm <= 2047), so the product does not
+    round and the sum it joins rounds as the int64 form's would."""
+    return (v - float64(z) * sxd) * (sd * p)
 
 
 @cuda.jit(device=True, inline=True)
@@ -155,15 +167,12 @@ def _a_regs(u0, u1):
 _tile_ops_cache = {}
 
 
-def _make_tile_ops(NTT: int, ldexp: bool = False):
+def _make_tile_ops(NTT: int):
     """The tensor-core kernels' per-lane steps for NTT token tiles: `mma_limb` (one mma of a limb
     and token tile into the int32 group sums ia[q .. q + 3], B from an 8-byte limb word) and
-    `group_terms` (the group's float64 terms of rows ra, rb added to the chunk partials acc;
-    `ldexp`: 2^e through `_group_term_ldexp`, the same values)."""
-    key = (NTT, ldexp)
-    if key in _tile_ops_cache:
-        return _tile_ops_cache[key]
-    term = _group_term_ldexp if ldexp else _group_term
+    `group_terms` (the group's float64 terms of rows ra, rb added to the chunk partials acc)."""
+    if NTT in _tile_ops_cache:
+        return _tile_ops_cache[NTT]
 
     @cuda.jit(device=True, inline=True)
     def mma_limb(ia, q, a0, a1, a2, a3, bw):
@@ -178,20 +187,20 @@ def _make_tile_ops(NTT: int, ldexp: bool = False):
     def group_terms(acc, ia, bits_a, z_a, bits_b, z_b, sx, ex, tb, col, tig):
         """Rows ra (scale bits bits_a, zero z_a) and rb; the group's sums of X and exponents of
         token row tb + i at sx[tb + i, col], ex[tb + i, col]."""
-        for h in range(2):
-            bits = bits_a if h == 0 else bits_b
-            z = int64(z_a if h == 0 else z_b)
-            for tt in range(NTT):
-                for cc in range(2):
-                    tok = tb + tt * 8 + tig * 2 + cc
+        sd_a = _scale_value(bits_a)
+        sd_b = _scale_value(bits_b)
+        for tt in range(NTT):
+            for cc in range(2):
+                tok = uint32(tb + tt * 8 + tig * 2 + cc)
+                sxd = float64(sx[tok, col])
+                p = pow2n(ex[tok, col] - XBITS)
+                for h in range(2):
                     idx = h * 2 + cc
-                    V = int64(0)
-                    for L in range(LIMBS):
-                        V += int64(ia[(L * NTT + tt) * 4 + idx]) << (LIMB_BITS * (LIMBS - 1 - L))
-                    V -= z * sx[tok, col]
-                    acc[tt * 4 + idx] += term(V, bits, ex[tok, col])
+                    v = _limb_value(ia[tt * 4 + idx], ia[(NTT + tt) * 4 + idx], ia[(2 * NTT + tt) * 4 + idx],
+                                    ia[(3 * NTT + tt) * 4 + idx])
+                    acc[tt * 4 + idx] += _group_term(v, z_a if h == 0 else z_b, sxd, sd_a if h == 0 else sd_b, p)
 
-    _tile_ops_cache[key] = (mma_limb, group_terms)
+    _tile_ops_cache[NTT] = (mma_limb, group_terms)
     return mma_limb, group_terms
 
 
@@ -296,30 +305,34 @@ def _make_mma(NTT: int, NCH: int, GS: int, NWB: int, epilogue):
     NACC = NTT * 4
     NIA = LIMBS * NTT * 4
     NTHREADS = NWB * 32
-    mma_limb, group_terms = _make_tile_ops(NTT, ldexp=NTT >= 4)
+    mma_limb, group_terms = _make_tile_ops(NTT)
     SPG = GS // 32                     # mma steps per group = weight words per lane and row
     WPG = GS // 8                      # 4-byte weight words per group and row
     V64 = SPG % 2 == 0                 # a lane's words of a group as 8-byte loads
 
     @cuda.jit(device=True, inline=True)
-    def load_group(wa, wb, w32, w64, ra, rb, g, tig):
-        """Lane tig's SPG contiguous weight words of group g, rows ra and rb."""
-        base = g * WPG + tig * SPG
+    def load_group(wa, wb, w32, w64, oa, ob, g, tig):
+        """Lane tig's SPG contiguous weight words of group g in the rows whose first 4-byte word
+        is at oa and ob of the flat weight (unsigned 32-bit offsets: no wrap-around or 64-bit
+        index arithmetic)."""
+        base = uint32(g * WPG + tig * SPG)
         if V64:
             for j in range(SPG // 2):
-                ua = w64[ra, (base >> 1) + j]
-                ub = w64[rb, (base >> 1) + j]
+                ua = w64[((oa + base) >> uint32(1)) + uint32(j)]
+                ub = w64[((ob + base) >> uint32(1)) + uint32(j)]
                 wa[2 * j] = uint32(ua & _LO)
                 wa[2 * j + 1] = uint32(ua >> uint64(32))
                 wb[2 * j] = uint32(ub & _LO)
                 wb[2 * j + 1] = uint32(ub >> uint64(32))
         else:
             for j in range(SPG):
-                wa[j] = w32[ra, base + j]
-                wb[j] = w32[rb, base + j]
+                wa[j] = w32[oa + base + uint32(j)]
+                wb[j] = w32[ob + base + uint32(j)]
 
     @cuda.jit
-    def mma(out, w32, w64, sbits, zeros, limbs64, sx, ex, T, N, cg, nch, acc_flag, ep):
+    def mma(out, w32, w64, sbits, zeros, lf, sx, ex, T, N, cg, nch, acc_flag, ep):
+        """w32 / w64: the weight's codes as flat 4- / 8-byte words; lf: the staged limbs as flat
+        8-byte words (LIMBS, TP, K / 8)."""
         grid_dep_wait()
         tid = cuda.threadIdx.x
         warp = tid >> 5
@@ -329,7 +342,15 @@ def _make_mma(NTT: int, NCH: int, GS: int, NWB: int, epilogue):
         tile = cuda.blockIdx.x
         tok0 = cuda.blockIdx.y * TOK
         G = sbits.shape[1]
+        KW = uint32(G * WPG)                       # 4-byte weight words of a row = limb words of a token row
+        LP = uint32(lf.shape[0] // (LIMBS * G * WPG)) * KW    # limb words of one limb plane
         ra, rb = tile_rows(ep, tile, gid, N)
+        ra = uint32(ra)
+        rb = uint32(rb)
+        oa = ra * KW
+        ob = rb * KW
+        # lane (gid, tig)'s limb word of token tile 0, limb 0, group 0, step 0
+        lb = uint32(tok0 + gid) * KW + uint32(tig * SPG)
         part = cuda.shared.array((NCH, TOK, 16), float64)
         acc = cuda.local.array(NACC, float64)
         ia = cuda.local.array(NIA, int32)
@@ -338,7 +359,7 @@ def _make_mma(NTT: int, NCH: int, GS: int, NWB: int, epilogue):
         na = cuda.local.array(SPG, uint32)
         nb = cuda.local.array(SPG, uint32)
         if warp < nch:
-            load_group(wa, wb, w32, w64, ra, rb, warp * cg, tig)
+            load_group(wa, wb, w32, w64, oa, ob, warp * cg, tig)
         for c in range(warp, nch, NWB):
             for i in range(NACC):
                 acc[i] = 0.0
@@ -348,20 +369,21 @@ def _make_mma(NTT: int, NCH: int, GS: int, NWB: int, epilogue):
                 # are requested before this group's products
                 gn = g + 1 if g + 1 < g1 else (c + NWB) * cg
                 if gn < G:
-                    load_group(na, nb, w32, w64, ra, rb, gn, tig)
+                    load_group(na, nb, w32, w64, oa, ob, gn, tig)
                 for i in range(NIA):
                     ia[i] = int32(0)
+                lg = lb + uint32(g * WPG)
                 for s in range(SPG):
                     # lane tig's word s of the group: the limbs of the same 8 elements
-                    wi = g * WPG + tig * SPG + s
                     u0 = wa[s]
                     u1 = wb[s]
                     a0, a1, a2, a3 = _a_regs(u0, u1)
                     for tt in range(NTT):
-                        tok = tok0 + tt * 8 + gid
                         for L in range(LIMBS):
-                            mma_limb(ia, (L * NTT + tt) * 4, a0, a1, a2, a3, limbs64[L, tok, wi])
-                group_terms(acc, ia, sbits[ra, g], zeros[ra, g], sbits[rb, g], zeros[rb, g], sx, ex, tok0, g, tig)
+                            mma_limb(ia, (L * NTT + tt) * 4, a0, a1, a2, a3,
+                                     lf[lg + uint32(L) * LP + uint32(tt * 8) * KW + uint32(s)])
+                group_terms(acc, ia, sbits[ra, uint32(g)], zeros[ra, uint32(g)], sbits[rb, uint32(g)],
+                            zeros[rb, uint32(g)], sx, ex, uint32(tok0), uint32(g), uint32(tig))
                 for j in range(SPG):
                     wa[j] = na[j]
                     wb[j] = nb[j]
@@ -431,46 +453,56 @@ def _make_mma_wide(GS: int, NWB: int, NS: int, epilogue):
     wait_stage = cp_async_wait(NS - 2)
 
     @cuda.jit(device=True, inline=True)
-    def issue(bl, bw, bsx, bex, limbs64, w32, sx, ex, ra, rb, tok0, j, nsteps, tid, tig):
+    def issue(bl, bw, bsx, bex, lf, w32, sx, ex, lsrc, oa, ob, osx, j, nsteps, tid):
         """Start the copies of step j's operands into stage j % NS, and commit them as one group
-        (an empty group past the last step, so every thread's group count stays in step)."""
+        (an empty group past the last step, so every thread's group count stays in step). The
+        sources are flat arrays at this thread's fixed offsets (lsrc: its limb words, oa / ob:
+        its two weight words, osx: its token row's group sums or exponents) plus the step's."""
         if j < nsteps:
-            st = j % NS
-            g = j // SPG
-            s = j - g * SPG
-            TP = limbs64.shape[1]
-            K8 = limbs64.shape[2]
+            st = j % uint32(NS)
+            g = j // uint32(SPG)
+            s = j - g * uint32(SPG)
+            step = g * uint32(WPG) + s
             for r in range(NSR):
-                i = tid + r * NTHREADS
-                # word i of the stage: limb i // (TOK * 4), token row (i >> 2) % TOK, tig i & 3
-                cp_async(bl, st * LW + i, limbs64,
-                         ((i // (TOK * 4)) * TP + tok0 + ((i >> 2) % TOK)) * K8 + g * WPG + (i & 3) * SPG + s)
-            KW = w32.shape[1]
-            wi = g * WPG + tig * SPG + s
-            cp_async(bw, (st * NTHREADS + tid) * 2, w32, ra * KW + wi)
-            cp_async(bw, (st * NTHREADS + tid) * 2 + 1, w32, rb * KW + wi)
+                cp_async(bl, st * uint32(LW) + uint32(tid + r * NTHREADS), lf, lsrc[r] + step)
+            cp_async(bw, (st * uint32(NTHREADS) + tid) * uint32(2), w32, oa + step)
+            cp_async(bw, (st * uint32(NTHREADS) + tid) * uint32(2) + uint32(1), w32, ob + step)
             if s == 0:
-                G = sx.shape[1]
                 if tid < TOK:
-                    cp_async(bsx, tid * NS + g % NS, sx, (tok0 + tid) * G + g)
+                    cp_async(bsx, tid * uint32(NS) + g % uint32(NS), sx, osx + g)
                 elif tid < 2 * TOK:
-                    cp_async(bex, (tid - TOK) * NS + g % NS, ex, (tok0 + tid - TOK) * G + g)
+                    cp_async(bex, (tid - uint32(TOK)) * uint32(NS) + g % uint32(NS), ex, osx + g)
         cp_async_commit()
 
     @cuda.jit
-    def mma(out, w32, w64, sbits, zeros, limbs64, sx, ex, T, N, cg, nch, acc_flag, ep):
-        tid = cuda.threadIdx.x
-        warp = tid >> 5
-        lane = tid & 31
-        gid = lane >> 2
-        tig = lane & 3
+    def mma(out, w32, w64, sbits, zeros, lf, sx, ex, T, N, cg, nch, acc_flag, ep):
+        """w32: the weight's codes as flat 4-byte words; lf: the staged limbs as flat 8-byte words
+        (LIMBS, TP, K / 8); sx, ex flat (TP, G)."""
+        tid = uint32(cuda.threadIdx.x)
+        warp = tid >> uint32(5)
+        lane = tid & uint32(31)
+        gid = lane >> uint32(2)
+        tig = lane & uint32(3)
         tok0 = cuda.blockIdx.y * TOK
         G = sbits.shape[1]
+        KW = uint32(G * WPG)             # 4-byte weight words of a row = limb words of a token row
+        TP = uint32(lf.shape[0] // (LIMBS * G * WPG))
         ntile = (N // 2 + 7) // 8 if pair else (N + 15) // 16
         tile = cuda.blockIdx.x * NWB + warp
         live = tile < ntile              # a warp past the last tile stages and waits, stores nothing
         tile = min(tile, ntile - 1)
         ra, rb = tile_rows(ep, tile, gid, N)
+        ra = uint32(ra)
+        rb = uint32(rb)
+        oa = ra * KW + tig * uint32(SPG)
+        ob = rb * KW + tig * uint32(SPG)
+        lsrc = cuda.local.array(NSR, uint32)
+        for r in range(NSR):
+            # word i of a stage: limb i // (TOK * 4), token row (i >> 2) % TOK, tig i & 3
+            i = tid + uint32(r * NTHREADS)
+            lsrc[r] = ((i // uint32(TOK * 4)) * TP + uint32(tok0) + ((i >> uint32(2)) % uint32(TOK))) * KW + \
+                (i & uint32(3)) * uint32(SPG)
+        osx = (uint32(tok0) + (tid if tid < TOK else tid - uint32(TOK))) * uint32(G)
         bl = cuda.shared.array(SL, uint64)
         bw = cuda.shared.array(SW, uint32)
         bsx = cuda.shared.array((TOK, NS), int64)
@@ -479,9 +511,9 @@ def _make_mma_wide(GS: int, NWB: int, NS: int, epilogue):
         acc = cuda.local.array(NACC, float64)
         ia = cuda.local.array(NIA, int32)
         grid_dep_wait()
-        nsteps = G * SPG
+        nsteps = uint32(G * SPG)
         for j in range(NS - 1):
-            issue(bl, bw, bsx, bex, limbs64, w32, sx, ex, ra, rb, tok0, j, nsteps, tid, tig)
+            issue(bl, bw, bsx, bex, lf, w32, sx, ex, lsrc, oa, ob, osx, uint32(j), nsteps, tid)
         for i in range(NACC):
             tot[i] = 0.0
         for c in range(nch):
@@ -491,26 +523,28 @@ def _make_mma_wide(GS: int, NWB: int, NS: int, epilogue):
             for g in range(c * cg, g1):
                 for i in range(NIA):
                     ia[i] = int32(0)
-                bits_a = sbits[ra, g]      # used after the group's steps
-                z_a = zeros[ra, g]
-                bits_b = sbits[rb, g]
-                z_b = zeros[rb, g]
+                gu = uint32(g)
+                bits_a = sbits[ra, gu]     # used after the group's steps
+                z_a = zeros[ra, gu]
+                bits_b = sbits[rb, gu]
+                z_b = zeros[rb, gu]
                 for s in range(SPG):
-                    j = g * SPG + s
+                    j = gu * uint32(SPG) + uint32(s)
                     # step j's copies are done (NS - 2 younger groups may be in flight); after the
                     # barrier every thread's are visible, and stage (j - 1) % NS is free again
                     wait_stage()
                     cuda.syncthreads()
-                    issue(bl, bw, bsx, bex, limbs64, w32, sx, ex, ra, rb, tok0, j + NS - 1, nsteps, tid, tig)
-                    st = j % NS
-                    u0 = bw[(st * NTHREADS + tid) * 2]
-                    u1 = bw[(st * NTHREADS + tid) * 2 + 1]
+                    issue(bl, bw, bsx, bex, lf, w32, sx, ex, lsrc, oa, ob, osx, j + uint32(NS - 1), nsteps, tid)
+                    st = j % uint32(NS)
+                    u0 = bw[(st * uint32(NTHREADS) + tid) * uint32(2)]
+                    u1 = bw[(st * uint32(NTHREADS) + tid) * uint32(2) + uint32(1)]
                     a0, a1, a2, a3 = _a_regs(u0, u1)
+                    sb = st * uint32(LW) + gid * uint32(4) + tig
                     for tt in range(NTT):
                         for L in range(LIMBS):
                             mma_limb(ia, (L * NTT + tt) * 4, a0, a1, a2, a3,
-                                     bl[st * LW + (L * TOK + tt * 8 + gid) * 4 + tig])
-                group_terms(acc, ia, bits_a, z_a, bits_b, z_b, bsx, bex, 0, g % NS, tig)
+                                     bl[sb + uint32((L * TOK + tt * 8) * 4)])
+                group_terms(acc, ia, bits_a, z_a, bits_b, z_b, bsx, bex, uint32(0), gu % uint32(NS), tig)
             for i in range(NACC):
                 tot[i] += acc[i]
         if not live:
@@ -624,6 +658,7 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue):
         tots = cuda.shared.array((NWG, R), float64)
         fscratch = cuda.shared.array(SCR, float32)
         iscratch = cuda.shared.array(SCR, int64)
+        dscratch = cuda.shared.array(SCR, float64)
         # the warp's rows' weight words of the first step are requested before the staging pass
         # (weights are no kernel's output: their loads overlap the staging)
         row0 = (cuda.blockIdx.x * NWG + warp) * (RP if pair else R)
@@ -715,14 +750,13 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue):
                             a2 = dp4a_us(hi, xr[16 + j * 2 + 1], a2)
                             a3 = dp4a_us(lo, xr[24 + j * 2], a3)
                             a3 = dp4a_us(hi, xr[24 + j * 2 + 1], a3)
-                # the group's W lanes add their sums (integers: exact in any order)
-                V = seg_sum((int64(a0) << 21) + (int64(a1) << 14) + (int64(a2) << 7) + int64(a3), W,
-                            iscratch, tid)
+                # the group's W lanes add their sums (integers below 2^53: exact in any order)
+                v = seg_sum(_limb_value(a0, a1, a2, a3), W, dscratch, tid)
                 g = st * GPS + lane // W
                 if lane % W == 0 and g < G:
                     row = row_of(ep, row0, r, N)
-                    V -= int64(zeros[row, g]) * sxs[g]
-                    tb[warp, r, lane // W] = _group_term(V, sbits[row, g], exs[g])
+                    tb[warp, r, lane // W] = _group_term(v, zeros[row, g], float64(sxs[g]),
+                                                         _scale_value(sbits[row, g]), pow2n(exs[g] - XBITS))
             sync_warp()
             if lane < R * CPS:
                 r = lane // CPS
@@ -781,7 +815,7 @@ def available() -> bool:
 
 def supports(w, scales, K: int) -> bool:
     """Whether the exact matmul serves a weight (`w` and `scales` as `matmul_exact` takes them) for
-    every row count: q4 codes, a group size that is a multiple of 32, and the tensor-core
+    every row count: q4 codes, a group size that is a multiple of 32 up to MAX_GROUP, and the tensor-core
     kernel's chunk partials within a block's shared memory. A shape rule: a backend that asks it
     per weight reduces that weight alike on every path."""
     if scales is None or w.dtype != np.uint8 or w.ndim != 2 or 2 * w.shape[1] != K:
@@ -825,7 +859,7 @@ def matmul_exact(out, x, w, scales, zeros, limbs=None, sx=None, ex=None, accumul
     check_array(op, "zeros", zeros, np.uint8, 2, (N, G))
     if not _groups_ok(K, G):
         raise BackendError(f"{op}: in_features={K} with {G} groups: the group size must be a "
-                           f"multiple of 32")
+                           f"multiple of 32 and at most {MAX_GROUP}")
     group = K // G
     norm = norm_w is not None
     eps = norm_args(op, norm_w, eps, K)
@@ -862,20 +896,25 @@ def matmul_exact(out, x, w, scales, zeros, limbs=None, sx=None, ex=None, accumul
         return
     TB = cdiv(T, 8 * NTT)
     _make_stage(norm)[(cdiv(G, STAGE_NT // 32), T), STAGE_NT, stream](limbs, sx, ex, x, nwx, eps, group)
-    w32 = w.view(np.uint32)
+    w32 = w.view(np.uint32).reshape(-1)
+    w64 = w.view(np.uint64).reshape(-1)
     sbits = scales.view(np.uint16)
-    l64 = limbs.view(np.uint64)
+    # the kernels index flat views with 32-bit offsets
+    if w.size // 4 >= 1 << 32 or limbs.size // 8 >= 1 << 32:
+        raise BackendError(f"{op}: weight of {w.size} bytes or staging of {limbs.size} bytes: at "
+                           f"most 2^34 bytes each")
+    l64 = limbs.view(np.uint64).reshape(-1)
     tiles = cdiv(N // 2, 8) if epilogue is not None else cdiv(N, 16)
     # the wide kernel reads token rows up to a multiple of 32: within staging_shapes' rows, which
     # round to 8 * MAX_NTT = 32 from 25 rows on
     wide = (cdiv(tiles, MMA_WIDE_NW), cdiv(T, 8 * WIDE_NTT))
     if T >= MMA_WIDE_T and wide[0] * wide[1] >= MMA_WIDE_BLOCKS:
         _make_mma_wide(group, MMA_WIDE_NW, MMA_WIDE_STAGES, epilogue)[wide, MMA_WIDE_NW * 32, stream](
-            out, w32, w.view(np.uint64), sbits, zeros, l64, sx, ex, T, N, cg, nch, 1 if accumulate else 0, ep)
+            out, w32, w64, sbits, zeros, l64, sx.reshape(-1), ex.reshape(-1), T, N, cg, nch, 1 if accumulate else 0, ep)
         return
     nwb = mma_warps(nch, NTT)
     _make_mma(NTT, nch, group, nwb, epilogue)[(tiles, TB), nwb * 32, stream](
-        out, w32, w.view(np.uint64), sbits, zeros, l64, sx, ex, T, N, cg, nch, 1 if accumulate else 0, ep)
+        out, w32, w64, sbits, zeros, l64, sx, ex, T, N, cg, nch, 1 if accumulate else 0, ep)
 
 
 def ptx_signatures(epilogues=()):
@@ -884,8 +923,10 @@ def ptx_signatures(epilogues=()):
     sigs = [(f"matmul_exact_stage{'_norm' if norm else ''}", _make_stage(norm).py_func,
              "void(uint8[:, :, ::1], int64[:, ::1], int32[:, ::1], float32[:, ::1], float32[::1], float32, int64)")
             for norm in (False, True)]
-    head = ("float32[:, ::1], uint32[:, ::1], uint64[:, ::1], uint16[:, ::1], uint8[:, ::1], uint64[:, :, ::1], "
+    head = ("float32[:, ::1], uint32[::1], uint64[::1], uint16[:, ::1], uint8[:, ::1], uint64[::1], "
             "int64[:, ::1], int32[:, ::1], int64, int64, int64, int64, int64")
+    whead = ("float32[:, ::1], uint32[::1], uint64[::1], uint16[:, ::1], uint8[:, ::1], uint64[::1], "
+             "int64[::1], int32[::1], int64, int64, int64, int64, int64")
     for NTT, NCH, GS, epi in [(1, 4, 128, None), (4, 4, 128, None), (1, 44, 128, None), (1, 8, 32, None),
                               (2, 4, 96, None), (1, 2, 256, None)] + [(1, 4, 128, e) for e in epilogues]:
         es = "UniTuple(int64, 1)" if epi is None else epi.sig
@@ -896,7 +937,7 @@ def ptx_signatures(epilogues=()):
         es = "UniTuple(int64, 1)" if epi is None else epi.sig
         tag = "" if epi is None else f"_{epi.name}"
         sigs.append((f"matmul_exact_mma_wide{tag}_{GS}", _make_mma_wide(GS, MMA_WIDE_NW, MMA_WIDE_STAGES, epi).py_func,
-                     f"void({head}, {es})"))
+                     f"void({whead}, {es})"))
     ghead = ("float32[:, ::1], uint64[:, ::1], uint16[:, ::1], uint8[:, ::1], float32[:, ::1], float32[::1], "
              "float32, int64, int64")
     for NSTEP, GS, norm, epi in [(2, 128, False, None), (2, 64, True, None), (6, 32, True, None), (1, 256, False, None)] + \
