@@ -8,8 +8,12 @@ head); `--mma-nw` times the tensor-core kernel at T > 1 for several MMA_MAX_NW. 
 MMA_WIDE_T rows take the wide tensor-core kernel where it fills MMA_WIDE_BLOCKS blocks; each such
 launch is also timed on both tensor-core kernels (same bits).
 
+`--baseline FILE` also times the same launches through another version of the kernels file (for
+example `git show HEAD~1:tinyloop/cuda/kernels/matmul_exact.py > /tmp/old.py`), loaded as a module
+of the same package, and checks its bits against the current kernels': an A/B in one process.
+
     python bench/exact_matmul_bench.py [--rows 1,2,8,32,128] [--gemv-r 1,2,4] [--mma-nw 4,8,12]
-        [--json out.json]
+        [--baseline old_matmul_exact.py] [--json out.json]
 """
 
 from __future__ import annotations
@@ -35,9 +39,13 @@ def main(argv=None) -> int:
     ap.add_argument("--gemv-r", default="", help="rows per warp of the one-row kernel to time at T = 1")
     ap.add_argument("--mma-nw", default="",
                     help="most warps per tensor-core block (MMA_MAX_NW) to time at T > 1")
+    ap.add_argument("--baseline", help="another version of kernels/matmul_exact.py to time on the same launches")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     rows = [int(t) for t in args.rows.split(",")]
+    if args.baseline and not Path(args.baseline).is_file():
+        ap.error(f"--baseline {args.baseline!r}: no such file")
+    base_mx = _load_baseline(args.baseline) if args.baseline else None
     from numba import cuda
 
     from bench.decode_bench import graph_time_ms
@@ -76,6 +84,13 @@ def main(argv=None) -> int:
             def exact():
                 for _ in range(args.reps):
                     mx.matmul_exact(out, x, q, s, z, limbs, sx, ex, stream=stream)
+            def baseline():
+                for _ in range(args.reps):
+                    base_mx.matmul_exact(out, x, q, s, z, limbs, sx, ex, stream=stream)
+            us_base = got_base = None
+            if base_mx is not None:
+                us_base = graph_time_ms(stream, baseline, args.reps) * 1e3
+                got_base = out.copy_to_host()
             us_fast = graph_time_ms(stream, fast, args.reps) * 1e3
             got_fast = out.copy_to_host()
             us_exact = graph_time_ms(stream, exact, args.reps) * 1e3
@@ -93,6 +108,11 @@ def main(argv=None) -> int:
             results.append(r)
             print(f"{name:11} T={T:<4} fast {us_fast:8.1f} us  exact {us_exact:8.1f} us  x{us_fast / us_exact:5.2f}  "
                   f"bits={same}  err fast {r['err_fast']:.1e} exact {r['err_exact']:.1e}", flush=True)
+            if us_base is not None:
+                r["baseline_us"] = us_base
+                r["baseline_same_bits"] = bool(np.array_equal(got_base, got))
+                print(f"   baseline kernels {us_base:8.1f} us (same bits {r['baseline_same_bits']}); current x"
+                      f"{us_base / us_exact:5.2f}", flush=True)
             if T >= mx.MMA_WIDE_T:
                 # the same launch on each tensor-core kernel (the launcher picks one by its block rule)
                 wide_t, wide_b = mx.MMA_WIDE_T, mx.MMA_WIDE_BLOCKS
@@ -164,6 +184,16 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": results, "checks": checks}, indent=2))
     return 0
+
+
+def _load_baseline(path: str):
+    """The kernels file at `path` as a module of tinyloop.cuda.kernels (its relative imports resolve
+    there), beside the current matmul_exact."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("tinyloop.cuda.kernels._baseline_matmul_exact", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 if __name__ == "__main__":
