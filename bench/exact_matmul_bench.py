@@ -128,6 +128,17 @@ def main(argv=None) -> int:
                 print(f"   narrow mma kernel {r['exact_narrow_us']:8.1f} us, wide {r['exact_wide_us']:8.1f} us "
                       f"(same bits {r['narrow_same_bits']} {r['wide_same_bits']}); wide x"
                       f"{r['exact_narrow_us'] / r['exact_wide_us']:5.2f}", flush=True)
+            if 1 < T <= 8:
+                # one token tile: a warp per group (the default) against a warp per chunk
+                default_pg = mx.MMA_PER_GROUP
+                try:
+                    mx.MMA_PER_GROUP = not default_pg
+                    r["exact_other_form_us"] = graph_time_ms(stream, exact, args.reps) * 1e3
+                    r["other_form_same_bits"] = bool(np.array_equal(out.copy_to_host(), got))
+                finally:
+                    mx.MMA_PER_GROUP = default_pg
+                print(f"   {'warp per chunk' if default_pg else 'warp per group'}: {r['exact_other_form_us']:8.1f} us "
+                      f"(same bits {r['other_form_same_bits']})", flush=True)
             if T > 1 and args.mma_nw:
                 default_nw = mx.MMA_MAX_NW
                 for nwv in (int(v) for v in args.mma_nw.split(",")):

@@ -114,8 +114,10 @@ def _sass_registers(ptx: str):
     return int(regs.group(1)), int(spill.group(1)) if spill else 0
 
 
-MMA_SIGS = [s for s in SIGNATURES if s[0].startswith("matmul_exact_mma") and "_wide" not in s[0]]
+MMA_SIGS = [s for s in SIGNATURES if s[0].startswith("matmul_exact_mma") and "_wide" not in s[0]
+            and "_groups" not in s[0]]
 WIDE_SIGS = [s for s in SIGNATURES if s[0].startswith("matmul_exact_mma_wide")]
+GROUP_SIGS = [s for s in SIGNATURES if s[0].startswith("matmul_exact_mma_groups")]
 
 
 @pytest.mark.parametrize("name,fn,sig", MMA_SIGS, ids=[s[0] for s in MMA_SIGS])
@@ -131,6 +133,16 @@ def test_exact_mma_blocks_fit_the_register_file(cc90_device, name, fn, sig):
     # registers are allocated per warp in units of 256
     assert warps * -(-regs * 32 // 256) * 256 <= 65536, (name, regs, warps)
     assert mx.mma_warps(44, NTT) * -(-regs * 32 // 256) * 256 <= 65536, (name, regs)
+
+
+@pytest.mark.parametrize("name,fn,sig", GROUP_SIGS, ids=[s[0] for s in GROUP_SIGS])
+def test_exact_group_mma_blocks_fit_the_register_file(cc90_device, name, fn, sig):
+    # the one-tile kernel with a warp per group launches MMA_GROUP_NW warps a block
+    from tinyloop.cuda.kernels import matmul_exact as mx
+    ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0))
+    regs, spill = _sass_registers(ptx)
+    assert spill == 0, f"{name}: {spill} bytes spilled"
+    assert mx.MMA_GROUP_NW * -(-regs * 32 // 256) * 256 <= 65536, (name, regs)
 
 
 @pytest.mark.parametrize("name,fn,sig", WIDE_SIGS, ids=[s[0] for s in WIDE_SIGS])

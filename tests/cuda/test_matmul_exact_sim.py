@@ -97,9 +97,12 @@ def staging(T, K, group):
     return D(np.zeros(ls, np.uint8)), D(np.zeros(ss, np.int64)), D(np.zeros(es, np.int32))
 
 
-# the narrow kernel: 4- and 8-byte lane words (groups 96 / 64), one and two token tiles, two chunks
-@pytest.mark.parametrize("N,K,group,T", [(20, 192, 96, 3), (16, 1024, 64, 9), (24, 128, 32, 2)])
-def test_tensor_core_kernel_equals_reference(N, K, group, T):
+# the narrow kernel: 4- and 8-byte lane words (groups 96 / 64), one and two token tiles, two
+# chunks; one token tile with a warp per group (the default) and with a warp per chunk
+@pytest.mark.parametrize("N,K,group,T", [(20, 192, 96, 3), (16, 1024, 64, 9), (24, 1088, 32, 2)])
+@pytest.mark.parametrize("per_group", [True, False])
+def test_tensor_core_kernel_equals_reference(monkeypatch, N, K, group, T, per_group):
+    monkeypatch.setattr(mx, "MMA_PER_GROUP", per_group)
     parts, codes, (q, s, z) = weight(N, K, group, seed=T)
     x = np.concatenate([row(K, seed=T + i) for i in range(T)])
     out = D(np.full((T, N), np.nan, np.float32))

@@ -63,6 +63,11 @@ MMA_MAX_NW = 12
 SMEM_DOUBLES = 6144
 #: Token tiles of 8 rows per block, at most.
 MAX_NTT = 4
+#: Launches of one token tile (T <= 8: lockstep lanes, verify rows) give each warp one group at
+#: a time instead of a chunk, MMA_GROUP_NW warps a block, where the block's group terms fit
+#: SMEM_DOUBLES; the final sum adds them in chunk and group order (same bits).
+MMA_PER_GROUP = True
+MMA_GROUP_NW = 16
 #: Launches of at least this many rows take the wide tensor-core kernel (`_make_mma_wide`: warps
 #: own row tiles over the whole of k, the token rows' limbs staged in shared memory); MMA_WIDE_NW
 #: warps (16-row tiles) per block, WIDE_NTT token tiles of 8 rows per warp.
@@ -294,8 +299,11 @@ def mma_warps(nch: int, NTT: int = 1) -> int:
     return cdiv(nch, cdiv(nch, cap))
 
 
-def _make_mma(NTT: int, NCH: int, GS: int, NWB: int, epilogue):
-    key = (NTT, NCH, GS, NWB, None if epilogue is None else epilogue.name)
+def _make_mma(NTT: int, NCH: int, GS: int, NWB: int, epilogue, NG: int = 0):
+    """The narrow tensor-core kernel. A warp's unit of work is a chunk of CG groups (NG = 0: up
+    to NCH chunk partials per block) or, with NG > 0, one group (up to NG group terms per block,
+    added into their chunks' partials by the final sum in the same order: the same bits)."""
+    key = (NTT, NCH, GS, NWB, None if epilogue is None else epilogue.name, NG)
     if key in _mma_cache:
         return _mma_cache[key]
     pair = epilogue is not None
@@ -309,6 +317,24 @@ def _make_mma(NTT: int, NCH: int, GS: int, NWB: int, epilogue):
     SPG = GS // 32                     # mma steps per group = weight words per lane and row
     WPG = GS // 8                      # 4-byte weight words per group and row
     V64 = SPG % 2 == 0                 # a lane's words of a group as 8-byte loads
+    PG = NG > 0                        # a warp per group
+    NP = NG if PG else NCH             # partials in shared memory (a literal size)
+
+    @cuda.jit(device=True, inline=True)
+    def chunk_sum(part, tl, q, nch, cg, G):
+        """An output's total from its partials: chunk partials added in chunk order, or, with a
+        warp per group, each chunk's group terms added in group order from 0.0 first (the
+        numerics' step 5, as a warp that walks a chunk adds them)."""
+        v = 0.0
+        for c in range(nch):
+            if PG:
+                a = 0.0
+                for g in range(c * cg, min(G, c * cg + cg)):
+                    a += part[g, tl, q]
+                v += a
+            else:
+                v += part[c, tl, q]
+        return v
 
     @cuda.jit(device=True, inline=True)
     def load_group(wa, wb, w32, w64, oa, ob, g, tig):
@@ -351,23 +377,25 @@ def _make_mma(NTT: int, NCH: int, GS: int, NWB: int, epilogue):
         ob = rb * KW
         # lane (gid, tig)'s limb word of token tile 0, limb 0, group 0, step 0
         lb = uint32(tok0 + gid) * KW + uint32(tig * SPG)
-        part = cuda.shared.array((NCH, TOK, 16), float64)
+        part = cuda.shared.array((NP, TOK, 16), float64)
         acc = cuda.local.array(NACC, float64)
         ia = cuda.local.array(NIA, int32)
         wa = cuda.local.array(SPG, uint32)
         wb = cuda.local.array(SPG, uint32)
         na = cuda.local.array(SPG, uint32)
         nb = cuda.local.array(SPG, uint32)
-        if warp < nch:
-            load_group(wa, wb, w32, w64, oa, ob, warp * cg, tig)
-        for c in range(warp, nch, NWB):
+        nu = G if PG else nch          # units: groups or chunks
+        ug = 1 if PG else cg           # groups per unit
+        if warp < nu:
+            load_group(wa, wb, w32, w64, oa, ob, warp * ug, tig)
+        for c in range(warp, nu, NWB):
             for i in range(NACC):
                 acc[i] = 0.0
-            g1 = min(G, c * cg + cg)
-            for g in range(c * cg, g1):
-                # the next group's weight words (the warp's next chunk after its last group)
+            g1 = min(G, c * ug + ug)
+            for g in range(c * ug, g1):
+                # the next group's weight words (the warp's next unit after its last group)
                 # are requested before this group's products
-                gn = g + 1 if g + 1 < g1 else (c + NWB) * cg
+                gn = g + 1 if g + 1 < g1 else (c + NWB) * ug
                 if gn < G:
                     load_group(na, nb, w32, w64, oa, ob, gn, tig)
                 for i in range(NIA):
@@ -398,11 +426,8 @@ def _make_mma(NTT: int, NCH: int, GS: int, NWB: int, epilogue):
                 t = tok0 + tl
                 pp = tile * 8 + q
                 if t < T and pp < N // 2:
-                    va = 0.0
-                    vb = 0.0
-                    for c in range(nch):
-                        va += part[c, tl, q]
-                        vb += part[c, tl, q + 8]
+                    va = chunk_sum(part, tl, q, nch, cg, G)
+                    vb = chunk_sum(part, tl, q + 8, nch, cg, G)
                     store_pair(ep, out, t, pp, float32(va), float32(vb), N)
         else:
             for j in range(tid, TOK * 16, NTHREADS):
@@ -411,9 +436,7 @@ def _make_mma(NTT: int, NCH: int, GS: int, NWB: int, epilogue):
                 t = tok0 + tl
                 n = tile * 16 + q
                 if t < T and n < N:
-                    v = 0.0
-                    for c in range(nch):
-                        v += part[c, tl, q]
+                    v = chunk_sum(part, tl, q, nch, cg, G)
                     if acc_flag:
                         v += float64(out[t, n])
                     out[t, n] = float32(v)
@@ -912,8 +935,14 @@ def matmul_exact(out, x, w, scales, zeros, limbs=None, sx=None, ex=None, accumul
         _make_mma_wide(group, MMA_WIDE_NW, MMA_WIDE_STAGES, epilogue)[wide, MMA_WIDE_NW * 32, stream](
             out, w32, w64, sbits, zeros, l64, sx.reshape(-1), ex.reshape(-1), T, N, cg, nch, 1 if accumulate else 0, ep)
         return
-    nwb = mma_warps(nch, NTT)
-    _make_mma(NTT, nch, group, nwb, epilogue)[(tiles, TB), nwb * 32, stream](
+    if NTT == 1 and MMA_PER_GROUP and G * 8 * 16 <= SMEM_DOUBLES:
+        # one token tile: a warp per group, MMA_GROUP_NW warps (more loads in flight per block)
+        nwb = min(MMA_GROUP_NW, G)
+        kern = _make_mma(NTT, nch, group, nwb, epilogue, NG=G)
+    else:
+        nwb = mma_warps(nch, NTT)
+        kern = _make_mma(NTT, nch, group, nwb, epilogue)
+    kern[(tiles, TB), nwb * 32, stream](
         out, w32, w64, sbits, zeros, l64, sx, ex, T, N, cg, nch, 1 if accumulate else 0, ep)
 
 
@@ -933,6 +962,13 @@ def ptx_signatures(epilogues=()):
         tag = "" if epi is None else f"_{epi.name}"
         sigs.append((f"matmul_exact_mma{tag}_{NTT}_{NCH}_{GS}", _make_mma(NTT, NCH, GS, mma_warps(NCH, NTT), epi).py_func,
                      f"void({head}, {es})"))
+    # a warp per group (one token tile): 16 and 44 groups of 128, 48 of 32
+    for NCH, GS, G, epi in [(4, 128, 16, None), (11, 128, 44, None), (3, 32, 48, None)] + \
+            [(4, 128, 16, e) for e in epilogues]:
+        es = "UniTuple(int64, 1)" if epi is None else epi.sig
+        tag = "" if epi is None else f"_{epi.name}"
+        sigs.append((f"matmul_exact_mma_groups{tag}_{G}_{GS}",
+                     _make_mma(1, NCH, GS, min(MMA_GROUP_NW, G), epi, NG=G).py_func, f"void({head}, {es})"))
     for GS, epi in [(128, None), (32, None), (96, None), (256, None)] + [(128, e) for e in epilogues]:
         es = "UniTuple(int64, 1)" if epi is None else epi.sig
         tag = "" if epi is None else f"_{epi.name}"
