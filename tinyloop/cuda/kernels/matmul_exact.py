@@ -80,6 +80,9 @@ WIDE_NTT = MAX_NTT
 #: Pipeline stages of the wide kernel: mma steps whose operands are in flight (cp.async) at once.
 MMA_WIDE_STAGES = 4
 
+#: Flat weight and staging arrays are indexed with unsigned 32-bit offsets of 4-byte words.
+_MAX_FLAT_BYTES = 1 << 34
+
 _M = uint32(0x0F0F0F0F)
 _LO = uint64(0xFFFFFFFF)
 _HALF = 1 << (LIMB_BITS - 1)
@@ -687,10 +690,18 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue):
         row0 = (cuda.blockIdx.x * NWG + warp) * (RP if pair else R)
         wc = cuda.local.array(R2, uint64)
         wn = cuda.local.array(R2, uint64)
+        # the rows and their first weight words in the flat weight (unsigned 32-bit: no 64-bit
+        # index arithmetic or wrap-around per load)
+        rows = cuda.local.array(R, uint32)
+        orow = cuda.local.array(R, uint32)
+        KW = uint32(K >> 4)
+        ul = uint32(lane)
+        uw = uint32(warp)
         for r in range(R):
-            row = row_of(ep, row0, r, N)
+            rows[r] = uint32(row_of(ep, row0, r, N))
+            orow[r] = rows[r] * KW
             for hw in range(2):
-                wc[2 * r + hw] = w64[row, (lane * 32 >> 4) + hw] if lane * 32 < K else uint64(0)
+                wc[2 * r + hw] = w64[orow[r] + (ul * uint32(2)) + uint32(hw)] if lane * 32 < K else uint64(0)
         inv = float32(1.0)
         if norm:
             inv = row_inv_rms(x, 0, eps)
@@ -747,11 +758,11 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue):
             kn = kl + GEMV_STEP_K
             if st + 1 < nsteps:
                 for r in range(R):
-                    row = row_of(ep, row0, r, N)
                     for hw in range(2):
-                        wn[2 * r + hw] = w64[row, (kn >> 4) + hw] if kn < K else uint64(0)
+                        wn[2 * r + hw] = w64[orow[r] + uint32(kn >> 4) + uint32(hw)] if kn < K else uint64(0)
+            xb = uint32(st * 32 * 32) + ul
             for i in range(32):
-                xr[i] = xs[(st * 32 + i) * 32 + lane]
+                xr[i] = xs[xb + uint32(i * 32)]
             for r in range(R):
                 a0 = int32(0)
                 a1 = int32(0)
@@ -775,22 +786,22 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue):
                             a3 = dp4a_us(hi, xr[24 + j * 2 + 1], a3)
                 # the group's W lanes add their sums (integers below 2^53: exact in any order)
                 v = seg_sum(_limb_value(a0, a1, a2, a3), W, dscratch, tid)
-                g = st * GPS + lane // W
-                if lane % W == 0 and g < G:
-                    row = row_of(ep, row0, r, N)
-                    tb[warp, r, lane // W] = _group_term(v, zeros[row, g], float64(sxs[g]),
-                                                         _scale_value(sbits[row, g]), pow2n(exs[g] - XBITS))
+                g = uint32(st * GPS) + ul // uint32(W)
+                if ul % uint32(W) == 0 and g < G:
+                    row = rows[r]
+                    tb[uw, uint32(r), ul // uint32(W)] = _group_term(v, zeros[row, g], float64(sxs[g]), _scale_value(sbits[row, g]),
+                                                                     pow2n(exs[g] - XBITS))
             sync_warp()
-            if lane < R * CPS:
-                r = lane // CPS
-                c = lane % CPS
-                g0 = st * GPS + c * CG
+            if ul < uint32(R * CPS):
+                r = ul // uint32(CPS)
+                c = ul % uint32(CPS)
+                g0 = uint32(st * GPS) + c * uint32(CG)
                 if g0 < G:
                     a = float64(0.0)
                     for i in range(CG):
-                        if g0 + i < G:
-                            a += tb[warp, r, c * CG + i]
-                    ps[warp, r, st * CPS + c] = a
+                        if g0 + uint32(i) < G:
+                            a += tb[uw, r, c * uint32(CG) + uint32(i)]
+                    ps[uw, r, uint32(st * CPS) + c] = a
             for i in range(R2):
                 wc[i] = wn[i]
             sync_warp()
@@ -886,6 +897,8 @@ def matmul_exact(out, x, w, scales, zeros, limbs=None, sx=None, ex=None, accumul
     group = K // G
     norm = norm_w is not None
     eps = norm_args(op, norm_w, eps, K)
+    if w.size >= _MAX_FLAT_BYTES:             # the kernels index flat views with 32-bit offsets
+        raise BackendError(f"{op}: a weight of {w.size} bytes; at most {_MAX_FLAT_BYTES - 1}")
     staged = needs_staging(T, K, group, N, epilogue is not None)
     if staged:
         ls, ss, es = staging_shapes(T, K, group)
@@ -899,6 +912,8 @@ def matmul_exact(out, x, w, scales, zeros, limbs=None, sx=None, ex=None, accumul
                 sx.shape[0] < ss[0] or sx.shape[1] != G or ex.shape != sx.shape:
             raise BackendError(f"{op}: staging buffers limbs {tuple(limbs.shape)}, sx {tuple(sx.shape)}, "
                                f"ex {tuple(ex.shape)} do not fit {ls}, {ss}")
+        if limbs.size >= _MAX_FLAT_BYTES:
+            raise BackendError(f"{op}: staging of {limbs.size} bytes; at most {_MAX_FLAT_BYTES - 1}")
         cg = chunk_groups(group)
         nch = cdiv(G, cg)
         NTT = _token_tiles(T)
@@ -915,17 +930,13 @@ def matmul_exact(out, x, w, scales, zeros, limbs=None, sx=None, ex=None, accumul
         per_block = GEMV_NW * (R // 2 if epilogue is not None else R)
         units = N // 2 if epilogue is not None else N
         _make_gemv(R, cdiv(K, GEMV_STEP_K), group, norm, epilogue)[cdiv(units, per_block), GEMV_NW * 32, stream](
-            out, w.view(np.uint64), scales.view(np.uint16), zeros, x, nwx, eps, N, 1 if accumulate else 0, ep)
+            out, w.view(np.uint64).reshape(-1), scales.view(np.uint16), zeros, x, nwx, eps, N, 1 if accumulate else 0, ep)
         return
     TB = cdiv(T, 8 * NTT)
     _make_stage(norm)[(cdiv(G, STAGE_NT // 32), T), STAGE_NT, stream](limbs, sx, ex, x, nwx, eps, group)
     w32 = w.view(np.uint32).reshape(-1)
     w64 = w.view(np.uint64).reshape(-1)
     sbits = scales.view(np.uint16)
-    # the kernels index flat views with 32-bit offsets
-    if w.size // 4 >= 1 << 32 or limbs.size // 8 >= 1 << 32:
-        raise BackendError(f"{op}: weight of {w.size} bytes or staging of {limbs.size} bytes: at "
-                           f"most 2^34 bytes each")
     l64 = limbs.view(np.uint64).reshape(-1)
     tiles = cdiv(N // 2, 8) if epilogue is not None else cdiv(N, 16)
     # the wide kernel reads token rows up to a multiple of 32: within staging_shapes' rows, which
@@ -974,7 +985,7 @@ def ptx_signatures(epilogues=()):
         tag = "" if epi is None else f"_{epi.name}"
         sigs.append((f"matmul_exact_mma_wide{tag}_{GS}", _make_mma_wide(GS, MMA_WIDE_NW, MMA_WIDE_STAGES, epi).py_func,
                      f"void({whead}, {es})"))
-    ghead = ("float32[:, ::1], uint64[:, ::1], uint16[:, ::1], uint8[:, ::1], float32[:, ::1], float32[::1], "
+    ghead = ("float32[:, ::1], uint64[::1], uint16[:, ::1], uint8[:, ::1], float32[:, ::1], float32[::1], "
              "float32, int64, int64")
     for NSTEP, GS, norm, epi in [(2, 128, False, None), (2, 64, True, None), (6, 32, True, None), (1, 256, False, None)] + \
             [(2, 128, True, e) for e in epilogues]:
