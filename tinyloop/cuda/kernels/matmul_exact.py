@@ -123,11 +123,12 @@ def _group_exponent(m):
     return max((as_bits(m) >> 23) & 0xFF, 1) - 126
 
 
-@cuda.jit(device=True)
+@cuda.jit(device=True, inline=True)
 def _limb(rest):
-    """(the lowest signed 7-bit digit of the integer rest, the rest above it)."""
-    d = ((rest + _HALF) & _MASK) - _HALF
-    return d, (rest - d) >> LIMB_BITS
+    """(the lowest signed 7-bit digit of the int32 rest, the rest above it), in int32 arithmetic
+    (|X| <= 2^XBITS fits; every step truncated so the compiler keeps it 32-bit)."""
+    d = int32(int32(int32(rest + _HALF) & _MASK) - _HALF)
+    return d, int32(int32(rest - d) >> LIMB_BITS)
 
 
 @cuda.jit(device=True, inline=True)
@@ -277,8 +278,8 @@ def _make_stage(norm: bool):
         for i in range(lane, gs, 32):
             k = g * gs + i
             v = xval(x, nw, inv, t, k)
-            X = int64(rint64(float64(v) * f))
-            s += X
+            X = int32(rint64(float64(v) * f))
+            s += int64(X)
             pos = (k & ~7) + ((k & 7) >> 1) + (k & 1) * 4
             rest = X
             for j in range(LIMBS - 1, 0, -1):
@@ -721,30 +722,31 @@ def _make_gemv(R: int, NSTEP: int, GS: int, norm: bool, epilogue):
             m = seg_max(m, SPG, fscratch, tid)
             E = _group_exponent(m)
             f = pow2n(XBITS - E)
-            s = int64(0)
+            s = int32(0)                   # 8 values of at most 2^XBITS: within int32
             base = (m8 >> 7) * 32 * 32 + ((m8 & 3) * 2) * 32 + ((m8 >> 2) & 31)
             for h in range(2):
-                l0 = int64(0)
-                l1 = int64(0)
-                l2 = int64(0)
-                l3 = int64(0)
+                l0 = uint32(0)
+                l1 = uint32(0)
+                l2 = uint32(0)
+                l3 = uint32(0)
                 for b in range(4):
-                    rest = int64(rint64(float64(xv[2 * b + h]) * f))
-                    s += rest
+                    rest = int32(rint64(float64(xv[2 * b + h]) * f))
+                    s = int32(s + rest)
+                    sh = uint32(8 * b)
                     d, rest = _limb(rest)
-                    l3 |= (d & 255) << (8 * b)
+                    l3 = uint32(l3 | (uint32(d & 255) << sh))
                     d, rest = _limb(rest)
-                    l2 |= (d & 255) << (8 * b)
+                    l2 = uint32(l2 | (uint32(d & 255) << sh))
                     d, rest = _limb(rest)
-                    l1 |= (d & 255) << (8 * b)
-                    l0 |= (rest & 255) << (8 * b)
+                    l1 = uint32(l1 | (uint32(d & 255) << sh))
+                    l0 = uint32(l0 | (uint32(rest & 255) << sh))
                 if on:
                     o = base + h * 32
                     xs[o] = uint32(l0)
                     xs[o + 8 * 32] = uint32(l1)
                     xs[o + 16 * 32] = uint32(l2)
                     xs[o + 24 * 32] = uint32(l3)
-            s = seg_sum(s, SPG, iscratch, tid)
+            s = seg_sum(int64(s), SPG, iscratch, tid)
             if on and m8 % SPG == 0:
                 exs[k0 // GS] = E
                 sxs[k0 // GS] = s
