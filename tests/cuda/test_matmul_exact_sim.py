@@ -110,6 +110,27 @@ def test_tensor_core_kernel_equals_reference(monkeypatch, N, K, group, T, per_gr
     np.testing.assert_array_equal(out.copy_to_host(), exact_matmul(x, codes, parts["scales"], parts["zeros"]))
 
 
+def test_tensor_core_kernel_norm_and_glu():
+    """A warp per group with the fused norm and the SwiGLU pair epilogue: equal to the unfused
+    forms (rmsnorm, then the product; the product, then swiglu_fused)."""
+    N, K, group, T = 32, 256, 64, 3
+    parts, codes, (q, s, z) = weight(N, K, group, seed=9)
+    x = np.concatenate([row(K, seed=30 + i) for i in range(T)])
+    x[:, :64] += 1.0                               # keep the RMS norm's input away from zero
+    nw = D(np.random.default_rng(10).uniform(0.5, 1.5, K).astype(np.float32))
+    xn = D(np.zeros((T, K), np.float32))
+    rmsnorm.rmsnorm(xn, D(x), nw, 1e-5)
+    out = D(np.zeros((T, N), np.float32))
+    mx.matmul_exact(out, D(x), q, s, z, *staging(T, K, group), norm_w=nw, eps=1e-5)
+    np.testing.assert_array_equal(out.copy_to_host(),
+                                  exact_matmul(xn.copy_to_host(), codes, parts["scales"], parts["zeros"]))
+    h = D(np.zeros((T, N // 2), np.float32))
+    mx.matmul_exact(h, D(x), q, s, z, *staging(T, K, group), epilogue=swiglu.glu_epilogue(N // 2))
+    want = D(np.zeros((T, N // 2), np.float32))
+    swiglu.swiglu_fused(want, D(exact_matmul(x, codes, parts["scales"], parts["zeros"])))
+    np.testing.assert_array_equal(h.copy_to_host(), want.copy_to_host())
+
+
 def test_wide_tensor_core_kernel_equals_reference(monkeypatch):
     monkeypatch.setattr(mx, "MMA_WIDE_T", 2)        # take the wide kernel on a small launch
     monkeypatch.setattr(mx, "MMA_WIDE_BLOCKS", 1)
