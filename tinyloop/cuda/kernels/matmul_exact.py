@@ -63,11 +63,16 @@ MMA_MAX_NW = 12
 SMEM_DOUBLES = 6144
 #: Token tiles of 8 rows per block, at most.
 MAX_NTT = 4
-#: Launches of one token tile (T <= 8: lockstep lanes, verify rows) give each warp one group at
-#: a time instead of a chunk, MMA_GROUP_NW warps a block, where the block's group terms fit
-#: SMEM_DOUBLES; the final sum adds them in chunk and group order (same bits).
+#: Launches of one token tile (T <= 8: lockstep lanes, verify rows) of a weight with at most
+#: MMA_GROUP_NW groups a row and at most MMA_GROUP_TILES row tiles (fewer blocks than an H100 or
+#: H200 has SMs, where the chunk form leaves SMs with a few warps waiting on L2) give each warp
+#: one group instead of a chunk, MMA_GROUP_NW warps a block; the final sum adds the group terms in
+#: chunk and group order (same bits). Measured (H200): 2048 x 2048 at T = 8 7.5 against 9.3 us;
+#: on weights of more tiles or groups a warp per group was slower (gate|up 26.0 against 19.6 us,
+#: head 103.8 against 57.1, down 12.3 against 10.6).
 MMA_PER_GROUP = True
 MMA_GROUP_NW = 16
+MMA_GROUP_TILES = 128
 #: Launches of at least this many rows take the wide tensor-core kernel (`_make_mma_wide`: warps
 #: own row tiles over the whole of k, the token rows' limbs staged in shared memory); MMA_WIDE_NW
 #: warps (16-row tiles) per block, WIDE_NTT token tiles of 8 rows per warp.
@@ -832,6 +837,13 @@ def _token_tiles(T: int) -> int:
     return min(MAX_NTT, cdiv(T, 8))
 
 
+def per_group(T: int, G: int, tiles: int) -> bool:
+    """Whether a tensor-core launch of T rows, G groups a row and `tiles` row tiles (16 rows, or 8
+    row pairs with an epilogue) gives each warp one group (MMA_PER_GROUP's rule)."""
+    return (MMA_PER_GROUP and _token_tiles(T) == 1 and G <= MMA_GROUP_NW and tiles <= MMA_GROUP_TILES
+            and G * 8 * 16 <= SMEM_DOUBLES)
+
+
 def staging_shapes(T: int, K: int, group: int):
     """Shapes of the (limbs, sx, ex) buffers a launch of T rows needs: limbs uint8 (LIMBS, TP, K),
     sx int64 (TP, G), ex int32 (TP, G), TP = T rounded up to the token block."""
@@ -948,8 +960,8 @@ def matmul_exact(out, x, w, scales, zeros, limbs=None, sx=None, ex=None, accumul
         _make_mma_wide(group, MMA_WIDE_NW, MMA_WIDE_STAGES, epilogue)[wide, MMA_WIDE_NW * 32, stream](
             out, w32, w64, sbits, zeros, l64, sx.reshape(-1), ex.reshape(-1), T, N, cg, nch, 1 if accumulate else 0, ep)
         return
-    if NTT == 1 and MMA_PER_GROUP and G * 8 * 16 <= SMEM_DOUBLES:
-        # one token tile: a warp per group, MMA_GROUP_NW warps (more loads in flight per block)
+    if per_group(T, G, tiles):
+        # one token tile, few blocks: a warp per group (more loads in flight per SM)
         nwb = min(MMA_GROUP_NW, G)
         kern = _make_mma(NTT, nch, group, nwb, epilogue, NG=G)
     else:
