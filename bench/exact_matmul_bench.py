@@ -129,16 +129,19 @@ def main(argv=None) -> int:
                       f"(same bits {r['narrow_same_bits']} {r['wide_same_bits']}); wide x"
                       f"{r['exact_narrow_us'] / r['exact_wide_us']:5.2f}", flush=True)
             if 1 < T <= 8:
-                # one token tile: a warp per group (the default) against a warp per chunk
-                default_pg = mx.MMA_PER_GROUP
+                # one token tile: the form the launcher's rule did not pick (a warp per group or
+                # a warp per chunk), forced on the same launch
+                rule = mx.per_group
+                picked = rule(T, K // 128, -(-N // 16))
                 try:
-                    mx.MMA_PER_GROUP = not default_pg
+                    mx.per_group = lambda *a, _f=not picked: _f
                     r["exact_other_form_us"] = graph_time_ms(stream, exact, args.reps) * 1e3
                     r["other_form_same_bits"] = bool(np.array_equal(out.copy_to_host(), got))
                 finally:
-                    mx.MMA_PER_GROUP = default_pg
-                print(f"   {'warp per chunk' if default_pg else 'warp per group'}: {r['exact_other_form_us']:8.1f} us "
-                      f"(same bits {r['other_form_same_bits']})", flush=True)
+                    mx.per_group = rule
+                r["form"] = "group" if picked else "chunk"
+                print(f"   launcher's form: warp per {r['form']}; warp per {'chunk' if picked else 'group'}: "
+                      f"{r['exact_other_form_us']:8.1f} us (same bits {r['other_form_same_bits']})", flush=True)
             if T > 1 and args.mma_nw:
                 default_nw = mx.MMA_MAX_NW
                 for nwv in (int(v) for v in args.mma_nw.split(",")):
