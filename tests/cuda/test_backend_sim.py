@@ -576,3 +576,37 @@ def test_early_exit_matches_the_cpu(small_path, criterion, threshold, kv):
     finally:
         tl.free_model(m)
         tl.free_model(cpu)
+
+
+EXACT = dict(TINY, vocab_size=32, d_model=32, n_heads=2, n_kv_heads=1, d_ff=32, n_pre=1, n_loop=1,
+             n_post=0, default_loops=2)
+
+
+def test_exact_kernels_end_to_end_match_cpu(tmp_path, monkeypatch):
+    """TINYLOOP_CUDA_EXACT=1 on a model whose q4 weights (group 32) all take the exact kernels: the
+    one-row dp4a kernel for decode steps, the staging kernel and the tensor-core kernel (the
+    simulator's twin of the mma) for a two-token prompt's rows and for lockstep lanes. Logits
+    within 1e-5 of the CPU backend's, greedy tokens equal to the CPU's, and two lanes decoded in
+    lockstep (two-row launches: the tensor-core kernel) equal to each prompt's own generate (one-row
+    launches: the dp4a kernel)."""
+    cfg = ModelConfig(**EXACT)
+    path = tmp_path / "exact.tinyloop"
+    write_model(str(path), cfg, random_weights(cfg, seed=7), default_quant=TensorQuant("q4", 32))
+    cpu = tl.load_model(str(path), max_seq_len=8, backend="cpu")
+    monkeypatch.setenv("TINYLOOP_CUDA_EXACT", "1")
+    gpu = tl.load_model(str(path), max_seq_len=8, backend="cuda")
+    try:
+        from tinyloop.cuda.kernels import matmul_exact as mx
+        blk = gpu.weights.loop[0]
+        assert gpu.backend.exact and mx.supports(blk.wqkv.w, blk.wqkv.scales, cfg.d_model)
+        for p in ([3], [3, 4]):
+            ref = tl.score(cpu, p, loops=2, cache_mode="fp32")
+            got = tl.score(gpu, p, loops=2, cache_mode="fp32")
+            assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-5
+        gc = tl.GenerateConfig(max_tokens=3, loops=2, cache_mode="fp32")
+        want = tl.generate(cpu, [3, 4], gc)
+        assert tl.generate(gpu, [3, 4], gc) == want
+        assert tl.generate_batch(gpu, [[3, 4], [5]], gc) == [want, tl.generate(gpu, [5], gc)]
+    finally:
+        tl.free_model(cpu)
+        tl.free_model(gpu)

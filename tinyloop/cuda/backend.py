@@ -104,10 +104,9 @@ FUSED_WEIGHTS = (("wqkv", ("wq", "wk", "wv")), ("wgu", ("w_gate", "w_up")))
 
 
 def exact_requested() -> bool:
-    """TINYLOOP_CUDA_EXACT=1 (opt-in) outside the simulator: q4 matmuls on the exact kernels
-    where the device has integer tensor cores (`CUDABackend.exact`)."""
-    return (os.environ.get("TINYLOOP_CUDA_EXACT", "0") not in ("", "0", "false", "no")
-            and not numba.config.ENABLE_CUDASIM)
+    """TINYLOOP_CUDA_EXACT=1 (opt-in): q4 matmuls on the exact kernels where the device has
+    integer tensor cores (`CUDABackend.exact`; under the simulator their twins)."""
+    return os.environ.get("TINYLOOP_CUDA_EXACT", "0") not in ("", "0", "false", "no")
 
 
 def round_slots(n_slots: int, window: int = 0) -> int:
@@ -503,6 +502,11 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         # included)
         for counter in self._counters(ws):
             self._memset0(counter)
+        # and the exact matmul's staging: rows past a launch's T are read into outputs that are
+        # never stored, so they must hold in-range values (zero, or an earlier launch's)
+        for a in (ws.xlimbs, ws.xsx, ws.xex):
+            if a.size:
+                self._memset0(a)
         self._held += sum(int(a.nbytes) for a in (*dev.values(), *amax, tok_exit))
         self._ws = ws
         self._stage_views = {}

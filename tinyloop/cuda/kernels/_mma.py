@@ -72,8 +72,18 @@ elif SIM:
     def _warp_state(key):
         with _warps_lock:
             if key not in _warps:
-                _warps[key] = (threading.Barrier(32), [None] * 32)
+                # a timeout turns a warp whose lanes do not all arrive (an exception elsewhere, or
+                # divergent control flow: a kernel bug) into an error instead of a hang
+                _warps[key] = (threading.Barrier(32, timeout=120), [None] * 32)
             return _warps[key]
+
+    def _wait(key, bar):
+        try:
+            bar.wait()
+        except threading.BrokenBarrierError:
+            with _warps_lock:
+                _warps.pop(key, None)      # the next launch starts from a fresh barrier
+            raise RuntimeError("mma_u8s8 (simulator): not every lane of the warp reached the mma")
 
     def _bytes(r, signed):
         b = np.array([(int(r) >> (8 * i)) & 255 for i in range(4)], np.int64)
@@ -85,9 +95,10 @@ elif SIM:
         bd, ti, bi = cuda.blockDim, cuda.threadIdx, cuda.blockIdx
         tid = ti.x + bd.x * (ti.y + bd.y * ti.z)
         lane = tid % 32
-        bar, slots = _warp_state((bi.x, bi.y, bi.z, tid // 32))
+        key = (bi.x, bi.y, bi.z, tid // 32)
+        bar, slots = _warp_state(key)
         slots[lane] = (a0, a1, a2, a3, b0, b1)
-        bar.wait()
+        _wait(key, bar)
         A = np.zeros((16, 32), np.int64)
         B = np.zeros((32, 8), np.int64)
         for ln in range(32):
@@ -99,7 +110,7 @@ elif SIM:
             A[g + 8, 16 + 4 * t:20 + 4 * t] = _bytes(f[3], False)
             B[4 * t:4 * t + 4, g] = _bytes(f[4], True)
             B[16 + 4 * t:20 + 4 * t, g] = _bytes(f[5], True)
-        bar.wait()
+        _wait(key, bar)
         D = A @ B
         g, t = lane >> 2, lane & 3
         return (np.int32(D[g, 2 * t] + c0), np.int32(D[g, 2 * t + 1] + c1),
