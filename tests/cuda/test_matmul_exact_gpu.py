@@ -19,11 +19,12 @@ if numba.config.ENABLE_CUDASIM or not cuda.is_available():
     pytest.skip("needs a real CUDA GPU (and NUMBA_ENABLE_CUDASIM unset)", allow_module_level=True)
 
 from tinyloop.cuda.kernels import matmul_exact as mx  # noqa: E402
-from tinyloop.cuda.kernels import rmsnorm, swiglu  # noqa: E402
 from tinyloop.errors import BackendError  # noqa: E402
 from tinyloop.model.arch import TensorQuant  # noqa: E402
 from tinyloop.model.exact_matmul import exact_matmul  # noqa: E402
 from tinyloop.model.quant import quantize, unpack  # noqa: E402
+
+from exact_checks import check_norm_and_glu  # noqa: E402
 
 D = cuda.to_device
 
@@ -95,17 +96,7 @@ def test_accumulate_norm_and_glu_epilogue(T):
     mx.matmul_exact(out, D(x), q, s, z, *staging(T, K, group), accumulate=True)
     np.testing.assert_array_equal(out.copy_to_host(),
                                   exact_matmul(x, codes, parts["scales"], parts["zeros"], out=base.copy()))
-    nw = D(np.random.default_rng(8).uniform(0.5, 1.5, K).astype(np.float32))
-    xn = D(np.zeros((T, K), np.float32))
-    rmsnorm.rmsnorm(xn, D(x), nw, 1e-5)
-    mx.matmul_exact(out, D(x), q, s, z, *staging(T, K, group), norm_w=nw, eps=1e-5)
-    np.testing.assert_array_equal(out.copy_to_host(),
-                                  exact_matmul(xn.copy_to_host(), codes, parts["scales"], parts["zeros"]))
-    h = D(np.zeros((T, N // 2), np.float32))
-    mx.matmul_exact(h, D(x), q, s, z, *staging(T, K, group), epilogue=swiglu.glu_epilogue(N // 2))
-    want = D(np.zeros((T, N // 2), np.float32))
-    swiglu.swiglu_fused(want, D(exact_matmul(x, codes, parts["scales"], parts["zeros"])))
-    np.testing.assert_array_equal(h.copy_to_host(), want.copy_to_host())
+    check_norm_and_glu(x, parts, codes, q, s, z, staging(T, K, group))
 
 
 def test_refuses_what_it_cannot_do():

@@ -23,11 +23,12 @@ if not numba.config.ENABLE_CUDASIM and not cuda.is_available():
                 allow_module_level=True)
 
 from tinyloop.cuda.kernels import matmul_exact as mx  # noqa: E402
-from tinyloop.cuda.kernels import rmsnorm, swiglu  # noqa: E402
 from tinyloop.errors import BackendError  # noqa: E402
 from tinyloop.model.arch import TensorQuant  # noqa: E402
 from tinyloop.model.exact_matmul import exact_matmul  # noqa: E402
 from tinyloop.model.quant import quantize, unpack  # noqa: E402
+
+from exact_checks import check_norm_and_glu  # noqa: E402
 
 D = cuda.to_device
 
@@ -68,17 +69,7 @@ def test_one_row_norm_accumulate_and_glu():
     mx.matmul_exact(out, D(x), q, s, z, accumulate=True)
     np.testing.assert_array_equal(out.copy_to_host(),
                                   exact_matmul(x, codes, parts["scales"], parts["zeros"], out=base.copy()))
-    nw = D(np.random.default_rng(8).uniform(0.5, 1.5, K).astype(np.float32))
-    xn = D(np.zeros((1, K), np.float32))
-    rmsnorm.rmsnorm(xn, D(x), nw, 1e-5)
-    mx.matmul_exact(out, D(x), q, s, z, norm_w=nw, eps=1e-5)
-    np.testing.assert_array_equal(out.copy_to_host(),
-                                  exact_matmul(xn.copy_to_host(), codes, parts["scales"], parts["zeros"]))
-    h = D(np.zeros((1, N // 2), np.float32))
-    mx.matmul_exact(h, D(x), q, s, z, epilogue=swiglu.glu_epilogue(N // 2))
-    want = D(np.zeros((1, N // 2), np.float32))
-    swiglu.swiglu_fused(want, D(exact_matmul(x, codes, parts["scales"], parts["zeros"])))
-    np.testing.assert_array_equal(h.copy_to_host(), want.copy_to_host())
+    check_norm_and_glu(x, parts, codes, q, s, z, ())
 
 
 def test_which_launches_need_staging():
@@ -117,18 +108,7 @@ def test_tensor_core_kernel_norm_and_glu():
     parts, codes, (q, s, z) = weight(N, K, group, seed=9)
     x = np.concatenate([row(K, seed=30 + i) for i in range(T)])
     x[:, :64] += 1.0                               # keep the RMS norm's input away from zero
-    nw = D(np.random.default_rng(10).uniform(0.5, 1.5, K).astype(np.float32))
-    xn = D(np.zeros((T, K), np.float32))
-    rmsnorm.rmsnorm(xn, D(x), nw, 1e-5)
-    out = D(np.zeros((T, N), np.float32))
-    mx.matmul_exact(out, D(x), q, s, z, *staging(T, K, group), norm_w=nw, eps=1e-5)
-    np.testing.assert_array_equal(out.copy_to_host(),
-                                  exact_matmul(xn.copy_to_host(), codes, parts["scales"], parts["zeros"]))
-    h = D(np.zeros((T, N // 2), np.float32))
-    mx.matmul_exact(h, D(x), q, s, z, *staging(T, K, group), epilogue=swiglu.glu_epilogue(N // 2))
-    want = D(np.zeros((T, N // 2), np.float32))
-    swiglu.swiglu_fused(want, D(exact_matmul(x, codes, parts["scales"], parts["zeros"])))
-    np.testing.assert_array_equal(h.copy_to_host(), want.copy_to_host())
+    check_norm_and_glu(x, parts, codes, q, s, z, staging(T, K, group), seed=10)
 
 
 def test_wide_tensor_core_kernel_equals_reference(monkeypatch):
