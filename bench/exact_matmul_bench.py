@@ -132,7 +132,7 @@ def main(argv=None) -> int:
                 # one token tile: the form the launcher's rule did not pick (a warp per group or
                 # a warp per chunk), forced on the same launch
                 rule = mx.per_group
-                picked = rule(T, K // 128, -(-N // 16))
+                picked = rule(T, s.shape[1], -(-N // 16))
                 try:
                     mx.per_group = lambda *a, _f=not picked: _f
                     r["exact_other_form_us"] = graph_time_ms(stream, exact, args.reps) * 1e3

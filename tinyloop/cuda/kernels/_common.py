@@ -122,15 +122,10 @@ if not SIM:
         return cuda.libdevice.rint(x)
 
     @cuda.jit(device=True)
-    def pow2(e):
-        """2.0 ** e as a float64 (exact for every int e of the float64 range)."""
-        return cuda.libdevice.ldexp(1.0, int32(e))
-
-    @cuda.jit(device=True)
     def pow2n(e):
-        """2.0 ** e for e in the normal range [-1022, 1023], built from its exponent bits: the
-        value of `pow2(e)` in one integer add and shift (libdevice's ldexp guards the whole range
-        with clamps, selects and four float64 multiplies)."""
+        """2.0 ** e for e in the normal range [-1022, 1023], built from its exponent bits: one
+        integer add and shift (libdevice's ldexp guards the whole range with clamps, selects and
+        four float64 multiplies)."""
         return cuda.libdevice.longlong_as_double(int64(int32(e) + int32(1023)) << 52)
 
 else:  # CUDA simulator twins: same butterfly, through shared memory.
@@ -220,10 +215,6 @@ else:  # CUDA simulator twins: same butterfly, through shared memory.
     @cuda.jit(device=True)
     def rint64(x):
         return np.rint(np.float64(x))
-
-    @cuda.jit(device=True)
-    def pow2(e):
-        return np.ldexp(np.float64(1.0), int(e))
 
     @cuda.jit(device=True)
     def pow2n(e):
@@ -382,4 +373,4 @@ class Epilogue(NamedTuple):
 __all__ = ["SIM", "Epilogue", "FULL_MASK", "NEG_INF", "warp_sum", "warp_max", "block_sum",
            "block_max", "block_sum_once", "block_max_once", "as_float", "as_bits", "cdiv",
            "is_device_array", "check_array", "check_workspace", "device_pointer", "no_tree",
-           "check_tree", "rint", "mul_rn", "rint64", "pow2", "pow2n", "sync_warp", "seg_max", "seg_sum", "float32", "uint32"]
+           "check_tree", "rint", "mul_rn", "rint64", "pow2n", "sync_warp", "seg_max", "seg_sum", "float32", "uint32"]

@@ -48,7 +48,7 @@ from numba import cuda, float32, float64, int32, int64, uint32, uint64
 from ...errors import BackendError
 from ...model.exact_matmul import CHUNK_K, LIMB_BITS, LIMBS, XBITS, chunk_groups
 from ._cp_async import cp_async, cp_async_commit, cp_async_wait
-from ._common import SIM, as_bits, cdiv, check_array, pow2, pow2n, rint64, seg_max, seg_sum, sync_warp, warp_max, warp_sum
+from ._common import SIM, as_bits, cdiv, check_array, pow2n, rint64, seg_max, seg_sum, sync_warp, warp_max, warp_sum
 from ._dp4a import dp4a_us
 from ._mma import mma_u8s8
 from ._pdl import grid_dep_wait
