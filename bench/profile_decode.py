@@ -92,6 +92,12 @@ def per_block(steps, labels):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="360m")
+    ap.add_argument("--layout", default="",
+                    help="profile a looped layout of bench/looped_layouts_bench.py (huginn-0125, ouro-1.4b) "
+                         "at its real widths instead of --preset")
+    ap.add_argument("--layers", default="",
+                    help="with --layout: n_pre,n_loop,n_post replacing the layout's own (fewer layers: a "
+                         "smaller file to write; the per-layer kernels are the same)")
     ap.add_argument("--loops", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=64)
@@ -113,8 +119,25 @@ def main(argv=None) -> int:
     from tinyloop.model.format import read_header
 
     tmp = tempfile.TemporaryDirectory()
-    path = os.path.join(tmp.name, f"{args.preset}.tinyloop")
-    synth_model(args.preset, path, seed=0)
+    path = os.path.join(tmp.name, f"{args.layout or args.preset}.tinyloop")
+    if args.layout:
+        from bench.looped_layouts_bench import LAYOUTS
+        if args.layout not in LAYOUTS:
+            ap.error(f"--layout {args.layout!r}: choose from {list(LAYOUTS)}")
+        over, group, _ = LAYOUTS[args.layout]
+        over = dict(over)
+        if args.layers:
+            try:
+                n_pre, n_loop, n_post = (int(v) for v in args.layers.split(","))
+            except ValueError:
+                ap.error(f"--layers {args.layers!r}: expected three integers n_pre,n_loop,n_post")
+            over.update(n_pre=n_pre, n_loop=n_loop, n_post=n_post)
+        t0 = time.perf_counter()
+        synth_model("360m", path, seed=0, quant="q4", group_size=group, **over)
+        print(f"wrote {args.layout} ({os.path.getsize(path) / 1e9:.2f} GB) in {time.perf_counter() - t0:.0f} s",
+              flush=True)
+    else:
+        synth_model(args.preset, path, seed=0)
     cfg = read_header(path).config
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, args.prompt_len)]
@@ -153,7 +176,7 @@ def main(argv=None) -> int:
     per = {k: v for k, v in per.items() if v[1] > 0}
     rows = sorted(per.items(), key=lambda kv: -kv[1][0])
     total = sum(v[0] for v in per.values())
-    print(f"\n{args.preset} L={args.loops} prompt {args.prompt_len}: {n_tok} decoded tokens, "
+    print(f"\n{args.layout or args.preset} L={args.loops} prompt {args.prompt_len}: {n_tok} decoded tokens, "
           f"wall {wall:.3f} ms/token (unprofiled run)")
     print(f"{'kernel':<52}{'us/token':>10}{'launches/token':>16}{'share':>8}")
     out_rows = []
@@ -176,7 +199,7 @@ def main(argv=None) -> int:
                 print(f"{b['block']:<12}{b['us']:>9.2f}   " + " ".join(f"{v:7.2f}" for v in b["kernels_us"]))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"preset": args.preset, "loops": args.loops, "prompt_len": args.prompt_len,
+            json.dump({"preset": args.layout or args.preset, "layers": args.layers, "loops": args.loops, "prompt_len": args.prompt_len,
                        "tokens": n_tok, "wall_ms_per_token": wall,
                        "device_us_per_token": total / n_tok, "kernels": out_rows, "blocks": blocks,
                        "date": time.strftime("%Y-%m-%d")}, fh, indent=2)
