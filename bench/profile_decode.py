@@ -86,7 +86,8 @@ def per_block(steps, labels):
     for b, label in enumerate(labels):
         ks = mean[lead + b * kb:lead + (b + 1) * kb]
         blocks.append({"block": label, "us": float(ks.sum()), "kernels_us": [float(v) for v in ks]})
-    return {"lead": lead, "kb": kb, "blocks": blocks}
+    names = [short_name(n) for n, _ in steps[0][lead:lead + kb]]
+    return {"lead": lead, "kb": kb, "kernels": names, "blocks": blocks}
 
 
 def main(argv=None) -> int:
@@ -98,6 +99,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", default="",
                     help="with --layout: n_pre,n_loop,n_post replacing the layout's own (fewer layers: a "
                          "smaller file to write; the per-layer kernels are the same)")
+    ap.add_argument("--model-file", default="",
+                    help="with --layout: write the synthesized file here, or reuse it when it exists (a "
+                         "second profile of the same model, e.g. with TINYLOOP_CUDA_EXACT=1)")
     ap.add_argument("--loops", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=64)
@@ -119,8 +123,10 @@ def main(argv=None) -> int:
     from tinyloop.model.format import read_header
 
     tmp = tempfile.TemporaryDirectory()
-    path = os.path.join(tmp.name, f"{args.layout or args.preset}.tinyloop")
-    if args.layout:
+    path = args.model_file or os.path.join(tmp.name, f"{args.layout or args.preset}.tinyloop")
+    if args.layout and args.model_file and os.path.exists(path):
+        print(f"reusing {path}", flush=True)
+    elif args.layout:
         from bench.looped_layouts_bench import LAYOUTS
         if args.layout not in LAYOUTS:
             ap.error(f"--layout {args.layout!r}: choose from {list(LAYOUTS)}")
@@ -195,6 +201,7 @@ def main(argv=None) -> int:
         else:
             print(f"\nper block (mean over {n_tok} steps; {blocks['lead']} kernel(s) before the "
                   f"blocks, {blocks['kb']} per block), us:")
+            print("kernels of a block: " + ", ".join(f"{i}: {n}" for i, n in enumerate(blocks["kernels"])))
             for b in blocks["blocks"]:
                 print(f"{b['block']:<12}{b['us']:>9.2f}   " + " ".join(f"{v:7.2f}" for v in b["kernels_us"]))
     if args.json:
