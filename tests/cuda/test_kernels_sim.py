@@ -71,6 +71,44 @@ def ref_rmsnorm(x, w, eps):
     return x / np.sqrt((x * x).mean(axis=1, keepdims=True) + eps) * w
 
 
+def fma32(a, b, c):
+    """float32 fma: a * b + c with one rounding (a float32 product is exact in float64, and the
+    float64 sum rounds to float32 as the fused op does except in double-rounding ties)."""
+    return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+
+
+def model_inv_rms(row, eps):
+    """The row kernels' inverse RMS, operation for operation (rmsnorm.py): thread i of 256 takes
+    ``ss = fma(x, x, ss)`` over k = i, i + 256, ... ascending; each warp's 32 partials go through
+    the xor butterfly (offsets 16, 8, 4, 2, 1); the 8 warp totals are added in warp order;
+    ``1 / sqrt(ss / D + eps)`` in float32."""
+    D = row.shape[0]
+    part = np.zeros(256, np.float32)
+    for i in range(256):
+        ss = np.float32(0.0)
+        for k in range(i, D, 256):
+            ss = fma32(row[k], row[k], ss)
+        part[i] = ss
+    totals = []
+    for w in range(8):
+        v = list(part[32 * w:32 * w + 32])
+        for o in (16, 8, 4, 2, 1):
+            v = [np.float32(v[i] + v[i + o]) for i in range(o)]
+        totals.append(v[0])
+    tot = totals[0]
+    for v in totals[1:]:
+        tot = np.float32(tot + v)
+    return np.float32(np.float32(1.0) / np.sqrt(np.float32(tot / np.float32(D)) + np.float32(eps)))
+
+
+def model_rmsnorm(x, w, eps):
+    """rmsnorm's outputs bit for bit: ``(x * inv) * w`` in float32 with `model_inv_rms`."""
+    out = np.empty_like(x)
+    for t in range(x.shape[0]):
+        out[t] = (x[t] * model_inv_rms(x[t], eps)) * w
+    return out
+
+
 def ref_rope(x, p0, inv_freq):
     """Half-split RoPE on (T, heads*hd) with float32 angles, like the kernel."""
     half = inv_freq.shape[0]
@@ -522,6 +560,31 @@ def test_rmsnorm():
     xd = D(x)
     rmsnorm.rmsnorm(xd, xd, D(w), 1e-5)
     assert np.array_equal(host(xd), got)
+
+
+@pytest.mark.parametrize("regs", [True, False])
+@pytest.mark.parametrize("Dm", [300, 8192, 8500])
+def test_row_norms_bits(Dm, regs, monkeypatch):
+    """rmsnorm and norm_add equal the operation-for-operation model of their order, in both forms
+    (the register form: one pass up to 8192 elements, chunks above; the loop form), in place as
+    well."""
+    from tinyloop.cuda.kernels import norm_add
+    monkeypatch.setattr(rmsnorm, "REGS_T", 128 if regs else 0)
+    rng = np.random.default_rng(Dm)
+    x = (rng.standard_normal((1, Dm)) * np.exp(rng.standard_normal((1, Dm)))).astype(np.float32)
+    y = (3 * rng.standard_normal((1, Dm))).astype(np.float32)
+    w = rng.standard_normal(Dm).astype(np.float32)
+    want = model_rmsnorm(x, w, 1e-6)
+    out = D(np.full((1, Dm), np.nan, np.float32))
+    rmsnorm.rmsnorm(out, D(x), D(w), 1e-6)
+    assert np.array_equal(host(out), want)
+    xd = D(x)
+    rmsnorm.rmsnorm(xd, xd, D(w), 1e-6)
+    assert np.array_equal(host(xd), want)
+    xd = D(x)
+    norm_add.norm_add(xd, D(y), D(w), 1e-6)
+    inv = model_inv_rms(y[0], 1e-6)
+    assert np.array_equal(host(xd), x + (y * inv) * w)
 
 
 def test_norm_add():

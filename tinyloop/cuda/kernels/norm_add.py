@@ -15,12 +15,12 @@ launch instead of two. Batch-invariant as rmsnorm is.
 
 from __future__ import annotations
 
-from numba import cuda
+from numba import cuda, float32
 
 from ._cache import jit_kernel
 from ._common import mul_rn
 from ._pdl import grid_dep_wait
-from .rmsnorm import NT, check_row_args, row_inv_rms
+from .rmsnorm import NT, ROW_REGS, check_row_args, load_row, load_vec, regs_form, regs_inv_rms, row_inv_rms
 
 
 @jit_kernel
@@ -36,14 +36,45 @@ def _norm_add_kernel(x, y, w, eps):
         x[t, k] = x[t, k] + mul_rn(y[t, k] * inv, w[k])
 
 
+@jit_kernel
+def _norm_add_regs_kernel(x, y, w, eps):
+    """rmsnorm's register form of _norm_add_kernel (same values): a thread's y, w and x requested
+    before its first fma."""
+    grid_dep_wait()
+    D = y.shape[1]
+    t = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    yv = cuda.local.array(ROW_REGS, float32)
+    wv = cuda.local.array(ROW_REGS, float32)
+    xv = cuda.local.array(ROW_REGS, float32)
+    if D <= NT * ROW_REGS:
+        load_row(yv, y, t, tid, D)
+        load_vec(wv, w, tid, D)
+        load_row(xv, x, t, tid, D)
+        inv = regs_inv_rms(yv, tid, D, eps)
+        for j in range(ROW_REGS):
+            if tid + j * NT < D:
+                x[t, tid + j * NT] = xv[j] + mul_rn(yv[j] * inv, wv[j])
+    else:
+        inv = row_inv_rms(y, t, eps)
+        for k0 in range(tid, D, NT * ROW_REGS):
+            load_row(yv, y, t, k0, D)
+            load_vec(wv, w, k0, D)
+            load_row(xv, x, t, k0, D)
+            for j in range(ROW_REGS):
+                if k0 + j * NT < D:
+                    x[t, k0 + j * NT] = xv[j] + mul_rn(yv[j] * inv, wv[j])
+
+
 def norm_add(x, y, w, eps, stream=0):
     """``x += y / sqrt(mean(y^2, axis=1) + eps) * w`` row by row (x must not be y)."""
     T, eps = check_row_args("norm_add", ("x", x), ("y", y), w, eps)
     if T == 0:
         return
-    _norm_add_kernel[T, NT, stream](x, y, w, eps)
+    kernel = _norm_add_regs_kernel if regs_form(T) else _norm_add_kernel
+    kernel[T, NT, stream](x, y, w, eps)
 
 
 def ptx_signatures():
-    return [("norm_add", _norm_add_kernel.py_func,
-             "void(float32[:, ::1], float32[:, ::1], float32[::1], float32)")]
+    sig = "void(float32[:, ::1], float32[:, ::1], float32[::1], float32)"
+    return [("norm_add", _norm_add_kernel.py_func, sig), ("norm_add_regs", _norm_add_regs_kernel.py_func, sig)]

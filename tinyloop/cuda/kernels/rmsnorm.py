@@ -8,7 +8,11 @@ Shapes (T rows, D features)::
 
 Thread mapping: one block of NT = 256 threads (8 warps) per row t; thread i accumulates
 ``fma(x, x, ss)`` over k = i, i+256, ... in ascending order, then `_common.block_sum` combines the
-256 partials (warp xor-butterflies, then warp totals in warp order). The block shape is fixed, so
+256 partials (warp xor-butterflies, then warp totals in warp order). Launches of up to REGS_T
+rows (decode) take the register form: a thread requests all its values of a row (up to ROW_REGS
+of x and of w) before its first fma and writes the outputs from those registers, so a row costs
+one memory round trip instead of one per element (in the loop form the stores may alias the
+loads, so nothing can be moved across them: a 5280-wide row took 11 us on an H100). The block shape is fixed, so
 the sum of a row, and hence every output element, does not depend on T or on the grid:
 batch-invariant. Warp reductions: shuffles on the GPU, shared-memory twin under the simulator.
 
@@ -32,17 +36,39 @@ from ._pdl import grid_dep_wait
 
 NW = 8
 NT = NW * 32
+#: Values of a row each thread of the row kernels (rmsnorm, norm_add) holds in registers: rows of
+#: up to NT * ROW_REGS = 8192 elements are read once, every load of the thread requested before
+#: its first fma, and written from the same registers after the block sum; longer rows go in
+#: chunks of that many. Loads only: the order of every fma and product is the loop's
+#: (k = i, i + NT, ... ascending), so the bits are unchanged.
+ROW_REGS = 32
+#: Loads in flight together in `sumsq_partial` (the matmul's fused-norm prologue and
+#: `row_inv_rms`): a thread's partial over k = i, i + NT, ... reads its x in chunks of this many.
+SUMSQ_CHUNK = 8
+#: Row-norm launches of at most this many rows take the register form (`regs_form`).
+REGS_T = 128
 
 
-@cuda.jit(device=True)
-def sumsq_partial(x, t, i, D):
-    """Thread i's partial sum of squares of row t: ``fma(x, x, ss)`` over k = i, i+NT, ...
-    ascending, from 0."""
-    ss = float32(0.0)
-    for k in range(i, D, NT):
-        v = x[t, k]
-        ss = cuda.fma(v, v, ss)
-    return ss
+def _make_sumsq(C):
+    """A thread's partial sum of squares of row t, ``fma(x, x, ss)`` over k = i, i+NT, ...
+    ascending from 0, its x requested C values at a time before they are used."""
+    @cuda.jit(device=True)
+    def sumsq(x, t, i, D):
+        ss = float32(0.0)
+        v = cuda.local.array(C, float32)
+        for k0 in range(i, D, NT * C):
+            for j in range(C):
+                if k0 + j * NT < D:
+                    v[j] = x[t, k0 + j * NT]
+            for j in range(C):
+                if k0 + j * NT < D:
+                    ss = cuda.fma(v[j], v[j], ss)
+        return ss
+    return sumsq
+
+
+#: Thread i's partial sum of squares of row t (see `_make_sumsq`).
+sumsq_partial = _make_sumsq(SUMSQ_CHUNK)
 
 
 @cuda.jit(device=True)
@@ -64,6 +90,36 @@ def row_inv_rms(x, t, eps):
     return inv_rms(ss, D, eps)
 
 
+@cuda.jit(device=True)
+def load_row(v, a, t, k0, D):
+    """v[j] = a[t, k0 + j * NT] for the ROW_REGS positions below D (others untouched)."""
+    for j in range(ROW_REGS):
+        if k0 + j * NT < D:
+            v[j] = a[t, k0 + j * NT]
+
+
+@cuda.jit(device=True)
+def load_vec(v, a, k0, D):
+    """v[j] = a[k0 + j * NT] for the ROW_REGS positions below D (others untouched)."""
+    for j in range(ROW_REGS):
+        if k0 + j * NT < D:
+            v[j] = a[k0 + j * NT]
+
+
+@cuda.jit(device=True)
+def regs_inv_rms(v, tid, D, eps):
+    """`row_inv_rms` of a row of at most NT * ROW_REGS elements whose values thread tid holds in
+    v (`load_row` at k0 = tid): the same partial, block sum and formula, so the same bits."""
+    scratch = cuda.shared.array((NW, 32), float32)
+    part = cuda.shared.array(NW, float32)
+    ss = float32(0.0)
+    for j in range(ROW_REGS):
+        if tid + j * NT < D:
+            ss = cuda.fma(v[j], v[j], ss)
+    ss = block_sum(ss, scratch, part, tid // 32, tid % 32, NW)
+    return inv_rms(ss, D, eps)
+
+
 @jit_kernel
 def _rmsnorm_kernel(out, x, w, eps):
     grid_dep_wait()
@@ -77,13 +133,50 @@ def _rmsnorm_kernel(out, x, w, eps):
         out[t, k] = (x[t, k] * inv) * w[k]
 
 
+@jit_kernel
+def _rmsnorm_regs_kernel(out, x, w, eps):
+    """The register form (module doc): the same values as _rmsnorm_kernel."""
+    grid_dep_wait()
+    D = x.shape[1]
+    t = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    xv = cuda.local.array(ROW_REGS, float32)
+    wv = cuda.local.array(ROW_REGS, float32)
+    # Every element is read and written by the same thread, and its reads come first, so out may
+    # alias x.
+    if D <= NT * ROW_REGS:
+        load_row(xv, x, t, tid, D)
+        load_vec(wv, w, tid, D)
+        inv = regs_inv_rms(xv, tid, D, eps)
+        for j in range(ROW_REGS):
+            if tid + j * NT < D:
+                out[t, tid + j * NT] = (xv[j] * inv) * wv[j]
+    else:
+        inv = row_inv_rms(x, t, eps)
+        for k0 in range(tid, D, NT * ROW_REGS):
+            load_row(xv, x, t, k0, D)
+            load_vec(wv, w, k0, D)
+            for j in range(ROW_REGS):
+                if k0 + j * NT < D:
+                    out[t, k0 + j * NT] = (xv[j] * inv) * wv[j]
+
+
+def regs_form(T: int) -> bool:
+    """Whether a row-norm launch of T rows takes the register form: up to REGS_T rows, where the
+    grid is at most one block per SM and each block's latency is the launch's; above, the loop
+    form's 32 registers keep eight blocks per SM resident (the register form takes ~136). The
+    same bits either way."""
+    return T <= REGS_T
+
+
 def rmsnorm(out, x, w, eps, stream=0):
     """``out = x / sqrt(mean(x^2, axis=1) + eps) * w`` row by row; out may be x. `eps` is a
     model constant (a Python float, cast to float32)."""
     T, eps = check_row_args("rmsnorm", ("x", x), ("out", out), w, eps)
     if T == 0:
         return
-    _rmsnorm_kernel[T, NT, stream](out, x, w, eps)
+    kernel = _rmsnorm_regs_kernel if regs_form(T) else _rmsnorm_kernel
+    kernel[T, NT, stream](out, x, w, eps)
 
 
 def check_row_args(op, src, dst, w, eps):
@@ -109,5 +202,5 @@ def check_eps(op, eps):
 
 
 def ptx_signatures():
-    return [("rmsnorm", _rmsnorm_kernel.py_func,
-             "void(float32[:, ::1], float32[:, ::1], float32[::1], float32)")]
+    sig = "void(float32[:, ::1], float32[:, ::1], float32[::1], float32)"
+    return [("rmsnorm", _rmsnorm_kernel.py_func, sig), ("rmsnorm_regs", _rmsnorm_regs_kernel.py_func, sig)]
