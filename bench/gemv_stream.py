@@ -62,6 +62,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="huginn,ouro")
     ap.add_argument("--prefetch", default="0,1", help="0 (off), 1 (on) or both")
     ap.add_argument("--configs", default="", help="TT-R-NW-KC;... (default: the built-in list)")
+    ap.add_argument("--pipe", default="0", help="weight-word pipeline stages to try (matmul.PIPE_STAGES; "
+                                                "0: off), e.g. 0,2,4")
     ap.add_argument("--hbm-mb", type=int, default=256)
     ap.add_argument("--max-copies", type=int, default=64)
     ap.add_argument("--reps", type=int, default=48)
@@ -76,6 +78,8 @@ def main(argv=None) -> int:
     configs = ([tuple(int(v) for v in c.split("-")) for c in args.configs.split(";")]
                if args.configs else CONFIGS)
     pfs = [bool(int(v)) for v in args.prefetch.split(",")]
+    pipes = [int(v) for v in args.pipe.split(",")]
+    stages0 = km.PIPE_STAGES
     stream = cuda.stream()
     rng = np.random.default_rng(0)
     saved = (km.config_for, km.prefetch_for, km.max_registers_for)
@@ -107,20 +111,27 @@ def main(argv=None) -> int:
                   f"{rule} {us0:8.1f} us {nbytes / us0 / 1e3:6.0f} GB/s", flush=True)
             for cfg in configs:
                 for u in pfs:
-                    km.config_for = lambda kind, T, n=0, pair=False, k=0, _c=cfg: (
-                        _c if T == 1 else saved[0](kind, T, n, pair, k))
-                    km.prefetch_for = lambda kind, T, blocks, _u=u: _u and T == 1
-                    km.max_registers_for = lambda T, n, k=0: 0
-                    try:
-                        us = graph_time_ms(stream, fn, args.reps) * 1e3
-                    except Exception as e:        # (a configuration that cannot compile or launch)
-                        print(f"  {cfg} pf{int(u)}: failed: {type(e).__name__}: {e}", flush=True)
-                        continue
-                    same = bool(np.array_equal(out.copy_to_host(), ref))
-                    rows.append({**base, "config": list(cfg), "used": list(cfg), "prefetch": u, "us": us,
-                                 "GB_per_s": nbytes / us / 1e3, "identical": same})
-                    print(f"  {cfg} pf{int(u)}: {us:8.1f} us {nbytes / us / 1e3:6.0f} GB/s identical={same}",
-                          flush=True)
+                    for pp in pipes:
+                        km.config_for = lambda kind, T, n=0, pair=False, k=0, _c=cfg: (
+                            _c if T == 1 else saved[0](kind, T, n, pair, k))
+                        km.prefetch_for = lambda kind, T, blocks, _u=u: _u and T == 1
+                        km.max_registers_for = lambda T, n, k=0: 0
+                        km.PIPE_STAGES = pp
+                        st = km.pipe_for("q4", 1, cfg)
+                        if pp and not st:
+                            continue
+                        try:
+                            us = graph_time_ms(stream, fn, args.reps) * 1e3
+                        except Exception as e:        # (a configuration that cannot compile or launch)
+                            print(f"  {cfg} pf{int(u)} pipe{st}: failed: {type(e).__name__}: {e}", flush=True)
+                            continue
+                        finally:
+                            km.PIPE_STAGES = stages0
+                        same = bool(np.array_equal(out.copy_to_host(), ref))
+                        rows.append({**base, "config": list(cfg), "used": list(cfg), "prefetch": u, "pipe": st,
+                                     "us": us, "GB_per_s": nbytes / us / 1e3, "identical": same})
+                        print(f"  {cfg} pf{int(u)} pipe{st}: {us:8.1f} us {nbytes / us / 1e3:6.0f} GB/s "
+                              f"identical={same}", flush=True)
             km.config_for, km.prefetch_for, km.max_registers_for = saved
             if args.torch:
                 rows.append({**base, **torch_row(q, s, z, group, copies, args.reps)})
@@ -129,6 +140,7 @@ def main(argv=None) -> int:
             del dev
     finally:
         km.config_for, km.prefetch_for, km.max_registers_for = saved
+        km.PIPE_STAGES = stages0
     print("\nbest per shape (us, GB/s of codes + scales + zeros):")
     for name in dict.fromkeys(r["shape"] for r in rows):
         mine = [r for r in rows if r["shape"] == name and r["config"] != "tinygemm" and r["identical"]]
@@ -137,7 +149,7 @@ def main(argv=None) -> int:
         tg = [r for r in rows if r["shape"] == name and r["config"] == "tinygemm"]
         tgs = f"  tinygemm {tg[0]['us']:.1f}" if tg else ""
         print(f"{name:16} rule {rule['us']:7.1f} ({rule['GB_per_s']:.0f})  best {best['us']:7.1f} "
-              f"({best['GB_per_s']:.0f}) {best['used']} pf{int(best['prefetch'])}{tgs}")
+              f"({best['GB_per_s']:.0f}) {best['used']} pf{int(best['prefetch'])} pipe{best.get('pipe', 0)}{tgs}")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows}, indent=2))
     return 0

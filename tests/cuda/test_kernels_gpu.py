@@ -75,14 +75,17 @@ def test_matmul_gpu(kind, group, N, K):
     assert np.array_equal(rows_alone(one, T), got)
 
 
+@pytest.mark.parametrize("stages", [0, 2, 4])
 @pytest.mark.parametrize("kind,group,N,K", [("q4", 32, 1000, 5280), ("q4", 128, 3000, 2048),
-                                              ("q8", 8, 777, 520), ("q2", 64, 513, 1536)])
-def test_matmul_prefetch_gpu(monkeypatch, kind, group, N, K):
+                                              ("q4", 32, 600, 17920), ("q8", 8, 777, 520), ("q2", 64, 513, 1536)])
+def test_matmul_prefetch_gpu(monkeypatch, kind, group, N, K, stages):
     """One-row launches that prefetch their rows into L2 (PREFETCH_BLOCKS raised so every launch
     does; rows and scale rows not 16-byte aligned included): plain, norm-fused and with the
     swiglu pair epilogue, every row alone equals the same row of a multi-row launch (which never
-    prefetches), and the plain product meets the float64 reference."""
+    prefetches), and the plain product meets the float64 reference. With `stages`, the one-row
+    launches also run the weight-word pipeline (cp.async into shared memory)."""
     monkeypatch.setattr(matmul, "PREFETCH_BLOCKS", 1 << 20)
+    monkeypatch.setattr(matmul, "PIPE_STAGES", stages)
     rng = np.random.default_rng(N + K)
     arrays, W = make_weight(rng, kind, N - N % 2, K, group)
     N -= N % 2

@@ -62,7 +62,12 @@ def test_compiles_for_sm90(cc90_device, name, fn, sig):
     if name.startswith("matmul_fast"):
         # 8-byte weight loads, butterfly shuffles, and the register accumulators kept out of
         # local memory (a local-memory spill would multiply the GEMV's cost).
-        assert "ld.global.u64" in ptx or "ld.global.nc.u64" in ptx
+        # (pipelined: the words come by cp.async into shared memory, and go out of it as 8 bytes)
+        if "_pipe" in name:
+            assert "cp.async.ca.shared.global" in ptx and "ld.shared.u64" in ptx
+            assert "prefetch.global.L1" in ptx and "cp.async.wait_group" in ptx
+        else:
+            assert "ld.global.u64" in ptx or "ld.global.nc.u64" in ptx
         assert "shfl.sync.bfly" in ptx
         assert "ld.local" not in ptx and "st.local" not in ptx
         # the L2 prefetch hint exactly where the launcher asks for it (three spans per row)

@@ -71,15 +71,10 @@ def ref_rmsnorm(x, w, eps):
     return x / np.sqrt((x * x).mean(axis=1, keepdims=True) + eps) * w
 
 
-def fma32(a, b, c):
-    """float32 fma: a * b + c with one rounding (a float32 product is exact in float64, and the
-    float64 sum rounds to float32 as the fused op does except in double-rounding ties)."""
-    return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
-
-
 def model_inv_rms(row, eps):
     """The row kernels' inverse RMS, operation for operation (rmsnorm.py): thread i of 256 takes
-    ``ss = fma(x, x, ss)`` over k = i, i + 256, ... ascending; each warp's 32 partials go through
+    ``ss = fma(x, x, ss)`` over k = i, i + 256, ... ascending (`fma32`: the GPU's fma, or the
+    simulator's); each warp's 32 partials go through
     the xor butterfly (offsets 16, 8, 4, 2, 1); the 8 warp totals are added in warp order;
     ``1 / sqrt(ss / D + eps)`` in float32."""
     D = row.shape[0]
@@ -358,6 +353,35 @@ def test_matmul_long_gemv_config_is_batch_invariant(monkeypatch, kind, N, K, gro
     assert matmul.config_for(kind, 1, N, False, K - 1)[2:] == matmul.GEMV_XWIDE_CONFIG[2:]
     assert matmul.max_registers_for(1, N, K) == 0 and matmul.max_registers_for(1, N, K - 1) > 0
     _check_rows_alone(np.random.default_rng(N + K), kind, N, K, group, 3, range(3))
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("kind,N,K,group", [("q4", 21, 4160, 32), ("q8", 10, 520, 8), ("q2", 9, 2112, 64)])
+def test_matmul_pipelined_gemv_is_batch_invariant(monkeypatch, stages, kind, N, K, group):
+    """One-row launches with the weight-word pipeline (words through shared memory by cp.async,
+    scales and zeros asked into L1; under the simulator the copy is immediate): the reference,
+    the same bits as the row inside a multi-row launch (never pipelined), with x staged in two
+    chunks (KC lowered), and with the fused norm and a pair epilogue (SwiGLU) too."""
+    monkeypatch.setattr(matmul, "PIPE_STAGES", stages)
+    monkeypatch.setattr(matmul, "GEMV_CONFIG", (1, 2, 4, 2048))
+    assert matmul.pipe_for(kind, 1) == stages and matmul.pipe_for(kind, 2) == 0
+    assert matmul.pipe_for("f16", 1) == 0
+    # fewer stages where the ring and the staged x would not fit a block's shared memory
+    assert matmul.pipe_for("q4", 1, (1, 2, 16, 6144)) == 2
+    assert matmul.pipe_for("q4", 1, (1, 2, 8, 4096)) == stages
+    _check_rows_alone(np.random.default_rng(N + K + stages), kind, N, K, group, 3, range(3))
+    rng = np.random.default_rng(stages)
+    arrays, _ = make_weight(rng, kind, 2 * N, K, group)
+    dev = {k: D(v) for k, v in arrays.items()}
+    x = rng.standard_normal((2, K)).astype(np.float32)
+    nw = D((0.01 * rng.standard_normal(K)).astype(np.float32))    # small: silu's exp stays in range
+    for epi in (None, swiglu.glu_epilogue(N)):
+        cols = N if epi is not None else 2 * N
+        both = D(np.full((2, cols), np.nan, np.float32))
+        matmul.matmul(both, D(x), dev["w"], dev["scales"], dev["zeros"], norm_w=nw, eps=1e-5, epilogue=epi)
+        one = D(np.full((1, cols), np.nan, np.float32))
+        matmul.matmul(one, D(x[1:]), dev["w"], dev["scales"], dev["zeros"], norm_w=nw, eps=1e-5, epilogue=epi)
+        assert np.array_equal(host(one)[0], host(both)[1])
 
 
 @pytest.mark.parametrize("few", [(1, 1, 8, 4096), (1, 2, 8, 4096), (2, 4, 4, 1024)])

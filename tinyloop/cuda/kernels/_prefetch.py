@@ -2,7 +2,8 @@
 
 ``l2_prefetch(a, start, count)`` asks the memory system to bring elements ``a[start : start +
 count]`` of a 1-D device array into L2, without registers and without waiting: one instruction per
-span, however long. A one-row GEMV that streams its weight from HBM issues it for each of its
+span, however long. ``l1_prefetch(a, i)`` asks for the line of one element in the SM's L1
+(``prefetch.global.L1``), for loads a few steps ahead. A one-row GEMV that streams its weight from HBM issues it for each of its
 rows (codes, scales, zeros) before staging x, so those bytes are in flight while the block
 stages and reduces; the later loads then hit L2. It is a hint only: it changes no value, so no
 result depends on it.
@@ -43,6 +44,10 @@ if SIM or intrinsic is None:
     def l2_prefetch(a, start, count):
         """No-op (the simulator, or a numba-cuda that cannot emit the instruction)."""
 
+    @cuda.jit(device=True)
+    def l1_prefetch(a, i):
+        """No-op (the simulator, or a numba-cuda that cannot emit the instruction)."""
+
 else:
     def _prefetch_codegen(context, builder, sig, args):
         aryty = sig.args[0]
@@ -73,3 +78,24 @@ else:
                 and isinstance(count, types.Integer)):
             return None
         return types.void(a, start, count), _prefetch_codegen
+
+    def _l1_codegen(context, builder, sig, args):
+        aryty, ity = sig.args
+        ary = context.make_array(aryty)(context, builder, args[0])
+        i64 = ir.IntType(64)
+        i = args[1]
+        if i.type.width < 64:
+            i = builder.sext(i, i64) if ity.signed else builder.zext(i, i64)
+        ptr = builder.ptrtoint(builder.gep(ary.data, [i]), i64)
+        fnty = ir.FunctionType(ir.VoidType(), [i64])
+        builder.call(ir.InlineAsm(fnty, "prefetch.global.L1 [$0];", "l", side_effect=True), [ptr])
+        return context.get_dummy_value()
+
+    @intrinsic
+    def l1_prefetch(typingctx, a, i):
+        """Ask for the line holding ``a[i]`` (1-D array) in this SM's L1 (a hint: no value, no
+        wait; an unsigned index is zero-extended)."""
+        if not (isinstance(a, types.Array) and a.ndim == 1 and isinstance(i, types.Integer)):
+            return None
+        return types.void(a, i), _l1_codegen
+

@@ -78,14 +78,15 @@ Warp reductions use shuffles on the GPU and the shared-memory twin under the sim
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, int32, uint32, uint64
 
 from ...model.arch import QUANT_BITS
 from ...errors import BackendError
 from ._cache import jit_kernel
 from ._common import SIM, Epilogue, as_float, cdiv, check_array, device_pointer, warp_sum
 from ._pdl import grid_dep_wait
-from ._prefetch import l2_prefetch
+from ._cp_async import cp_async, cp_async_commit, cp_async_wait
+from ._prefetch import l1_prefetch, l2_prefetch
 from .rmsnorm import NT as NORM_NT
 from .rmsnorm import NW as NORM_NW
 from .rmsnorm import check_eps, inv_rms, sumsq_partial
@@ -380,7 +381,7 @@ def group_shift_for(kind: str, group: int, pair: bool) -> int:
 
 
 def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage_batch=1, gshift=-1,
-               flat=False, prefetch=False):
+               flat=False, prefetch=False, pipe=0):
     """Build the fast kernel for one storage kind and block configuration (see module doc);
     `norm` compiles in the fused-RMSNorm prologue and staging, `epi` (an `Epilogue`) the pair
     row map and store; `max_registers` > 0 caps the registers per thread (ptxas);
@@ -388,10 +389,12 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
     `gshift` >= 0 takes a word's group index as ``w >> gshift`` (quantized kinds); `flat`
     takes the weight (and scales, zeros) as 1-D views addressed by 32-bit row offsets; `prefetch`
     (flat quantized kernels) has each warp ask L2 for its rows' codes, scales and zeros before
-    anything else (`_prefetch.l2_prefetch`), a hint that changes no value."""
+    anything else (`_prefetch.l2_prefetch`), a hint that changes no value; `pipe` >= 2 (flat
+    quantized one-row kernels) keeps that many steps of a lane's weight words in flight through
+    shared memory (`PIPE_STAGES`), the same words in the same order."""
     name = None if epi is None else epi.name
     key = (kind, TT, R, NW, KC, bool(norm), name, int(max_registers), int(stage_batch), int(gshift),
-           bool(flat), bool(prefetch))
+           bool(flat), bool(prefetch), int(pipe))
     if key in _fast_cache:
         return _fast_cache[key]
     NORM = bool(norm)
@@ -399,6 +402,11 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
     GS = int(gshift)
     FLAT = bool(flat)
     PF = bool(prefetch)
+    PIPE = int(pipe)
+    assert PIPE == 0 or (PIPE >= 2 and FLAT and TT == 1 and kind.startswith("q")), (pipe, flat, TT, kind)
+    PS = max(PIPE, 1)
+    RING = (NW, PS, R, 32) if PIPE else (1, 1, 1, 1)    # (no shared memory without the pipeline)
+    wait_pipe = cp_async_wait(PIPE - 1 if PIPE else 0)
     assert SB >= 1 and not (NORM and SB > 1), (norm, stage_batch)
     assert not PF or (FLAT and kind.startswith("q") and 3 * R <= 32), (prefetch, flat, kind, R)
     PAIR = epi is not None
@@ -545,13 +553,27 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
                     l2_prefetch(scales, n * uint32(G), G)
                 else:
                     l2_prefetch(zeros, n * uint32(G), G)
+            ugw = uint32(gw)
+            ring = cuda.shared.array(RING, uint64)
+            ni = (nwords - lane + 31) // 32        # the lane's words: lane, lane + 32, ...
+            if PIPE:
+                # the lane's first PIPE - 1 steps of words on their way into its ring slots, and
+                # their scales and zeros into L1, before the prologue and the staging
+                for st in range(PIPE - 1):
+                    if st < ni:
+                        wj = uint32(lane + 32 * st)
+                        gj = (wj >> uint32(GS)) if GS >= 0 else wj // ugw
+                        for r in range(R):
+                            cp_async(ring, ((warp * PS + st) * R + r) * 32 + lane, qw, qo[r] + wj)
+                            l1_prefetch(scales, go[r] + gj)
+                            l1_prefetch(zeros, go[r] + gj)
+                    cp_async_commit()
             if NORM:
                 # invs becomes visible at the first chunk's barrier below.
                 prologue(x, t0, T, eps, invs, part, scratch, tid, warp, lane)
             for tt in range(TT):
                 for r in range(R):
                     acc[tt, r] = float32(0.0)
-            ugw = uint32(gw)
             # 0x4B000000 as a run-time value (the grid is 2-D: blockIdx.z is 0): with both the
             # element mask and the magic as immediates ptxas emits an AND and an OR per element;
             # with the magic in a register it fuses them into one LOP3 (SASS: 140 instead of 268
@@ -567,9 +589,22 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
                 for wl in range(lane, cw, 32):
                     w = uint32(c0 + wl)
                     g = (w >> uint32(GS)) if GS >= 0 else w // ugw
+                    step = (c0 + wl) >> 5              # the lane's step
+                    if PIPE:
+                        # step + PIPE - 1 requested, then this step waited for (its group of copies)
+                        j = step + PIPE - 1
+                        if j < ni:
+                            wj = uint32(lane + 32 * j)
+                            gj = (wj >> uint32(GS)) if GS >= 0 else wj // ugw
+                            for r in range(R):
+                                cp_async(ring, ((warp * PS + j % PS) * R + r) * 32 + lane, qw, qo[r] + wj)
+                                l1_prefetch(scales, go[r] + gj)
+                                l1_prefetch(zeros, go[r] + gj)
+                        cp_async_commit()
+                        wait_pipe()
                     for r in range(R):
-                        if FLAT:
-                            word = qw[qo[r] + w]
+                        if PIPE or FLAT:
+                            word = ring[warp, step % PS, r, lane] if PIPE else qw[qo[r] + w]
                             s = float32(scales[go[r] + g])
                             z = float32(zeros[go[r] + g])
                         else:
@@ -632,6 +667,34 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
 
     _fast_cache[key] = kernel
     return kernel
+
+
+#: Weight words in flight per lane of a one-row quantized launch (`pipe_for`; 0: off): the lane's
+#: next steps' words come into shared memory by cp.async, its next steps' scales and zeros into
+#: L1, while it decodes the current step (the first steps' before the norm prologue and the x
+#: staging). Loads only: the order of the arithmetic is the plain kernel's.
+PIPE_STAGES = 0
+
+
+#: Static shared memory a block may use (bytes).
+SMEM_LIMIT = 48 * 1024
+
+
+def pipe_for(kind: str, T: int, cfg=None) -> int:
+    """Stages of the weight-word pipeline of a launch (`_make_fast`'s `pipe`) with block
+    configuration `cfg` = (TT, R, NW, KC): PIPE_STAGES for one-row (flat) launches of quantized
+    weights, fewer where the ring and the staged x would not fit SMEM_LIMIT (0 below 2 stages),
+    else 0."""
+    if not (PIPE_STAGES and T == 1 and flat_for(T) and kind.startswith("q")):
+        return 0
+    S = PIPE_STAGES
+    if cfg is not None:
+        TT, R, NW, KC = cfg
+        E = WORD_ELEMS[kind]
+        fixed = 4 * TT * E * (KC // E + 1) + 4 * NW * 32 + 1024       # xs, scratch, the rest
+        while S >= 2 and fixed + 8 * NW * S * R * 32 > SMEM_LIMIT:
+            S -= 1
+    return S if S >= 2 else 0
 
 
 # ----------------------------------------------------------------------------- simple kernels
@@ -845,7 +908,7 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
         grid = (cdiv(N // 2, NW * R // 2) if pair else cdiv(N, NW * R), cdiv(T, TT))
         kern = _make_fast(kind, TT, R, NW, KC, norm, epilogue, max_registers_for(T, N, K),
                           stage_batch_for(T, N, norm), group_shift_for(kind, group, pair), flat,
-                          prefetch_for(kind, T, grid[0]))
+                          prefetch_for(kind, T, grid[0]), pipe_for(kind, T, (TT, R, NW, KC)))
         E = WORD_ELEMS[kind]
         nwords = K // E
         if N * nwords >= 1 << 32:
@@ -884,26 +947,28 @@ def ptx_signatures(epilogues=()):
         tag = ("_norm" if norm else "") + (f"_{epi.name}" if epi is not None else "")
         es = NO_EPILOGUE_SIG if epi is None else epi.sig
         for kind in WORD_ELEMS:
-            # (T, N, K, prefetch): every one-row configuration, GEMV_CONFIG also with the prefetch
-            for T, n, kk, pf in ((1, 0, 0, False), (1, 0, 0, True), (1, WIDE_N, 0, False),
-                                 (1, XWIDE_N, 0, False), (1, WIDE_N, 2 * LONG_K, False),
-                                 # many rows: each FEW_CONFIGS entry, and GEMM_CONFIG
-                                 (2, 0, 0, False), (FEW_SMALL_T + 1, 0, 0, False), (2, FEW_N + 1, 0, False),
-                                 (FEW_T + 1, 0, 0, False)):
-                if pf and not kind.startswith("q"):
+            # (T, N, K, prefetch, pipe): every one-row configuration, GEMV_CONFIG also with the
+            # prefetch and (like GEMV_LONG_CONFIG) with the weight-word pipeline
+            for T, n, kk, pf, pp in ((1, 0, 0, False, 0), (1, 0, 0, True, 0), (1, 0, 0, False, 2),
+                                     (1, WIDE_N, 0, False, 0), (1, XWIDE_N, 0, False, 0),
+                                     (1, WIDE_N, 2 * LONG_K, False, 0), (1, WIDE_N, 2 * LONG_K, False, 2),
+                                     # many rows: each FEW_CONFIGS entry, and GEMM_CONFIG
+                                     (2, 0, 0, False, 0), (FEW_SMALL_T + 1, 0, 0, False, 0),
+                                     (2, FEW_N + 1, 0, False, 0), (FEW_T + 1, 0, 0, False, 0)):
+                if (pf or pp) and not kind.startswith("q"):
                     continue
                 cfg = config_for(kind, T, n, epi is not None, kk)
                 # (group 128, the presets' group size, for the group-index shift)
                 flat = flat_for(T)
                 k = _make_fast(kind, *cfg, norm, epi, 0, stage_batch_for(T, n, norm),
-                               group_shift_for(kind, 128, epi is not None), flat, pf)
+                               group_shift_for(kind, 128, epi is not None), flat, pf, pp)
                 a = "[::1]" if flat else "[:, ::1]"
                 if kind.startswith("q"):
                     sig = (f"void({head}, uint64{a}, float16{a}, uint8{a}, int64, int64, "
                            f"int64, int64, int64, {es})")
                 else:
                     sig = f"void({head}, uint64{a}, int64, int64, int64, {es})"
-                pft = "_prefetch" if pf else ""
+                pft = ("_prefetch" if pf else "") + (f"_pipe{pp}" if pp else "")
                 sigs.append((f"matmul_fast{tag}{pft}_{kind}_{'_'.join(map(str, cfg))}", k.py_func, sig))
         sigs.append((f"matmul_simple{tag}_q", _make_simple(True, norm, epi).py_func,
                      f"void({head}, uint8[:, ::1], float16[:, ::1], uint8[:, ::1], int64, int64, int64, {es})"))
