@@ -355,8 +355,8 @@ def test_matmul_long_gemv_config_is_batch_invariant(monkeypatch, kind, N, K, gro
     _check_rows_alone(np.random.default_rng(N + K), kind, N, K, group, 3, range(3))
 
 
-@pytest.mark.parametrize("stages", [2, 3, 4])
-@pytest.mark.parametrize("kind,N,K,group", [("q4", 21, 4160, 32), ("q8", 10, 520, 8), ("q2", 9, 2112, 64)])
+@pytest.mark.parametrize("stages,kind,N,K,group", [(2, "q4", 21, 4160, 32), (3, "q8", 10, 520, 8),
+                                                    (4, "q2", 9, 2112, 64)])
 def test_matmul_pipelined_gemv_is_batch_invariant(monkeypatch, stages, kind, N, K, group):
     """One-row launches with the weight-word pipeline (words through shared memory by cp.async,
     scales and zeros asked into L1; under the simulator the copy is immediate): the reference,
