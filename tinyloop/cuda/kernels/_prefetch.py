@@ -2,11 +2,12 @@
 
 ``l2_prefetch(a, start, count)`` asks the memory system to bring elements ``a[start : start +
 count]`` of a 1-D device array into L2, without registers and without waiting: one instruction per
-span, however long. ``l1_prefetch(a, i)`` asks for the line of one element in the SM's L1
-(``prefetch.global.L1``), for loads a few steps ahead. A one-row GEMV that streams its weight from HBM issues it for each of its
+span, however long. A one-row GEMV that streams its weight from HBM issues it for each of its
 rows (codes, scales, zeros) before staging x, so those bytes are in flight while the block
 stages and reduces; the later loads then hit L2. It is a hint only: it changes no value, so no
-result depends on it.
+result depends on it. ``l1_prefetch(a, i)`` (``prefetch.global.L1``, any compute capability)
+asks for the line of one element in the SM's L1: the matmul's weight-word pipeline asks for its
+next steps' scales and zeros so.
 
 The span is widened to whole 16-byte units (start rounded down, end rounded up), as the
 instruction requires. Rounding down never leaves the allocation (device allocations are at least
@@ -88,7 +89,8 @@ else:
             i = builder.sext(i, i64) if ity.signed else builder.zext(i, i64)
         ptr = builder.ptrtoint(builder.gep(ary.data, [i]), i64)
         fnty = ir.FunctionType(ir.VoidType(), [i64])
-        builder.call(ir.InlineAsm(fnty, "prefetch.global.L1 [$0];", "l", side_effect=True), [ptr])
+        asm = "{\n.reg .u64 g;\ncvta.to.global.u64 g, $0;\nprefetch.global.L1 [g];\n}"
+        builder.call(ir.InlineAsm(fnty, asm, "l", side_effect=True), [ptr])
         return context.get_dummy_value()
 
     @intrinsic
