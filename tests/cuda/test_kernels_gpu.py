@@ -199,24 +199,9 @@ def test_norm_add_gpu():
 def test_row_norms_bits_gpu(Dm, regs, monkeypatch):
     """rmsnorm and norm_add on the GPU equal the operation-for-operation model of their order
     (register form, one pass or chunks, and the loop form), in place as well."""
-    from test_kernels_sim import model_inv_rms, model_rmsnorm
-    from tinyloop.cuda.kernels import norm_add
+    from test_kernels_sim import check_row_norms_bits
     monkeypatch.setattr(rmsnorm, "REGS_T", 128 if regs else 0)
-    rng = np.random.default_rng(Dm)
-    x = (rng.standard_normal((2, Dm)) * np.exp(rng.standard_normal((2, Dm)))).astype(np.float32)
-    y = (3 * rng.standard_normal((2, Dm))).astype(np.float32)
-    w = rng.standard_normal(Dm).astype(np.float32)
-    want = model_rmsnorm(x, w, 1e-6)
-    out = D(np.full((2, Dm), np.nan, np.float32))
-    rmsnorm.rmsnorm(out, D(x), D(w), 1e-6)
-    assert np.array_equal(host(out), want)
-    xd = D(x)
-    rmsnorm.rmsnorm(xd, xd, D(w), 1e-6)
-    assert np.array_equal(host(xd), want)
-    xd = D(x)
-    norm_add.norm_add(xd, D(y), D(w), 1e-6)
-    term = np.stack([(y[t] * model_inv_rms(y[t], 1e-6)) * w for t in range(2)])
-    assert np.array_equal(host(xd), x + term)
+    check_row_norms_bits(Dm, 2)
 
 
 def test_rmsnorm_add_swiglu_embed_gpu():

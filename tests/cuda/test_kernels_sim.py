@@ -586,20 +586,16 @@ def test_rmsnorm():
     assert np.array_equal(host(xd), got)
 
 
-@pytest.mark.parametrize("regs", [True, False])
-@pytest.mark.parametrize("Dm", [300, 8192, 8500])
-def test_row_norms_bits(Dm, regs, monkeypatch):
-    """rmsnorm and norm_add equal the operation-for-operation model of their order, in both forms
-    (the register form: one pass up to 8192 elements, chunks above; the loop form), in place as
-    well."""
+def check_row_norms_bits(Dm, T):
+    """rmsnorm (out of place and in place) and norm_add of T random rows of Dm elements equal the
+    operation-for-operation model of their order (`model_rmsnorm`), bit for bit."""
     from tinyloop.cuda.kernels import norm_add
-    monkeypatch.setattr(rmsnorm, "REGS_T", 128 if regs else 0)
     rng = np.random.default_rng(Dm)
-    x = (rng.standard_normal((1, Dm)) * np.exp(rng.standard_normal((1, Dm)))).astype(np.float32)
-    y = (3 * rng.standard_normal((1, Dm))).astype(np.float32)
+    x = (rng.standard_normal((T, Dm)) * np.exp(rng.standard_normal((T, Dm)))).astype(np.float32)
+    y = (3 * rng.standard_normal((T, Dm))).astype(np.float32)
     w = rng.standard_normal(Dm).astype(np.float32)
     want = model_rmsnorm(x, w, 1e-6)
-    out = D(np.full((1, Dm), np.nan, np.float32))
+    out = D(np.full((T, Dm), np.nan, np.float32))
     rmsnorm.rmsnorm(out, D(x), D(w), 1e-6)
     assert np.array_equal(host(out), want)
     xd = D(x)
@@ -607,8 +603,18 @@ def test_row_norms_bits(Dm, regs, monkeypatch):
     assert np.array_equal(host(xd), want)
     xd = D(x)
     norm_add.norm_add(xd, D(y), D(w), 1e-6)
-    inv = model_inv_rms(y[0], 1e-6)
-    assert np.array_equal(host(xd), x + (y * inv) * w)
+    term = np.stack([(y[t] * model_inv_rms(y[t], 1e-6)) * w for t in range(T)])
+    assert np.array_equal(host(xd), x + term)
+
+
+@pytest.mark.parametrize("regs", [True, False])
+@pytest.mark.parametrize("Dm", [300, 8192, 8500])
+def test_row_norms_bits(Dm, regs, monkeypatch):
+    """rmsnorm and norm_add equal the operation-for-operation model of their order, in both forms
+    (the register form: one pass up to 8192 elements, chunks above; the loop form), in place as
+    well."""
+    monkeypatch.setattr(rmsnorm, "REGS_T", 128 if regs else 0)
+    check_row_norms_bits(Dm, 1)
 
 
 def test_norm_add():
