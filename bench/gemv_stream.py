@@ -111,11 +111,11 @@ def main(argv=None) -> int:
                   f"{rule} {us0:8.1f} us {nbytes / us0 / 1e3:6.0f} GB/s", flush=True)
             for cfg in configs:
                 for u in pfs:
+                    km.config_for = lambda kind, T, n=0, pair=False, k=0, _c=cfg: (
+                        _c if T == 1 else saved[0](kind, T, n, pair, k))
+                    km.prefetch_for = lambda kind, T, blocks, _u=u: _u and T == 1
+                    km.max_registers_for = lambda T, n, k=0: 0
                     for pp in pipes:
-                        km.config_for = lambda kind, T, n=0, pair=False, k=0, _c=cfg: (
-                            _c if T == 1 else saved[0](kind, T, n, pair, k))
-                        km.prefetch_for = lambda kind, T, blocks, _u=u: _u and T == 1
-                        km.max_registers_for = lambda T, n, k=0: 0
                         km.PIPE_STAGES = pp
                         st = km.pipe_for("q4", 1, cfg)
                         if pp and not st:

@@ -206,8 +206,8 @@ def main(argv=None) -> int:
                 print(f"{b['block']:<12}{b['us']:>9.2f}   " + " ".join(f"{v:7.2f}" for v in b["kernels_us"]))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"preset": args.layout or args.preset, "layers": args.layers, "loops": args.loops, "prompt_len": args.prompt_len,
-                       "tokens": n_tok, "wall_ms_per_token": wall,
+            json.dump({"preset": args.layout or args.preset, "layers": args.layers, "loops": args.loops,
+                       "prompt_len": args.prompt_len, "tokens": n_tok, "wall_ms_per_token": wall,
                        "device_us_per_token": total / n_tok, "kernels": out_rows, "blocks": blocks,
                        "date": time.strftime("%Y-%m-%d")}, fh, indent=2)
     tmp.cleanup()

@@ -475,6 +475,20 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
                     xs[tt, rem & EM1, rem >> LOG2E] = float32(0.0)
 
     @cuda.jit(device=True)
+    def request_step(ring, qw, scales, zeros, qo, go, warp, lane, j, ni, ugw):
+        """The weight-word pipeline's request of the lane's step j (when it has one): its R words
+        into ring slot j % PIPE by cp.async, their scales and zeros into L1; then the thread's
+        group of copies is closed (an empty group past the lane's last step)."""
+        if j < ni:
+            wj = uint32(lane + 32 * j)
+            gj = (wj >> uint32(GS)) if GS >= 0 else wj // ugw
+            for r in range(R):
+                cp_async(ring, ((warp * PS + j % PS) * R + r) * 32 + lane, qw, qo[r] + wj)
+                l1_prefetch(scales, go[r] + gj)
+                l1_prefetch(zeros, go[r] + gj)
+        cp_async_commit()
+
+    @cuda.jit(device=True)
     def setup_rows(nrow, ep, unit, N):
         """The warp's weight rows: n0 .. n0 + R - 1 (clamped to N - 1: rows past N are computed on
         row N - 1 and never stored, so the warp stays converged for the butterfly), or in pair
@@ -560,14 +574,7 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
                 # the lane's first PIPE - 1 steps of words on their way into its ring slots, and
                 # their scales and zeros into L1, before the prologue and the staging
                 for st in range(PIPE - 1):
-                    if st < ni:
-                        wj = uint32(lane + 32 * st)
-                        gj = (wj >> uint32(GS)) if GS >= 0 else wj // ugw
-                        for r in range(R):
-                            cp_async(ring, ((warp * PS + st) * R + r) * 32 + lane, qw, qo[r] + wj)
-                            l1_prefetch(scales, go[r] + gj)
-                            l1_prefetch(zeros, go[r] + gj)
-                    cp_async_commit()
+                    request_step(ring, qw, scales, zeros, qo, go, warp, lane, st, ni, ugw)
             if NORM:
                 # invs becomes visible at the first chunk's barrier below.
                 prologue(x, t0, T, eps, invs, part, scratch, tid, warp, lane)
@@ -592,15 +599,7 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
                     step = (c0 + wl) >> 5              # the lane's step
                     if PIPE:
                         # step + PIPE - 1 requested, then this step waited for (its group of copies)
-                        j = step + PIPE - 1
-                        if j < ni:
-                            wj = uint32(lane + 32 * j)
-                            gj = (wj >> uint32(GS)) if GS >= 0 else wj // ugw
-                            for r in range(R):
-                                cp_async(ring, ((warp * PS + j % PS) * R + r) * 32 + lane, qw, qo[r] + wj)
-                                l1_prefetch(scales, go[r] + gj)
-                                l1_prefetch(zeros, go[r] + gj)
-                        cp_async_commit()
+                        request_step(ring, qw, scales, zeros, qo, go, warp, lane, step + PIPE - 1, ni, ugw)
                         wait_pipe()
                     for r in range(R):
                         if PIPE or FLAT:

@@ -49,26 +49,20 @@ SUMSQ_CHUNK = 8
 REGS_T = 128
 
 
-def _make_sumsq(C):
-    """A thread's partial sum of squares of row t, ``fma(x, x, ss)`` over k = i, i+NT, ...
-    ascending from 0, its x requested C values at a time before they are used."""
-    @cuda.jit(device=True)
-    def sumsq(x, t, i, D):
-        ss = float32(0.0)
-        v = cuda.local.array(C, float32)
-        for k0 in range(i, D, NT * C):
-            for j in range(C):
-                if k0 + j * NT < D:
-                    v[j] = x[t, k0 + j * NT]
-            for j in range(C):
-                if k0 + j * NT < D:
-                    ss = cuda.fma(v[j], v[j], ss)
-        return ss
-    return sumsq
-
-
-#: Thread i's partial sum of squares of row t (see `_make_sumsq`).
-sumsq_partial = _make_sumsq(SUMSQ_CHUNK)
+@cuda.jit(device=True)
+def sumsq_partial(x, t, i, D):
+    """Thread i's partial sum of squares of row t: ``fma(x, x, ss)`` over k = i, i+NT, ...
+    ascending from 0, its x requested SUMSQ_CHUNK values at a time before they are used."""
+    ss = float32(0.0)
+    v = cuda.local.array(SUMSQ_CHUNK, float32)
+    for k0 in range(i, D, NT * SUMSQ_CHUNK):
+        for j in range(SUMSQ_CHUNK):
+            if k0 + j * NT < D:
+                v[j] = x[t, k0 + j * NT]
+        for j in range(SUMSQ_CHUNK):
+            if k0 + j * NT < D:
+                ss = cuda.fma(v[j], v[j], ss)
+    return ss
 
 
 @cuda.jit(device=True)
@@ -109,7 +103,9 @@ def load_vec(v, a, k0, D):
 @cuda.jit(device=True)
 def regs_inv_rms(v, tid, D, eps):
     """`row_inv_rms` of a row of at most NT * ROW_REGS elements whose values thread tid holds in
-    v (`load_row` at k0 = tid): the same partial, block sum and formula, so the same bits."""
+    v (`load_row` at k0 = tid): the same partial, block sum and formula, so the same bits. (Its
+    own shared arrays: a helper holding them, called here and from `row_inv_rms` in the other
+    branch of the register kernels, made NVVM reject those kernels with ERROR_INVALID_IR.)"""
     scratch = cuda.shared.array((NW, 32), float32)
     part = cuda.shared.array(NW, float32)
     ss = float32(0.0)
