@@ -78,7 +78,12 @@ def main(argv=None) -> int:
     configs = ([tuple(int(v) for v in c.split("-")) for c in args.configs.split(";")]
                if args.configs else CONFIGS)
     pfs = [bool(int(v)) for v in args.prefetch.split(",")]
-    pipes = [int(v) for v in args.pipe.split(",")]
+    try:
+        pipes = [int(v) for v in args.pipe.split(",")]
+    except ValueError:
+        ap.error(f"--pipe {args.pipe!r}: expected comma-separated stage counts (0, or 2 and more)")
+    if any(p < 0 or p == 1 for p in pipes):
+        ap.error(f"--pipe {args.pipe!r}: a stage count is 0 (off) or at least 2")
     stages0 = km.PIPE_STAGES
     stream = cuda.stream()
     rng = np.random.default_rng(0)
