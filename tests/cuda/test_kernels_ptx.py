@@ -72,6 +72,9 @@ def test_compiles_for_sm90(cc90_device, name, fn, sig):
         assert "ld.local" not in ptx and "st.local" not in ptx
         # the L2 prefetch hint exactly where the launcher asks for it (three spans per row)
         assert ("cp.async.bulk.prefetch.L2.global" in ptx) == ("_prefetch_" in name)
+        # a row tail's last-block pattern: the device-wide fence and the atomic arrival count
+        tail = "_tail_" in name
+        assert ("membar.gl" in ptx) == tail and ("atom.global.add" in ptx) == tail
     if name.startswith(("attention", "argmax_split")):
         # Per-lane arrays in registers, and the split combine's device-wide fence and atomic
         # arrival count (the "last block" pattern); the rows form combines its own splits: neither

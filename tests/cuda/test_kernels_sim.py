@@ -617,6 +617,88 @@ def test_row_norms_bits(Dm, regs, monkeypatch):
     check_row_norms_bits(Dm, 1)
 
 
+ROW_TAIL_CASES = [
+    # kind, N (the row), K, group, long: GEMV_LONG_CONFIG's 16-warp blocks, TAIL_CHUNK, launches
+    ("q4", 300, 128, 32, False, 1, 1),     # rows of more than 256: two chunks for some threads
+    ("f16", 70, 36, 0, False, 8, 2),       # the counter cleared for the next launch
+    ("q4", 40, 1600, 32, True, 8, 1),
+]
+
+
+@pytest.mark.parametrize("kind,N,K,group,long,chunk,reps", ROW_TAIL_CASES)
+def test_matmul_row_tails_equal_matmul_then_norm(monkeypatch, kind, N, K, group, long, chunk, reps):
+    """A one-row matmul with the rmsnorm row tail (accumulating, the sandwich block) leaves the
+    bits of the matmul followed by rmsnorm in place, and with the norm_add row tail (the sublayer
+    block) those of the matmul followed by norm_add, in blocks of 8 and of 16 warps, the tail's
+    values requested 8 or 1 at a time (one or several chunks a thread); the arrival counter is
+    zero after every launch, so the next launch (a graph replay) counts from zero."""
+    from tinyloop.cuda.kernels import norm_add
+    monkeypatch.setattr(rmsnorm, "TAIL_CHUNK", chunk)
+    if long:
+        monkeypatch.setattr(matmul, "WIDE_N", 8)
+        monkeypatch.setattr(matmul, "XWIDE_N", 8)
+        monkeypatch.setattr(matmul, "LONG_K", K - 1)
+        assert matmul.config_for(kind, 1, N, False, K) == matmul.GEMV_LONG_CONFIG
+    rng = np.random.default_rng(N + K + chunk)
+    arrays, _ = make_weight(rng, kind, N, K, group)
+    dev = {k: D(v) for k, v in arrays.items()}
+    wa = (dev["w"], dev.get("scales"), dev.get("zeros"))
+    src = D(rng.standard_normal((1, K)).astype(np.float32))
+    x0 = (2 * rng.standard_normal((1, N))).astype(np.float32)
+    nw = D(rng.standard_normal(N).astype(np.float32))
+    counter = D(np.zeros(1, np.int32))
+    for _ in range(reps):
+        # sandwich: x = rmsnorm(x + W @ src) * nw
+        want = D(x0)
+        matmul.matmul(want, src, *wa, accumulate=True)
+        rmsnorm.rmsnorm(want, want, nw, 1e-6)
+        got = D(x0)
+        matmul.matmul(got, src, *wa, accumulate=True, epilogue=rmsnorm.rmsnorm_tail(nw, 1e-6, counter))
+        assert np.array_equal(host(got), host(want)) and host(counter)[0] == 0
+        # sublayer: y = W @ src; x += rmsnorm(y) * nw
+        yw, xw = D(np.zeros((1, N), np.float32)), D(x0)
+        matmul.matmul(yw, src, *wa)
+        norm_add.norm_add(xw, yw, nw, 1e-6)
+        yg, xg = D(np.full((1, N), np.nan, np.float32)), D(x0)
+        matmul.matmul(yg, src, *wa, epilogue=norm_add.norm_add_tail(xg, nw, 1e-6, counter))
+        assert np.array_equal(host(yg), host(yw)) and np.array_equal(host(xg), host(xw))
+        assert host(counter)[0] == 0
+
+
+def test_matmul_row_tail_argument_errors():
+    """Row tails refuse many-row launches, rows of another width, the tail's own row as out,
+    weights the fast kernel does not take, and bad tail arguments, before any launch."""
+    from tinyloop.cuda.kernels import norm_add
+    rng = np.random.default_rng(3)
+    arrays, _ = make_weight(rng, "q4", 20, 64, 16)
+    w, sc, z = (D(arrays[k]) for k in ("w", "scales", "zeros"))
+    c = D(np.zeros(1, np.int32))
+    nw = D(np.ones(20, np.float32))
+    x2 = D(np.zeros((2, 64), np.float32))
+    with pytest.raises(BackendError, match="one-row"):
+        matmul.matmul(D(np.zeros((2, 20), np.float32)), x2, w, sc, z, epilogue=rmsnorm.rmsnorm_tail(nw, 1e-6, c))
+    x1 = D(np.zeros((1, 64), np.float32))
+    with pytest.raises(BackendError, match="rows of 21"):
+        matmul.matmul(D(np.zeros((1, 20), np.float32)), x1, w, sc, z,
+                      epilogue=rmsnorm.rmsnorm_tail(D(np.ones(21, np.float32)), 1e-6, c))
+    out = D(np.zeros((1, 20), np.float32))
+    with pytest.raises(BackendError, match="must not be out"):
+        matmul.matmul(out, x1, w, sc, z, epilogue=norm_add.norm_add_tail(out, nw, 1e-6, c))
+    a9, _ = make_weight(rng, "q4", 20, 48, 8)      # group 8: the simple kernel
+    with pytest.raises(BackendError, match="fast kernel"):
+        matmul.matmul(out, D(np.zeros((1, 48), np.float32)), D(a9["w"]), D(a9["scales"]), D(a9["zeros"]),
+                      epilogue=rmsnorm.rmsnorm_tail(nw, 1e-6, c))
+    with pytest.raises(BackendError, match="eps"):
+        rmsnorm.rmsnorm_tail(nw, -1.0, c)
+    with pytest.raises(BackendError, match="counter"):
+        rmsnorm.rmsnorm_tail(nw, 1e-6, D(np.zeros(1, np.float32)))
+    with pytest.raises(BackendError, match="w"):
+        norm_add.norm_add_tail(out, D(np.ones(19, np.float32)), 1e-6, c)
+    with pytest.raises(BackendError, match="x"):
+        norm_add.norm_add_tail(D(np.zeros((2, 20), np.float32)), nw, 1e-6, c)
+    assert host(c)[0] == 0
+
+
 def test_norm_add():
     """x += rmsnorm(y) * w against float64, == rmsnorm into a scratch row then add (bit for
     bit), one row alone == the row in a launch of three."""

@@ -33,8 +33,11 @@ Fusion (``attn_half``, ``mlp_half``, ``final_logits`` overridden): the block's R
 the following matmul (``matmul(norm_w=...)``); q|k|v is one matmul whose epilogue rotates q into
 ``ws.q`` and k into the cache and appends v (``rope.qkv_epilogue``); gate|up is one matmul whose
 epilogue stores ``silu(gate) * up`` into ``ws.g`` (``swiglu.glu_epilogue``): 3 + 2 launches per
-block instead of 7 + 5, and the final norm rides in the head matmul. ``TINYLOOP_CUDA_FUSE=0``
-runs the unfused default composites (A/B, debugging).
+block instead of 7 + 5, and the final norm rides in the head matmul. A one-row sublayer output
+of a "sandwich" or "sublayer" block (``sublayer_out``) carries its norm as the matmul's row tail
+(``rmsnorm.rmsnorm_tail``, ``norm_add.norm_add_tail``: the launch's last block runs it on the
+finished row), one launch instead of two; ``TINYLOOP_CUDA_ROW_TAIL=0`` keeps the two (A/B).
+``TINYLOOP_CUDA_FUSE=0`` runs the unfused default composites (A/B, debugging).
 
 KV codecs and slot maps. Ops take a global cache layer and resolve it to (group, layer in the group)
 with ``cache.spec.group_of``. fp32 / fp16 groups are stored by the epilogue (or rope_kv_append)
@@ -244,7 +247,8 @@ class CUDAWorkspace(Workspace):
     toks_host its pinned copy; topk (T*MAX_TOPK,) top-k ids (row-major (n, k) views), topk_host;
     moves (2, T) cache slot moves, moves_host; ids_host (T,) pinned staging for set_ids;
     logits_host (vocab,) pinned row of logits; att_work / att_count split-KV attention partials and
-    per-(row, head) arrival counters; amax_work (values, ids, counters) of the split argmax; mask
+    per-(row, head) arrival counters; tail_count (1,) the matmul row tails' arrival counter,
+    row_tails the tails made for this workspace (`CUDABackend.sublayer_out`); amax_work (values, ids, counters) of the split argmax; mask
     (ceil(vocab / 32),) the token mask words of launch_masked_argmax, mask_host their pinned staging;
     exit_prev (max(d_model, vocab),) the previous early-exit probe's row, exit_state (2,) the probes'
     [stable count, exit depth] (tok and exit_state are views of tok_exit (3,), so one read-back
@@ -268,6 +272,8 @@ class CUDAWorkspace(Workspace):
     logits_host: Any = None
     att_work: Any = None
     att_count: Any = None
+    tail_count: Any = None
+    row_tails: Any = None
     amax_work: Any = None
     mask: Any = None
     mask_host: Any = None
@@ -322,6 +328,8 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         # docs/BENCHMARKS.md, "Prompt forwards captured, ...")
         self.split_rows = os.environ.get("TINYLOOP_CUDA_SPLIT_ROWS", "0") == "1"
         self.fuse = env_switch("TINYLOOP_CUDA_FUSE")
+        # one-row sublayer outputs with their norm as the matmul's row tail (sublayer_out)
+        self.row_tail = self.fuse and env_switch("TINYLOOP_CUDA_ROW_TAIL")
         # programmatic kernel -> kernel edges in the captured steps (kernels/_pdl.py)
         self.pdl = self.use_graphs and env_switch("TINYLOOP_CUDA_PDL") and k_pdl.enabled()
         self._glu = k_swiglu.glu_epilogue(cfg.d_ff)
@@ -470,7 +478,9 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
                    exit_acc=((1,), np.float64),
                    # split-KV attention: per-split partials and per-(row, head) arrival counters
                    att_work=(k_attention.workspace_shape(rows, c.n_heads, c.head_dim), f),
-                   att_count=(k_attention.counter_shape(rows, c.n_heads), i32))
+                   att_count=(k_attention.counter_shape(rows, c.n_heads), i32),
+                   # the matmul row tails' arrival counter (sublayer_out)
+                   tail_count=((1,), i32))
         # the exact matmul's staging of many-row launches (kernels/matmul_exact.py): limbs, group
         # sums and exponents for rows rounded up to the token block, the widest matmul input
         # (empty unless TINYLOOP_CUDA_EXACT asks for the exact kernels)
@@ -573,7 +583,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
     @staticmethod
     def _counters(ws: Workspace) -> list:
         """The split kernels' arrival counters (split-KV attention, split argmax)."""
-        return [ws.att_count, ws.amax_work[2]]
+        return [ws.att_count, ws.amax_work[2], ws.tail_count]
 
     def _memset0(self, a) -> None:
         if numba.config.ENABLE_CUDASIM:
@@ -1162,6 +1172,36 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
 
     def norm_add(self, x, y, w, T: int) -> None:
         k_norm_add.norm_add(x[:T], y[:T], w.w, self.cfg.norm_eps, stream=self.stream)
+
+    def sublayer_out(self, ws: Workspace, src, W, out_norm, T: int) -> None:
+        """The base class's residual update; a one-row "sandwich" or "sublayer" update through a
+        weight the fast kernel takes is one launch: the matmul with the norm as its row tail (the
+        same bits as the two launches, kernels/matmul.py)."""
+        style = self.cfg.block_norm
+        if style == "pre" or T != 1 or not self._row_tail_ok(W, src.shape[1]):
+            return super().sublayer_out(ws, src, W, out_norm, T)
+        if ws.row_tails is None:
+            ws.row_tails = {}
+        made = ws.row_tails.get(id(out_norm))
+        tail = made[1] if made is not None and made[0] is out_norm else None
+        if tail is None:
+            # made once per norm and workspace (this call's first, never inside a capture after it)
+            eps = self.cfg.norm_eps
+            tail = (k_norm_add.norm_add_tail(ws.x[:1], out_norm.w, eps, ws.tail_count) if style == "sublayer"
+                    else k_rmsnorm.rmsnorm_tail(out_norm.w, eps, ws.tail_count))
+            ws.row_tails[id(out_norm)] = (out_norm, tail)
+        if style == "sublayer":
+            self.matmul_q(ws.h[:1], src[:1], W, epilogue=tail)
+        else:
+            self.matmul_q(ws.x[:1], src[:1], W, accumulate=True, epilogue=tail)
+
+    def _row_tail_ok(self, W, K: int) -> bool:
+        """Whether a one-row launch of weight W can carry a row tail: the fast kernel serves it
+        (not the exact kernels) and row tails are on."""
+        if not self.row_tail or (self.exact and k_exact.supports(W.w, W.scales, K)):
+            return False
+        group = 0 if W.scales is None else K // W.scales.shape[1]
+        return k_matmul.row_tail_ok(k_matmul.weight_kind(W.w, K), K, group, W.w)
 
     def zero(self, x, T: int) -> None:
         self._memset0(x[:T])

@@ -11,9 +11,10 @@ def kernel_modules():
 
 def ptx_signatures():
     """(name, python function, signature) of every kernel the launchers compile, the matmul's pair
-    variants for the rope (qkv and qkv staging) and swiglu epilogues included (PTX tests,
-    bench/sass_report.py)."""
-    from . import matmul, matmul_exact, rope, swiglu
+    variants for the rope (qkv and qkv staging) and swiglu epilogues and its one-row variants for
+    the rmsnorm and norm_add row tails included (PTX tests, bench/sass_report.py)."""
+    from . import matmul, matmul_exact, norm_add, rmsnorm, rope, swiglu
     sigs = [s for m in kernel_modules() if m not in (matmul, matmul_exact) for s in m.ptx_signatures()]
-    return (sigs + matmul.ptx_signatures(rope.ptx_epilogues() + swiglu.ptx_epilogues())
+    return (sigs + matmul.ptx_signatures(rope.ptx_epilogues() + swiglu.ptx_epilogues(),
+                                         rmsnorm.ptx_tails() + norm_add.ptx_tails())
             + matmul_exact.ptx_signatures(swiglu.ptx_epilogues()))

@@ -240,6 +240,25 @@ def block_sum_once(v, scratch, part, warp, lane, n_warps):
 
 
 @cuda.jit(device=True)
+def block_sum_first(v, scratch, part, warp, lane, n_warps):
+    """`block_sum` of the first n_warps warps' values, called by a block of at least that many
+    warps (all of them, uniform control flow: every warp runs its butterfly and the barriers):
+    the same bits as `block_sum` in a block of exactly n_warps warps holding the same values.
+    `scratch` has a row per warp of the block, `part` at least n_warps entries."""
+    w = warp_sum(v, scratch, warp, lane)
+    if lane == 0 and warp < n_warps:
+        part[warp] = w
+    # The warp totals must be visible before any thread adds them up.
+    cuda.syncthreads()
+    tot = part[0]
+    for i in range(1, n_warps):
+        tot += part[i]
+    # Every thread must have read `part` before a later call overwrites it.
+    cuda.syncthreads()
+    return tot
+
+
+@cuda.jit(device=True)
 def block_max_once(v, scratch, part, warp, lane, n_warps):
     """Max of v over the block (exact), returned to every thread; no barrier at the end (as
     block_sum_once)."""
@@ -370,7 +389,26 @@ class Epilogue(NamedTuple):
     t_rows: int = -1
 
 
-__all__ = ["SIM", "Epilogue", "FULL_MASK", "NEG_INF", "warp_sum", "warp_max", "block_sum",
+class RowTail(NamedTuple):
+    """A row tail for a one-row `matmul.matmul(..., epilogue=)`: once every block of the launch has
+    stored its outputs, the block that arrives last runs ``run(args, out, tid, warp, lane,
+    scratch, part)`` with all its threads (uniform control flow; at least 256 of them) on the
+    finished row ``out[0]`` — a whole-row op that would otherwise be the next launch (the
+    sandwich block's rmsnorm, the sublayer block's norm_add). ``args[0]`` is an int32 arrival
+    counter (zero before the launch; the last block leaves it zero), the rest is the op's own.
+    `run` is a @cuda.jit device function of the module that owns the op; `scratch` is shared
+    float32 (warps, 32), `part` shared float32 of at least 8 entries. `name` keys the compiled
+    kernel; `sig` is the numba type of `args` (PTX compile tests); `cols` the row width the op
+    was built for (the launch's N); `distinct` the op's arrays that must not be `out`."""
+    name: str
+    run: Any
+    args: tuple
+    sig: str
+    cols: int
+    distinct: tuple = ()
+
+
+__all__ = ["SIM", "Epilogue", "RowTail", "block_sum_first", "FULL_MASK", "NEG_INF", "warp_sum", "warp_max", "block_sum",
            "block_max", "block_sum_once", "block_max_once", "as_float", "as_bits", "cdiv",
            "is_device_array", "check_array", "check_workspace", "device_pointer", "no_tree",
            "check_tree", "rint", "mul_rn", "rint64", "pow2n", "sync_warp", "seg_max", "seg_sum", "float32", "uint32"]

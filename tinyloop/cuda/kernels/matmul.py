@@ -83,12 +83,13 @@ from numba import cuda, float32, int32, uint32, uint64
 from ...model.arch import QUANT_BITS
 from ...errors import BackendError
 from ._cache import jit_kernel
-from ._common import SIM, Epilogue, as_float, cdiv, check_array, device_pointer, warp_sum
+from ._common import SIM, Epilogue, RowTail, as_float, cdiv, check_array, device_pointer, warp_sum
 from ._pdl import grid_dep_wait
 from ._cp_async import cp_async, cp_async_commit, cp_async_wait
 from ._prefetch import l1_prefetch, l2_prefetch
 from .rmsnorm import NT as NORM_NT
 from .rmsnorm import NW as NORM_NW
+from .rmsnorm import TAIL_THREADS
 from .rmsnorm import check_eps, inv_rms, sumsq_partial
 
 #: Elements per 8-byte word for each storage kind.
@@ -315,6 +316,12 @@ def _no_store(ep, out, t, p, va, vb, N):
     return
 
 
+@cuda.jit(device=True)
+def _no_tail(ep, out, tid, warp, lane, scratch, part):
+    """Placeholder row tail of a launch without one (never called)."""
+    return
+
+
 #: The `ep` argument of a launch without an epilogue (the kernels always take one).
 NO_EPILOGUE_ARGS = (np.int64(0),)
 NO_EPILOGUE_SIG = "UniTuple(int64, 1)"
@@ -384,7 +391,7 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
                flat=False, prefetch=False, pipe=0):
     """Build the fast kernel for one storage kind and block configuration (see module doc);
     `norm` compiles in the fused-RMSNorm prologue and staging, `epi` (an `Epilogue`) the pair
-    row map and store; `max_registers` > 0 caps the registers per thread (ptxas);
+    row map and store, or (a `RowTail`, TT = 1) the last block's row op; `max_registers` > 0 caps the registers per thread (ptxas);
     `stage_batch` > 1 stages x that many elements per thread at a time (plain staging only);
     `gshift` >= 0 takes a word's group index as ``w >> gshift`` (quantized kinds); `flat`
     takes the weight (and scales, zeros) as 1-D views addressed by 32-bit row offsets; `prefetch`
@@ -409,12 +416,15 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
     wait_pipe = cp_async_wait(PIPE - 1 if PIPE else 0)
     assert SB >= 1 and not (NORM and SB > 1), (norm, stage_batch)
     assert not PF or (FLAT and kind.startswith("q") and 3 * R <= 32), (prefetch, flat, kind, R)
-    PAIR = epi is not None
+    PAIR = isinstance(epi, Epilogue)
+    TAIL = isinstance(epi, RowTail)
     rows_of = epi.rows if PAIR else _no_rows
     store = epi.store if PAIR else _no_store
+    tail_run = epi.run if TAIL else _no_tail
     RP = R // 2            # pairs per warp (pair mode)
     assert not PAIR or R % 2 == 0, R
     NJ = TT * NORM_NW
+    assert not TAIL or (TT == 1 and NW * 32 >= TAIL_THREADS), (TT, NW)
     prologue = _make_norm_prologue(TT, NW)
     E = WORD_ELEMS[kind]
     NT = NW * 32
@@ -527,6 +537,29 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
                             v = out[t, n] + v
                         out[t, n] = v
 
+    @cuda.jit(device=True)
+    def row_tail(ep, out, flag, tid, warp, lane, scratch, part):
+        """The row tail (`_common.RowTail`, one-row launches): every block counts its arrival
+        once its outputs are stored; the last one runs the tail on the finished row and clears
+        the counter ``ep[0][0]`` (the attention combine's fences, docs/KERNELS.md)."""
+        # Release: this thread's stores of out (finish) visible device-wide before the barrier,
+        # and so before the arrival is counted.
+        cuda.threadfence()
+        cuda.syncthreads()
+        if tid == 0:
+            last = cuda.atomic.add(ep[0], 0, 1) == cuda.gridDim.x * cuda.gridDim.y - 1
+            if last:
+                cuda.threadfence()     # acquire: the other blocks' counts seen, their rows after
+            flag[0] = 1 if last else 0
+        # flag must be stored before the block reads it.
+        cuda.syncthreads()
+        if flag[0] != 0:
+            # every reading thread fences too (the row is read through its own loads)
+            cuda.threadfence()
+            tail_run(ep, out, tid, warp, lane, scratch, part)
+            if tid == 0:
+                ep[0][0] = 0
+
     # (the simulator's jit takes no register cap)
     opts = {"max_registers": int(max_registers)} if max_registers and not SIM else {}
 
@@ -618,6 +651,8 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
                                 p = cuda.fma(wv[i], xs[tt, i, wl], p)
                             acc[tt, r] = cuda.fma(s, p, acc[tt, r])
             finish(out, acc, scratch, warp, lane, unit, t0, N, T, accumulate, ep)
+            if TAIL:
+                row_tail(ep, out, cuda.shared.array(1, int32), tid, warp, lane, scratch, part)
     else:
         @jit_kernel(**opts)
         def kernel(out, x, nw, eps, qw, N, nwords, accumulate, ep):
@@ -663,6 +698,8 @@ def _make_fast(kind, TT, R, NW, KC, norm=False, epi=None, max_registers=0, stage
                                 p = cuda.fma(wv[i], xs[tt, i, wl], p)
                             acc[tt, r] = acc[tt, r] + p
             finish(out, acc, scratch, warp, lane, unit, t0, N, T, accumulate, ep)
+            if TAIL:
+                row_tail(ep, out, cuda.shared.array(1, int32), tid, warp, lane, scratch, part)
 
     _fast_cache[key] = kernel
     return kernel
@@ -816,14 +853,35 @@ def uses_fast_path(kind: str, K: int, group_size: int, w=None) -> bool:
     return True
 
 
+def row_tail_ok(kind: str, K: int, group_size: int, w=None) -> bool:
+    """Whether a one-row launch of this weight can carry a `RowTail`: the fast kernel serves it
+    and its one-row block configurations have at least the tail's threads (all of them do)."""
+    if not uses_fast_path(kind, K, group_size, w):
+        return False
+    return all(cfg[2] * 32 >= TAIL_THREADS for cfg in (GEMV_CONFIG, GEMV_WIDE_CONFIG,
+                                                       GEMV_XWIDE_CONFIG, GEMV_LONG_CONFIG))
+
+
 def epilogue_args(op: str, epilogue, accumulate, out, T: int):
     """(N, ep): the weight rows a launch computes and the `ep` kernel argument, after checking a
     pair `epilogue` against the launch (an `Epilogue`, no accumulate, `out` as wide as it writes,
-    its row count); without one, N is out's width and ep the placeholder."""
+    its row count) or a row tail (a `RowTail`: one row, `out` as wide as its row, none of its
+    arrays `out`); without one, N is out's width and ep the placeholder."""
     if epilogue is None:
         return out.shape[1], NO_EPILOGUE_ARGS
+    if isinstance(epilogue, RowTail):
+        if T != 1:
+            raise BackendError(f"{op}: the {epilogue.name!r} row tail runs on one-row launches, "
+                               f"got {T} rows")
+        if out.shape[1] != epilogue.cols:
+            raise BackendError(f"{op}: out has {out.shape[1]} columns; the {epilogue.name!r} "
+                               f"row tail was made for rows of {epilogue.cols}")
+        if any(a is out or device_pointer(a) == device_pointer(out) != 0 for a in epilogue.distinct):
+            raise BackendError(f"{op}: the {epilogue.name!r} row tail's own row must not be out")
+        return out.shape[1], epilogue.args
     if not isinstance(epilogue, Epilogue):
-        raise BackendError(f"{op}: epilogue must be an Epilogue, got {type(epilogue).__name__}")
+        raise BackendError(f"{op}: epilogue must be an Epilogue or a RowTail, got "
+                           f"{type(epilogue).__name__}")
     if accumulate:
         raise BackendError(f"{op}: accumulate=True cannot be combined with the "
                            f"{epilogue.name!r} epilogue (it stores through the epilogue)")
@@ -864,7 +922,9 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
 
     With `epilogue` (an `Epilogue`, e.g. `swiglu.glu_epilogue` or `rope.qkv_epilogue`) the rows
     are computed in the epilogue's pairs and stored through it: `out` is then (T,
-    epilogue.out_cols), N = epilogue.n_rows and accumulate must be False (module doc)."""
+    epilogue.out_cols), N = epilogue.n_rows and accumulate must be False (module doc). With a
+    `RowTail` (`rmsnorm.rmsnorm_tail`, `norm_add.norm_add_tail`; T == 1, a weight the fast
+    kernel takes: `row_tail_ok`) the launch's last block then runs the tail's op on out's row."""
     op = "matmul"
     check_array(op, "x", x, np.float32, 2)
     T, K = x.shape
@@ -899,8 +959,12 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
     acc_flag = 1 if accumulate else 0
     # Without a norm the kernel's norm_w parameter is unused: pass a view (no allocation).
     nw = norm_w if norm else x[0]
-    pair = epilogue is not None
+    pair = isinstance(epilogue, Epilogue)
+    tail = isinstance(epilogue, RowTail)
 
+    if tail and not row_tail_ok(kind, K, group, w):
+        raise BackendError(f"{op}: the {epilogue.name!r} row tail needs the fast kernel "
+                           f"({kind}, in_features={K}, group {group}: not served)")
     if uses_fast_path(kind, K, group, w):
         TT, R, NW, KC = config_for(kind, T, N, pair, K)
         flat = flat_for(T)
@@ -935,14 +999,17 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
             out, x, nw, eps, w, w, w, 0, 0, acc_flag, ep)
 
 
-def ptx_signatures(epilogues=()):
+def ptx_signatures(epilogues=(), tails=()):
     """(name, python function, signature) triples the launcher compiles, for PTX compile tests;
-    `epilogues` adds the pair variants of the norm-fused kernels for each given `Epilogue`."""
+    `epilogues` adds the pair variants of the norm-fused kernels for each given `Epilogue`,
+    `tails` the one-row variants of the plain kernels for each given `RowTail`."""
     sigs = []
     f32_2 = "float32[:, ::1]"
     head = f"{f32_2}, {f32_2}, float32[::1], float32"      # out, x, norm_w, eps
-    variants = [(norm, None) for norm in (False, True)] + [(True, e) for e in epilogues]
+    variants = ([(norm, None) for norm in (False, True)] + [(True, e) for e in epilogues]
+                + [(False, t) for t in tails])
     for norm, epi in variants:
+        pair = isinstance(epi, Epilogue)
         tag = ("_norm" if norm else "") + (f"_{epi.name}" if epi is not None else "")
         es = NO_EPILOGUE_SIG if epi is None else epi.sig
         for kind in WORD_ELEMS:
@@ -954,13 +1021,13 @@ def ptx_signatures(epilogues=()):
                                      # many rows: each FEW_CONFIGS entry, and GEMM_CONFIG
                                      (2, 0, 0, False, 0), (FEW_SMALL_T + 1, 0, 0, False, 0),
                                      (2, FEW_N + 1, 0, False, 0), (FEW_T + 1, 0, 0, False, 0)):
-                if (pf or pp) and not kind.startswith("q"):
+                if (pf or pp) and not kind.startswith("q") or T > 1 and isinstance(epi, RowTail):
                     continue
-                cfg = config_for(kind, T, n, epi is not None, kk)
+                cfg = config_for(kind, T, n, pair, kk)
                 # (group 128, the presets' group size, for the group-index shift)
                 flat = flat_for(T)
                 k = _make_fast(kind, *cfg, norm, epi, 0, stage_batch_for(T, n, norm),
-                               group_shift_for(kind, 128, epi is not None), flat, pf, pp)
+                               group_shift_for(kind, 128, pair), flat, pf, pp)
                 a = "[::1]" if flat else "[:, ::1]"
                 if kind.startswith("q"):
                     sig = (f"void({head}, uint64{a}, float16{a}, uint8{a}, int64, int64, "
@@ -969,6 +1036,8 @@ def ptx_signatures(epilogues=()):
                     sig = f"void({head}, uint64{a}, int64, int64, int64, {es})"
                 pft = ("_prefetch" if pf else "") + (f"_pipe{pp}" if pp else "")
                 sigs.append((f"matmul_fast{tag}{pft}_{kind}_{'_'.join(map(str, cfg))}", k.py_func, sig))
+        if isinstance(epi, RowTail):
+            continue          # (the fast kernel only)
         sigs.append((f"matmul_simple{tag}_q", _make_simple(True, norm, epi).py_func,
                      f"void({head}, uint8[:, ::1], float16[:, ::1], uint8[:, ::1], int64, int64, int64, {es})"))
         for wt in ("float32", "float16"):

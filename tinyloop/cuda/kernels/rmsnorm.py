@@ -31,7 +31,7 @@ from numba import cuda, float32
 
 from ...errors import BackendError
 from ._cache import jit_kernel
-from ._common import block_sum, check_array
+from ._common import RowTail, block_sum, block_sum_first, check_array
 from ._pdl import grid_dep_wait
 
 NW = 8
@@ -47,6 +47,11 @@ ROW_REGS = 32
 SUMSQ_CHUNK = 8
 #: Row-norm launches of at most this many rows take the register form (`regs_form`).
 REGS_T = 128
+#: Values a thread of a row tail (`rmsnorm_tail`, norm_add's) requests together before storing
+#: them: the tail runs inside a matmul kernel, whose registers it must not raise.
+TAIL_CHUNK = 8
+#: Threads a row tail needs: the row kernels' block (the partials of threads 0 .. NT - 1).
+TAIL_THREADS = NT
 
 
 @cuda.jit(device=True)
@@ -157,6 +162,58 @@ def _rmsnorm_regs_kernel(out, x, w, eps):
                     out[t, k0 + j * NT] = (xv[j] * inv) * wv[j]
 
 
+@cuda.jit(device=True)
+def tail_inv_rms(y, eps, tid, warp, lane, scratch, part):
+    """`row_inv_rms` of row 0 of y inside a block of at least NT threads (a row tail): threads
+    tid < NT form the row kernels' partials (`sumsq_partial`), the others join the barriers with
+    nothing, and `block_sum_first` adds the first NW warps' totals in warp order: the same bits."""
+    ss = float32(0.0)
+    if tid < NT:
+        ss = sumsq_partial(y, 0, tid, y.shape[1])
+    return inv_rms(block_sum_first(ss, scratch, part, warp, lane, NW), y.shape[1], eps)
+
+
+@cuda.jit(device=True)
+def _rmsnorm_tail_run(args, out, tid, warp, lane, scratch, part):
+    """The row tail of `rmsnorm_tail`: ``out[0] = rmsnorm(out[0]) * w`` in place, each element
+    ``(x * inv) * w`` as the row kernels write it, TAIL_CHUNK values of a thread requested before
+    their stores."""
+    w = args[1]
+    D = out.shape[1]
+    inv = tail_inv_rms(out, args[2], tid, warp, lane, scratch, part)
+    xv = cuda.local.array(TAIL_CHUNK, float32)
+    wv = cuda.local.array(TAIL_CHUNK, float32)
+    if tid < NT:
+        for k0 in range(tid, D, NT * TAIL_CHUNK):
+            for j in range(TAIL_CHUNK):
+                k = k0 + j * NT
+                if k < D:
+                    xv[j] = out[0, k]
+                    wv[j] = w[k]
+            for j in range(TAIL_CHUNK):
+                k = k0 + j * NT
+                if k < D:
+                    out[0, k] = (xv[j] * inv) * wv[j]
+
+
+def rmsnorm_tail(w, eps, counter) -> RowTail:
+    """The rmsnorm of a one-row matmul's output row, in place, as the launch's row tail
+    (`_common.RowTail`): ``matmul(x, src, W, accumulate=True, epilogue=rmsnorm_tail(w, eps, c))``
+    leaves in x what the matmul followed by ``rmsnorm(x, x, w, eps)`` leaves, bit for bit, in one
+    launch. `counter`: an int32 device array of at least one entry, zero (the launch leaves it
+    zero); one launch at a time may use it."""
+    eps = check_eps("rmsnorm_tail", eps)
+    check_array("rmsnorm_tail", "w", w, np.float32, 1)
+    check_array("rmsnorm_tail", "counter", counter, np.int32, 1)
+    if w.shape[0] == 0 or counter.shape[0] == 0:
+        raise BackendError(f"rmsnorm_tail: empty w {tuple(w.shape)} or counter {tuple(counter.shape)}")
+    return RowTail("rmsnorm_tail", _rmsnorm_tail_run, (counter, w, eps), TAIL_SIG, w.shape[0])
+
+
+#: numba type of a row tail's args: (counter, w, eps).
+TAIL_SIG = "Tuple((int32[::1], float32[::1], float32))"
+
+
 def regs_form(T: int) -> bool:
     """Whether a row-norm launch of T rows takes the register form: up to REGS_T rows, where the
     grid is at most one block per SM and each block's latency is the launch's; above, the loop
@@ -195,6 +252,11 @@ def check_eps(op, eps):
     if not (eps >= 0.0 and math.isfinite(eps)):
         raise BackendError(f"{op}: eps={eps!r} must be finite and >= 0")
     return np.float32(eps)
+
+
+def ptx_tails():
+    """The row tail as matmul's PTX signatures need it (name, device function, args type)."""
+    return [RowTail("rmsnorm_tail", _rmsnorm_tail_run, (), TAIL_SIG, 0)]
 
 
 def ptx_signatures():
