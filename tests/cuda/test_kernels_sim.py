@@ -665,6 +665,13 @@ def test_matmul_row_tails_equal_matmul_then_norm(monkeypatch, kind, N, K, group,
         assert host(counter)[0] == 0
 
 
+def test_row_tail_rule():
+    """The backend's shape rule for row tails: rows a tail thread covers in one chunk."""
+    assert rmsnorm.TAIL_ROW_MAX == rmsnorm.NT * rmsnorm.TAIL_CHUNK == 2048
+    assert rmsnorm.tail_pays(1) and rmsnorm.tail_pays(2048)
+    assert not rmsnorm.tail_pays(2049) and not rmsnorm.tail_pays(5280) and not rmsnorm.tail_pays(0)
+
+
 def test_matmul_row_tail_argument_errors():
     """Row tails refuse many-row launches, rows of another width, the tail's own row as out,
     weights the fast kernel does not take, and bad tail arguments, before any launch."""

@@ -34,9 +34,11 @@ the following matmul (``matmul(norm_w=...)``); q|k|v is one matmul whose epilogu
 ``ws.q`` and k into the cache and appends v (``rope.qkv_epilogue``); gate|up is one matmul whose
 epilogue stores ``silu(gate) * up`` into ``ws.g`` (``swiglu.glu_epilogue``): 3 + 2 launches per
 block instead of 7 + 5, and the final norm rides in the head matmul. A one-row sublayer output
-of a "sandwich" or "sublayer" block (``sublayer_out``) carries its norm as the matmul's row tail
-(``rmsnorm.rmsnorm_tail``, ``norm_add.norm_add_tail``: the launch's last block runs it on the
-finished row), one launch instead of two; ``TINYLOOP_CUDA_ROW_TAIL=0`` keeps the two (A/B).
+of a "sandwich" or "sublayer" block (``sublayer_out``) with rows of up to 2048 carries its norm
+as the matmul's row tail (``rmsnorm.rmsnorm_tail``, ``norm_add.norm_add_tail``: the launch's last
+block runs it on the finished row), one launch instead of two (``rmsnorm.tail_pays``: measured
+faster on Ouro's 2048-wide rows, slower on Huginn's 5280); ``TINYLOOP_CUDA_ROW_TAIL=0`` keeps the
+two (A/B).
 ``TINYLOOP_CUDA_FUSE=0`` runs the unfused default composites (A/B, debugging).
 
 KV codecs and slot maps. Ops take a global cache layer and resolve it to (group, layer in the group)
@@ -1196,9 +1198,12 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
             self.matmul_q(ws.x[:1], src[:1], W, accumulate=True, epilogue=tail)
 
     def _row_tail_ok(self, W, K: int) -> bool:
-        """Whether a one-row launch of weight W can carry a row tail: the fast kernel serves it
-        (not the exact kernels) and row tails are on."""
-        if not self.row_tail or (self.exact and k_exact.supports(W.w, W.scales, K)):
+        """Whether a one-row launch of weight W carries a row tail: row tails are on, the model's
+        rows are narrow enough for the tail to pay (`rmsnorm.tail_pays`) and the fast kernel
+        serves the weight (not the exact kernels)."""
+        if not (self.row_tail and k_rmsnorm.tail_pays(self.cfg.d_model)):
+            return False
+        if self.exact and k_exact.supports(W.w, W.scales, K):
             return False
         group = 0 if W.scales is None else K // W.scales.shape[1]
         return k_matmul.row_tail_ok(k_matmul.weight_kind(W.w, K), K, group, W.w)

@@ -52,6 +52,18 @@ REGS_T = 128
 TAIL_CHUNK = 8
 #: Threads a row tail needs: the row kernels' block (the partials of threads 0 .. NT - 1).
 TAIL_THREADS = NT
+#: Widest row whose norm rides as a row tail in decode (`tail_pays`): one chunk a thread.
+TAIL_ROW_MAX = NT * TAIL_CHUNK
+
+
+def tail_pays(D: int) -> bool:
+    """Whether a row of D elements is normed faster as a one-row matmul's row tail than by the
+    separate kernel: rows a thread covers in one chunk (D <= TAIL_ROW_MAX). H100, decode profile
+    (bench/profile_decode.py, docs/BENCHMARKS.md): Ouro's 2048-wide norm_add, 0.531 -> 0.500
+    ms/token with the tail; Huginn's 5280-wide sandwich rmsnorm (three chunks a thread, run by one
+    block after the whole grid) 2.000 -> 2.028, slower than the separate register-form kernel.
+    Which form runs never changes a bit."""
+    return 0 < D <= TAIL_ROW_MAX
 
 
 @cuda.jit(device=True)
