@@ -249,8 +249,8 @@ class CUDAWorkspace(Workspace):
     toks_host its pinned copy; topk (T*MAX_TOPK,) top-k ids (row-major (n, k) views), topk_host;
     moves (2, T) cache slot moves, moves_host; ids_host (T,) pinned staging for set_ids;
     logits_host (vocab,) pinned row of logits; att_work / att_count split-KV attention partials and
-    per-(row, head) arrival counters; tail_count (1,) the matmul row tails' arrival counter,
-    row_tails the tails made for this workspace (`CUDABackend.sublayer_out`); amax_work (values, ids, counters) of the split argmax; mask
+    per-(row, head) arrival counters; tail_count (1,) the matmul row tails' arrival counter
+    (`CUDABackend.sublayer_out`); amax_work (values, ids, counters) of the split argmax; mask
     (ceil(vocab / 32),) the token mask words of launch_masked_argmax, mask_host their pinned staging;
     exit_prev (max(d_model, vocab),) the previous early-exit probe's row, exit_state (2,) the probes'
     [stable count, exit depth] (tok and exit_state are views of tok_exit (3,), so one read-back
@@ -275,7 +275,6 @@ class CUDAWorkspace(Workspace):
     att_work: Any = None
     att_count: Any = None
     tail_count: Any = None
-    row_tails: Any = None
     amax_work: Any = None
     mask: Any = None
     mask_host: Any = None
@@ -330,8 +329,10 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         # docs/BENCHMARKS.md, "Prompt forwards captured, ...")
         self.split_rows = os.environ.get("TINYLOOP_CUDA_SPLIT_ROWS", "0") == "1"
         self.fuse = env_switch("TINYLOOP_CUDA_FUSE")
-        # one-row sublayer outputs with their norm as the matmul's row tail (sublayer_out)
-        self.row_tail = self.fuse and env_switch("TINYLOOP_CUDA_ROW_TAIL")
+        # one-row sublayer outputs with their norm as the matmul's row tail (sublayer_out): blocks
+        # with an output norm, rows narrow enough for the tail to pay (rmsnorm.tail_pays)
+        self.row_tail = (self.fuse and env_switch("TINYLOOP_CUDA_ROW_TAIL")
+                         and cfg.block_norm in ("sandwich", "sublayer") and k_rmsnorm.tail_pays(cfg.d_model))
         # programmatic kernel -> kernel edges in the captured steps (kernels/_pdl.py)
         self.pdl = self.use_graphs and env_switch("TINYLOOP_CUDA_PDL") and k_pdl.enabled()
         self._glu = k_swiglu.glu_epilogue(cfg.d_ff)
@@ -1176,37 +1177,26 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         k_norm_add.norm_add(x[:T], y[:T], w.w, self.cfg.norm_eps, stream=self.stream)
 
     def sublayer_out(self, ws: Workspace, src, W, out_norm, T: int) -> None:
-        """The base class's residual update; a one-row "sandwich" or "sublayer" update through a
-        weight the fast kernel takes is one launch: the matmul with the norm as its row tail (the
-        same bits as the two launches, kernels/matmul.py)."""
-        style = self.cfg.block_norm
-        if style == "pre" or T != 1 or not self._row_tail_ok(W, src.shape[1]):
+        """The base class's residual update; with row tails on (`row_tail`), a one-row update
+        through a weight the fast kernel takes is one launch: the matmul with the norm as its row
+        tail (the same bits as the two launches, kernels/matmul.py)."""
+        if not (self.row_tail and T == 1 and self._row_tail_ok(W, src.shape[1])):
             return super().sublayer_out(ws, src, W, out_norm, T)
-        if ws.row_tails is None:
-            ws.row_tails = {}
-        made = ws.row_tails.get(id(out_norm))
-        tail = made[1] if made is not None and made[0] is out_norm else None
-        if tail is None:
-            # made once per norm and workspace (this call's first, never inside a capture after it)
-            eps = self.cfg.norm_eps
-            tail = (k_norm_add.norm_add_tail(ws.x[:1], out_norm.w, eps, ws.tail_count) if style == "sublayer"
-                    else k_rmsnorm.rmsnorm_tail(out_norm.w, eps, ws.tail_count))
-            ws.row_tails[id(out_norm)] = (out_norm, tail)
-        if style == "sublayer":
-            self.matmul_q(ws.h[:1], src[:1], W, epilogue=tail)
+        eps = self.cfg.norm_eps
+        if self.cfg.block_norm == "sublayer":
+            self.matmul_q(ws.h[:1], src[:1], W,
+                          epilogue=k_norm_add.norm_add_tail(ws.x[:1], out_norm.w, eps, ws.tail_count))
         else:
-            self.matmul_q(ws.x[:1], src[:1], W, accumulate=True, epilogue=tail)
+            self.matmul_q(ws.x[:1], src[:1], W, accumulate=True,
+                          epilogue=k_rmsnorm.rmsnorm_tail(out_norm.w, eps, ws.tail_count))
 
     def _row_tail_ok(self, W, K: int) -> bool:
-        """Whether a one-row launch of weight W carries a row tail: row tails are on, the model's
-        rows are narrow enough for the tail to pay (`rmsnorm.tail_pays`) and the fast kernel
-        serves the weight (not the exact kernels)."""
-        if not (self.row_tail and k_rmsnorm.tail_pays(self.cfg.d_model)):
-            return False
+        """Whether a one-row launch of weight W can carry a row tail: the fast kernel serves it
+        (not the exact kernels)."""
         if self.exact and k_exact.supports(W.w, W.scales, K):
             return False
         group = 0 if W.scales is None else K // W.scales.shape[1]
-        return k_matmul.row_tail_ok(k_matmul.weight_kind(W.w, K), K, group, W.w)
+        return k_matmul.uses_fast_path(k_matmul.weight_kind(W.w, K), K, group, W.w)
 
     def zero(self, x, T: int) -> None:
         self._memset0(x[:T])

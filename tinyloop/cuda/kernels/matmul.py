@@ -853,15 +853,6 @@ def uses_fast_path(kind: str, K: int, group_size: int, w=None) -> bool:
     return True
 
 
-def row_tail_ok(kind: str, K: int, group_size: int, w=None) -> bool:
-    """Whether a one-row launch of this weight can carry a `RowTail`: the fast kernel serves it
-    and its one-row block configurations have at least the tail's threads (all of them do)."""
-    if not uses_fast_path(kind, K, group_size, w):
-        return False
-    return all(cfg[2] * 32 >= TAIL_THREADS for cfg in (GEMV_CONFIG, GEMV_WIDE_CONFIG,
-                                                       GEMV_XWIDE_CONFIG, GEMV_LONG_CONFIG))
-
-
 def epilogue_args(op: str, epilogue, accumulate, out, T: int):
     """(N, ep): the weight rows a launch computes and the `ep` kernel argument, after checking a
     pair `epilogue` against the launch (an `Epilogue`, no accumulate, `out` as wide as it writes,
@@ -924,7 +915,7 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
     are computed in the epilogue's pairs and stored through it: `out` is then (T,
     epilogue.out_cols), N = epilogue.n_rows and accumulate must be False (module doc). With a
     `RowTail` (`rmsnorm.rmsnorm_tail`, `norm_add.norm_add_tail`; T == 1, a weight the fast
-    kernel takes: `row_tail_ok`) the launch's last block then runs the tail's op on out's row."""
+    kernel takes: `uses_fast_path`) the launch's last block then runs the tail's op on out's row."""
     op = "matmul"
     check_array(op, "x", x, np.float32, 2)
     T, K = x.shape
@@ -962,7 +953,7 @@ def matmul(out, x, w, scales=None, zeros=None, accumulate=False, stream=0, norm_
     pair = isinstance(epilogue, Epilogue)
     tail = isinstance(epilogue, RowTail)
 
-    if tail and not row_tail_ok(kind, K, group, w):
+    if tail and not uses_fast_path(kind, K, group, w):
         raise BackendError(f"{op}: the {epilogue.name!r} row tail needs the fast kernel "
                            f"({kind}, in_features={K}, group {group}: not served)")
     if uses_fast_path(kind, K, group, w):
