@@ -99,6 +99,10 @@ def index_checkpoint(path: str) -> Dict[str, TensorInfo]:
         files = [path]
     else:
         raise ModelFormatError(f"checkpoint {path!r} does not exist")
+    return _index_files(files)
+
+
+def _index_files(files: List[str]) -> Dict[str, TensorInfo]:
     index: Dict[str, TensorInfo] = {}
     for f in files:
         tensors, _ = read_safetensors_header(f)
@@ -241,6 +245,7 @@ def convert(checkpoint: str, config: str, output: str, *, quant: str = "q4",
     """Convert and verify; returns the summary dict (also what ``convert`` prints)."""
     cfg = load_config(config)
     index = index_checkpoint(checkpoint)
+    _check_output(output, sorted({i.file for i in index.values()}) + [os.fspath(config)])
     check_fits_family(cfg, index)
     tok = None
     if tokenizer_dir:
@@ -264,8 +269,12 @@ def convert_hf(model_dir: str, output: str, *, loop_layers=None, loops: Optional
     if not isinstance(model_dir, (str, os.PathLike)):
         raise ConfigError(f"model_dir must be a path, got {type(model_dir).__name__}")
     model_dir = os.fspath(model_dir)
-    index = index_checkpoint(model_dir)
-    _check_shard_index(model_dir, index)
+    if not os.path.isdir(model_dir):
+        raise ModelFormatError(f"model directory {model_dir!r} does not exist or is not a directory")
+    index, inputs = index_hf_dir(model_dir)
+    inputs += [os.path.join(model_dir, f) for f in os.listdir(model_dir)
+               if f.endswith((".json", ".txt", ".model"))]
+    _check_output(output, inputs)
     plan = plan_hf(model_dir, index, loop_layers=loop_layers, loops=loops, max_loops=max_loops,
                    init_scale=init_scale, init_seed=init_seed)
     cfg = plan.config
@@ -280,6 +289,8 @@ def convert_hf(model_dir: str, output: str, *, loop_layers=None, loops: Optional
         _check_same_bytes(index[copy], index[first])
     logical = {name: index[hf] for name, hf in plan.names.items()}
     derived = {name: (None if src is None else index[src], fn) for name, (src, fn) in plan.derived.items()}
+    _check_float(list(logical.values()) + [i for i, _ in derived.values() if i is not None]
+                 + [index[c] for c, _ in plan.tied_copies], f"{plan.architecture} checkpoint {model_dir!r}")
     meta = {"source_architecture": plan.architecture}
     meta.update(metadata or {})
     return _write(cfg, logical, model_dir, output, quant, group_size, embed_quant, head_quant, tok,
@@ -294,18 +305,62 @@ def _embedded_tokenizer(t, cfg: ModelConfig, what: str) -> dict:
     return t.to_embedded()
 
 
-def _check_shard_index(model_dir: str, index: Mapping[str, TensorInfo]) -> None:
-    """A ``*.safetensors.index.json`` in the directory must agree with the shards found."""
+def index_hf_dir(model_dir: str) -> Tuple[Dict[str, TensorInfo], List[str]]:
+    """({tensor name: TensorInfo}, the files read) of a Hugging Face model directory, choosing
+    the shards as transformers does: ``model.safetensors`` when present, else the shards
+    ``model.safetensors.index.json`` names (every tensor it maps must be found; other
+    ``*.safetensors`` files beside them, such as an original-format ``consolidated.safetensors``,
+    are not read), else every ``*.safetensors`` file of the directory."""
     from ..model.hf_import import read_json
-    for path in glob.glob(os.path.join(model_dir, "*.safetensors.index.json")):
-        weight_map = read_json(path, "shard index").get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ModelFormatError(f"{path}: has no weight_map object")
-        absent = sorted(n for n in weight_map if n not in index)
-        if absent:
-            shards = sorted({str(weight_map[n]) for n in absent})
-            raise ModelFormatError(f"{path} lists tensor(s) no shard holds: {_list(absent)} (missing "
-                                   f"shard file(s)? {_list(shards)})")
+    single = os.path.join(model_dir, "model.safetensors")
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(single) or not os.path.isfile(index_path):
+        index = index_checkpoint(single if os.path.isfile(single) else model_dir)
+        return index, sorted({info.file for info in index.values()})
+    weight_map = read_json(index_path, "shard index").get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ModelFormatError(f"{index_path}: has no weight_map object of tensor name -> shard file")
+    bad = sorted({v for v in weight_map.values() if os.path.basename(v) != v or v in ("", ".", "..")})
+    if bad:
+        raise ModelFormatError(f"{index_path}: shard names must be file names in the directory, "
+                               f"got {_list(bad)}")
+    shards = sorted({os.path.join(model_dir, v) for v in weight_map.values()})
+    gone = [f for f in shards if not os.path.isfile(f)]
+    present = [f for f in shards if os.path.isfile(f)]
+    if not present:
+        raise ModelFormatError(f"{index_path}: none of its shard files exists: {_list(gone)}")
+    index = _index_files(present)
+    absent = sorted(n for n in weight_map if n not in index)
+    if absent:
+        names = sorted({os.path.basename(weight_map[n]) for n in absent})
+        raise ModelFormatError(f"{index_path} lists tensor(s) no shard holds: {_list(absent)} (missing "
+                               f"shard file(s)? {_list(names)})")
+    return index, present + [index_path]
+
+
+def _check_float(infos, what: str) -> None:
+    """Every tensor a conversion reads is of a float dtype (ModelFormatError listing the others)."""
+    bad = sorted({f"{i.name}: dtype {i.dtype}" for i in infos if i.dtype not in FLOAT_DTYPES})
+    if bad:
+        raise ModelFormatError(f"{what}: tensor(s) of a non-float dtype (allowed: "
+                               f"{sorted(FLOAT_DTYPES)}): {_list(bad)}")
+
+
+def _check_output(output: str, inputs: List[str]) -> str:
+    """The absolute output path, refused (ConfigError) when it is a directory or one of the
+    conversion's own input files, before any work."""
+    if not isinstance(output, (str, os.PathLike)):
+        raise ConfigError(f"output must be a path, got {type(output).__name__}")
+    out_abs = os.path.abspath(os.fspath(output))
+    if os.path.isdir(out_abs):
+        raise ConfigError(f"output {os.fspath(output)!r} is a directory: give a file path such as "
+                          f"{os.path.join(os.fspath(output), 'model.tinyloop')!r}")
+    if os.path.exists(out_abs):
+        for f in inputs:
+            if os.path.exists(f) and os.path.samefile(f, out_abs):
+                raise ConfigError(f"output {os.fspath(output)!r} is one of the conversion's input "
+                                  f"files ({f}): give another path")
+    return out_abs
 
 
 def _check_same_bytes(a: TensorInfo, b: TensorInfo) -> None:
@@ -333,9 +388,7 @@ def _write(cfg: ModelConfig, index: Mapping[str, TensorInfo], checkpoint: str, o
     check_quant_shapes(cfg, tq)
     meta = {"source_checkpoint": os.path.basename(os.path.normpath(checkpoint))}
     meta.update(metadata or {})
-    out_abs = os.path.abspath(output)
-    if os.path.abspath(checkpoint) == out_abs:
-        raise ConfigError("the output path is the checkpoint itself")
+    out_abs = _check_output(output, [checkpoint])
     d, base = os.path.split(out_abs)
     tmp = os.path.join(d, f".{base}.{os.getpid()}.partial")
     weights = CheckpointWeights(index, required_tensors(cfg), derived)

@@ -1,8 +1,10 @@
 """Hugging Face checkpoint import: a model directory (``config.json``, safetensors shards,
 ``tokenizer.json``) of a Llama-family architecture mapped onto the model family.
 
-Supported ``architectures`` (config.json): LlamaForCausalLM, MistralForCausalLM (its sliding
-window becomes ModelConfig.sliding_window) and Qwen2ForCausalLM (q/k/v biases: qkv_bias), planned
+Supported ``architectures`` (config.json): LlamaForCausalLM (a ``sliding_window`` key is ignored,
+as transformers does), MistralForCausalLM (its sliding window becomes ModelConfig.sliding_window)
+and Qwen2ForCausalLM (q/k/v biases: qkv_bias; with ``use_sliding_window`` the window applies to
+layers from ``max_window_layers`` on, so only "none" or "all" layers can be built), planned
 here, and the looped layouts RavenForCausalLM (Huginn-0125) and OuroForCausalLM, planned in
 tinyloop.model.hf_looped. The Llama-family checkpoints keep RoPE in the half-split
 ("rotate_half") layout the kernels use, so no rows are permuted. Every layer is a pre-norm SwiGLU block with an RMSNorm; both config styles are read
@@ -170,12 +172,22 @@ def _sliding_window(arch: str, c: dict, n_layers: int, problems: List[str]) -> i
         elif kinds == {"full_attention"}:
             return 0
     w = c.get("sliding_window")
+    if arch == "LlamaForCausalLM":
+        return 0   # Llama's attention has no window: transformers ignores the key, so does this
     if arch == "Qwen2ForCausalLM":
         if not c.get("use_sliding_window", False):
             return 0
-        if c.get("max_window_layers", n_layers) < n_layers:
-            problems.append(f"use_sliding_window with max_window_layers={c['max_window_layers']} < "
-                            f"{n_layers} layers: per-layer windows are not built")
+        # transformers: layer i uses the window when i >= max_window_layers (default 28)
+        mwl = c.get("max_window_layers", 28)
+        if isinstance(mwl, bool) or not isinstance(mwl, int) or mwl < 0:
+            problems.append(f"max_window_layers={mwl!r} is not a non-negative integer")
+            return 0
+        if mwl >= n_layers:
+            return 0
+        if mwl > 0:
+            problems.append(f"use_sliding_window with max_window_layers={mwl}: layers {mwl}.."
+                            f"{n_layers - 1} are windowed, the first {mwl} not; per-layer windows "
+                            f"are not built")
     if w is None:
         return 0
     if isinstance(w, bool) or not isinstance(w, int) or w < 0:
@@ -299,6 +311,9 @@ def plan_hf(model_dir: str, index: Mapping[str, object], *, loop_layers=None, lo
             continue
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ConfigError(f"{name}={v!r} must be an integer >= {lo}")
+    if loops is not None and max_loops is not None and max_loops < loops:
+        raise ConfigError(f"max_loops={max_loops} is below loops={loops}: the deepest a request may "
+                          f"go cannot be shallower than the default depth")
     init_scale, init_seed = _check_init(init_scale, init_seed)
     c = read_hf_config(model_dir)
     archs = c.get("architectures")

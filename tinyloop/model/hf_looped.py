@@ -136,7 +136,10 @@ def _loops(default: int, loops: Optional[int], max_loops: Optional[int], reach: 
     """(default_loops, max_loops): the requested depth or the checkpoint's; the deepest a request
     may go is max_loops when given, else `reach` times the default depth."""
     L = default if loops is None else loops
-    return L, max(L, max_loops or reach * L)
+    if max_loops is not None and max_loops < L:
+        raise ConfigError(f"max_loops={max_loops} is below the checkpoint's depth loops={L}: give "
+                          f"loops <= max_loops as well")
+    return L, max_loops or reach * L
 
 
 # =============================================================================== Huginn (raven)
