@@ -25,7 +25,8 @@ BASE = dict(vocab_size=301, hidden_size=32, intermediate_size=48, num_hidden_lay
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
             rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
             pad_token_id=None)
-_CLS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+_CLS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "mistral": ("MistralConfig", "MistralForCausalLM")}
 
 
 def _make(kind="llama", seed=0, **over):
@@ -126,9 +127,39 @@ def test_qwen2_max_window_layers_as_transformers(tmp_path, max_window_layers, wi
         tl.free_model(model)
 
 
-def test_qwen2_mixed_windows_still_refused(tmp_path):
+@pytest.mark.parametrize("kind, changes, window", [
+    # transformers 5 reads Qwen2's layer_types over max_window_layers
+    ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=28,
+                   layer_types=["sliding_attention"] * 3), 4),
+    ("qwen2", dict(use_sliding_window=False, sliding_window=4, layer_types=["full_attention"] * 3), 0),
+    # Mistral windows every layer whatever layer_types says; Llama never windows
+    ("mistral", dict(sliding_window=4, layer_types=["full_attention"] * 3), 4),
+    ("llama", dict(sliding_window=4, layer_types=["full_attention"] * 3), 0),
+])
+def test_layer_types_read_as_transformers(tmp_path, kind, changes, window):
+    src = _save(_make(kind, seed=7), tmp_path / "m")
+    _edit_config(src, **changes)
+    m = _hf(kind, src)
+    model = tl.load_model(convert_hf(src, str(tmp_path / "o.tinyloop"), quant="f32")["output"],
+                          backend="cpu", max_seq_len=32)
+    try:
+        assert model.cfg.sliding_window == window
+        ref = _ref(m)
+        got = tl.score_decoded(model, PROMPT, tl.GenerateConfig(cache_mode="fp32", cache_window=window)) \
+            if window else tl.score(model, PROMPT, cache_mode="fp32")
+        assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+    finally:
+        tl.free_model(model)
+
+
+@pytest.mark.parametrize("changes", [
+    dict(layer_types=None, use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    dict(use_sliding_window=True, sliding_window=4,
+         layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
+])
+def test_qwen2_mixed_windows_still_refused(tmp_path, changes):
     src = _save(_make("qwen2", seed=2), tmp_path / "m")
-    _edit_config(src, layer_types=None, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    _edit_config(src, **changes)
     with pytest.raises(ModelFormatError, match="per-layer windows"):
         convert_hf(src, str(tmp_path / "o.tinyloop"), quant="f32")
 

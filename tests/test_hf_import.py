@@ -335,7 +335,7 @@ def _edit_config(src, **changes):
     (dict(num_local_experts=8), "mixture-of-experts"),
     (dict(num_hidden_layers=4), "missing tensor"),
     (dict(hidden_size=None), "lacks"),
-    (dict(layer_types=["full_attention", "sliding_attention", "full_attention"]), "per-layer"),
+    (dict(layer_types=["full_attention", "sliding_attention", "full_attention"]), "has no sliding window"),
 ])
 def test_refusals_name_the_reason(tmp_path, changes, match):
     src = _save(_make("llama", seed=6), tmp_path / "r")

@@ -158,36 +158,54 @@ def _rope_fields(c: dict, problems: List[str]) -> dict:
 
 
 def _sliding_window(arch: str, c: dict, n_layers: int, problems: List[str]) -> int:
-    types = c.get("layer_types")
-    if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
-        problems.append(f"layer_types={types!r} must be a list of layer type names")
-    elif isinstance(types, list) and types:
-        kinds = set(types)
-        if kinds - {"full_attention", "sliding_attention"}:
-            problems.append(f"layer_types holds {sorted(kinds)}: only full_attention and "
-                            f"sliding_attention layers are known")
-        elif kinds == {"full_attention", "sliding_attention"}:
-            problems.append("layer_types mixes full_attention and sliding_attention layers: one "
-                            "attention span for every layer is built, not per-layer windows")
-        elif kinds == {"full_attention"}:
-            return 0
+    """The one attention window of every layer, read as transformers reads the architecture:
+    Llama has none (a ``sliding_window`` key is ignored); Mistral windows every layer by
+    ``sliding_window`` (``layer_types`` is ignored); Qwen2 (and Ouro) windows nothing unless
+    ``use_sliding_window``, then the layers ``layer_types`` marks sliding, or without it the
+    layers from ``max_window_layers`` (default 28) on. Per-layer windows (some layers windowed,
+    some not) are a problem."""
+    if arch == "MistralForCausalLM":
+        types = None
+    else:
+        types = c.get("layer_types")
+        if types is not None:
+            if not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
+                problems.append(f"layer_types={types!r} must be a list of layer type names")
+                return 0
+            if set(types) - {"full_attention", "sliding_attention"}:
+                problems.append(f"layer_types holds {sorted(set(types))}: only full_attention and "
+                                f"sliding_attention layers are known")
+                return 0
+    qwen_like = arch in ("Qwen2ForCausalLM", "OuroForCausalLM")   # Ouro's code derives from Qwen2's
+    use = qwen_like and c.get("use_sliding_window", False)
+    if arch != "MistralForCausalLM" and not use:
+        if types is not None and "sliding_attention" in types:
+            why = "use_sliding_window is false" if qwen_like else f"{arch} has no sliding window"
+            problems.append(f"layer_types marks sliding_attention layers but {why} (transformers "
+                            f"cannot run this config either)")
+        return 0
+    if qwen_like:
+        if types is not None:
+            kinds = set(types)
+            if len(kinds) == 2:
+                problems.append("layer_types mixes full_attention and sliding_attention layers: one "
+                                "attention span for every layer is built, not per-layer windows")
+                return 0
+            if kinds == {"full_attention"}:
+                return 0
+        else:
+            mwl = c.get("max_window_layers", 28)
+            if isinstance(mwl, bool) or not isinstance(mwl, int) or mwl < 0:
+                problems.append(f"max_window_layers={mwl!r} is not a non-negative integer")
+                return 0
+            if mwl >= n_layers:
+                return 0
+            if mwl > 0:
+                problems.append(f"use_sliding_window with max_window_layers={mwl}: layers {mwl}.."
+                                f"{n_layers - 1} are windowed, the first {mwl} not; per-layer "
+                                f"windows are not built")
+                return 0
     w = c.get("sliding_window")
-    if arch == "LlamaForCausalLM":
-        return 0   # Llama's attention has no window: transformers ignores the key, so does this
-    if arch == "Qwen2ForCausalLM":
-        if not c.get("use_sliding_window", False):
-            return 0
-        # transformers: layer i uses the window when i >= max_window_layers (default 28)
-        mwl = c.get("max_window_layers", 28)
-        if isinstance(mwl, bool) or not isinstance(mwl, int) or mwl < 0:
-            problems.append(f"max_window_layers={mwl!r} is not a non-negative integer")
-            return 0
-        if mwl >= n_layers:
-            return 0
-        if mwl > 0:
-            problems.append(f"use_sliding_window with max_window_layers={mwl}: layers {mwl}.."
-                            f"{n_layers - 1} are windowed, the first {mwl} not; per-layer windows "
-                            f"are not built")
     if w is None:
         return 0
     if isinstance(w, bool) or not isinstance(w, int) or w < 0:
