@@ -225,17 +225,34 @@ def _unsupported(req: _Generation) -> None:
             raise FieldError(param, message)
 
 
+#: The keys of OpenAI's json_schema wrapper that are not JSON Schema keywords: a json_schema object
+#: holding one of them is the wrapper, whose schema is under "schema" (never the wrapper itself).
+_WRAPPER_KEYS = ("name", "strict", "schema")
+#: The response_format fields each type reads (a field given to a type that does not read it would
+#: be silently ignored: a 400 instead).
+_FORMAT_FIELDS = {"text": (), "json_object": (), "json_schema": ("json_schema",), "regex": ("regex",),
+                  "lark": ("lark",)}
+
+
 def grammar_of(fmt: Optional[ResponseFormat]) -> Any:
     """The GenerateConfig grammar a response_format asks for (None: unconstrained)."""
-    if fmt is None or fmt.type == "text":
+    if fmt is None:
+        return None
+    for other in ("json_schema", "regex", "lark"):
+        if getattr(fmt, other) is not None and other not in _FORMAT_FIELDS[fmt.type]:
+            raise FieldError("response_format", f"response_format type {fmt.type!r} does not use the {other!r} "
+                                                f"field (it would be ignored); use type {other!r} for it")
+    if fmt.type == "text":
         return None
     if fmt.type == "json_object":
         return {"json": {}}
     if fmt.type == "json_schema":
         spec = fmt.json_schema or {}
-        schema = spec.get("schema", spec) if isinstance(spec, dict) else spec
+        wrapper = isinstance(spec, dict) and any(k in spec for k in _WRAPPER_KEYS)
+        schema = spec.get("schema") if wrapper else spec
         if not isinstance(schema, dict) or not schema:
-            raise FieldError("response_format", "response_format json_schema needs {'schema': {...}}")
+            raise FieldError("response_format", "response_format json_schema needs {'schema': {...}} (a JSON "
+                                                "schema object beside 'name' and 'strict')")
         return {"json_schema": schema}
     value = getattr(fmt, fmt.type)
     if not isinstance(value, str) or not value:
@@ -256,6 +273,8 @@ def stops_of(req: _Generation) -> List[str]:
 def generate_config(req: _Generation, max_tokens_default: int, vocab_size: int) -> GenerateConfig:
     """The request as a GenerateConfig (ConfigError naming the field for what it cannot be)."""
     _unsupported(req)
+    if req.stream_options is not None and not req.stream:
+        raise FieldError("stream_options", "stream_options is only allowed with stream: true")
     temperature = 1.0 if req.temperature is None else float(req.temperature)
     max_tokens = req.max_tokens if req.max_tokens is not None else getattr(req, "max_completion_tokens", None)
     fields: Dict[str, Any] = dict(max_tokens=max_tokens_default if max_tokens is None else max_tokens,

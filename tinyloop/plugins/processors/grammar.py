@@ -9,7 +9,8 @@ token has produced its logits; inline when they are cheaper than the hand-over (
 running mean per sequence). The processor is ``mask_only``: ``allowed_words`` hands the packed mask
 as llguidance wrote it to greedy paths, which apply it where the logits live (the backend
 capability token_masks); ``apply`` sets every token the grammar forbids to -inf on a host row
-(sampling, processors that need the logits). EOS is allowed exactly when the grammar accepts
+(sampling, processors that need the logits). EOS is allowed exactly when the grammar accepts, and
+so are the model's extra_eos_ids (llguidance sees them as tokens with bytes, but they end the sequence)
 (llguidance also offers EOS where no token can go on; the processor takes it away then, which is a
 dead end). Ends: a mask that allows nothing ends the request with GRAMMAR_DEAD_END (raised as a
 StopRequest from ``allowed_words`` / ``apply``, or from ``check`` when the matcher has entered its
@@ -68,6 +69,7 @@ class GrammarMask(LogitProcessor, Stopper):
         self._words = None
         self._V = 0                           # the model's vocabulary
         self._eos = 0                         # the EOS id llguidance uses (== _V: a virtual one)
+        self._extra_eos = ()                  # the model's extra_eos_ids (they end a sequence too)
         self._mask_s = 0.0                    # running mean of the mask computation time
         self._error = False                   # the matcher refused a token (its error state)
 
@@ -82,6 +84,7 @@ class GrammarMask(LogitProcessor, Stopper):
         self.matcher = self.grammar.matcher(model.tokenizer, c.vocab_size, c.eos_id)
         n, self._eos = ll_vocab(c.vocab_size, c.eos_id)
         self._V = c.vocab_size
+        self._extra_eos = tuple(int(t) for t in getattr(c, "extra_eos_ids", ()) if 0 <= t < c.vocab_size)
         self._words = np.zeros((1, (n + 31) // 32), np.int32)     # written by llguidance
 
     def _compute(self) -> np.ndarray:
@@ -111,8 +114,18 @@ class GrammarMask(LogitProcessor, Stopper):
         bits = words.view(np.uint32)
         e, V = self._eos, self._V
         eos_bit = np.uint32(1 << (e & 31))
-        if bits[e >> 5] & eos_bit and not self.matcher.is_accepting():
-            bits[e >> 5] &= ~eos_bit         # llguidance offers EOS where nothing else can go on: a dead end
+        accepting = None
+        if bits[e >> 5] & eos_bit:
+            accepting = self.matcher.is_accepting()
+            if not accepting:
+                bits[e >> 5] &= ~eos_bit     # llguidance offers EOS where nothing else can go on: a dead end
+        for x in self._extra_eos:            # llguidance sees them as ordinary tokens (their bytes), but
+            xb = np.uint32(1 << (x & 31))    # they end the sequence: only where the grammar accepts
+            if bits[x >> 5] & xb:
+                if accepting is None:
+                    accepting = self.matcher.is_accepting()
+                if not accepting:
+                    bits[x >> 5] &= ~xb
         full, rest = divmod(V, 32)
         if not (bits[:full].any() or (rest and bits[full] & np.uint32((1 << rest) - 1))):
             if e == V and bits[e >> 5] & eos_bit:      # only the virtual EOS: the grammar is complete
@@ -141,7 +154,7 @@ class GrammarMask(LogitProcessor, Stopper):
             self._future.result()
         c = GrammarMask(self.grammar)
         c.matcher = self.matcher.deep_copy()
-        c._V, c._eos = self._V, self._eos
+        c._V, c._eos, c._extra_eos = self._V, self._eos, self._extra_eos
         c._words = np.zeros_like(self._words)
         c._mask_s, c._error = self._mask_s, self._error
         c._start()
