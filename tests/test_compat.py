@@ -48,7 +48,7 @@ MODE_KNOBS = st.fixed_dictionaries({
     "repetition_penalty": st.sampled_from([1.0, 1.3]),
     "beam_size": st.sampled_from([0, 2]),
     "cache_window": st.sampled_from([0, 16]),
-    "early_exit_patience": st.sampled_from([0, 2]),
+    "early_exit_patience": st.sampled_from([0, 1]),
     "grammar": st.sampled_from([None, {"regex": "[a-z]+"}]),
 })
 

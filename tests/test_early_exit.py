@@ -141,7 +141,7 @@ def test_probe_schedule(small, L, data):
     m, _ = small
     min_L = data.draw(st.integers(1, L - 1))
     peek = data.draw(st.integers(1, 3))
-    patience = data.draw(st.integers(1, 3))
+    patience = data.draw(st.integers(1, min(3, len(range(min_L, L, peek)))))
     n = 5
     script = data.draw(st.lists(st.booleans(), min_size=n * L, max_size=n * L))
     model = list(script)

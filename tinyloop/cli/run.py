@@ -22,7 +22,8 @@ from ..runtime.engine import (Plan, encode_text, free_model, generate_batch, gen
 from ..runtime import reuse
 from ..errors import ConfigError
 from ..runtime.plugins import get_plugin_manager
-from ..models import demo_model_path
+from ..models import SHIPPED, demo_model_path
+from ..models import model_path as shipped_model_path
 from ..plugins.decoders.spec_session import speculative_request
 
 
@@ -160,7 +161,9 @@ def run(args) -> int:
     if cfg.output_jsonl:
         out_path = _resolve(base, cfg.output_jsonl) if not args.output_jsonl else args.output_jsonl
         _check_writable(out_path, "output_jsonl")
-    model_path = _resolve(base, cfg.model) if cfg.model else demo_model_path()
+    # a shipped model's name ("demo", "demo-exit") names it here as in load_model and inspect
+    model_path = (shipped_model_path(cfg.model) if cfg.model in SHIPPED else
+                  _resolve(base, cfg.model) if cfg.model else demo_model_path())
     tokenizer_dir = args.tokenizer or _resolve(base, cfg.tokenizer)
     model = load_model(model_path, max_seq_len=cfg.max_seq_len, backend=cfg.backend,
                        prefill_chunk=cfg.prefill_chunk, tokenizer=tokenizer_dir or None)

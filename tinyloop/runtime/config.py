@@ -520,8 +520,8 @@ class RunConfig:
     """A YAML-configured run (``python -m tinyloop run CFG.yaml``)."""
 
     model: str = ""
-    """Path of the .tinyloop file (relative paths are relative to the YAML file). Empty: the
-    embedded demo model."""
+    """Path of the .tinyloop file (relative paths are relative to the YAML file), or the name of a
+    shipped model as load_model takes it ("demo", "demo-exit"). Empty: the embedded demo model."""
     backend: str = "auto"
     """auto, or a registered backend (built in: cpu, cuda; the ``tinyloop_backends`` hook)."""
     max_seq_len: int = 2048

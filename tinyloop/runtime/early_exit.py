@@ -205,6 +205,12 @@ def resolve_exit(model, config, loops: int, criteria: Mapping[str, type]) -> Opt
     if config.early_exit_min_L >= loops:
         raise ConfigError(f"early_exit_min_L={config.early_exit_min_L} leaves no probe before the last of "
                           f"loops={loops} iterations (early exit needs early_exit_min_L < loops)")
+    n_probes = len(range(config.early_exit_min_L, loops, config.early_exit_peek_every))
+    if config.early_exit_patience > n_probes:
+        raise ConfigError(f"early_exit_patience={config.early_exit_patience} can never be reached: "
+                          f"early_exit_min_L={config.early_exit_min_L} and early_exit_peek_every="
+                          f"{config.early_exit_peek_every} probe {n_probes} time(s) below loops={loops} "
+                          f"(a token exits after `patience` consecutive stable probes)")
     if config.early_exit_kv == "copy_last" and not model.backend.supports("kv_layer_copy"):
         raise BackendError(f"early_exit_kv='copy_last' needs the backend capability 'kv_layer_copy', which the "
                            f"{model.backend.name} backend does not provide (early_exit_kv='recompute' runs on "
@@ -415,7 +421,9 @@ class ExitStep:
                 depth = d
                 break
         if depth < L:
-            self._replay(("fill", depth), self._filler(depth, pos))
+            # the fill's ops depend on the K/V policy: the key names it (a cache, with its graphs, may
+            # serve a later request of another policy)
+            self._replay(("fill", plan.kv, depth, L), self._filler(depth, pos))
 
         def tail(a=done, first=done == 0):
             if first:

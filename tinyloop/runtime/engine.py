@@ -224,6 +224,11 @@ def _as_ids(tokens: Any, what: str, model: Optional[Model] = None, start: bool =
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise InvalidInputError(f"{what} must be a flat sequence of integer token ids, got dtype "
                                 f"{arr.dtype} with shape {arr.shape}")
+    if not isinstance(tokens, np.ndarray):
+        # numpy turns [5, True] into integers: a bool among ints is refused as an all-bool list is
+        for i, t in enumerate(tokens):
+            if isinstance(t, (bool, np.bool_)):
+                raise InvalidInputError(f"{what}[{i}]={t!r} is a bool, not a token id (an integer)")
     return [int(t) for t in arr]
 
 
@@ -755,15 +760,24 @@ class Session:
         return _nbytes(self.cache)
 
 
+def _clear_stats(stats: GenerateStats) -> None:
+    """Every field of `stats` back to its default: a GenerateStats describes one call, also when
+    the caller passes the same object again (the counters and token_loops would add up). Lists are
+    replaced by new ones, so a list the caller kept from the earlier call keeps that call's values."""
+    for f in dataclasses.fields(stats):
+        setattr(stats, f.name, f.default_factory() if f.default_factory is not dataclasses.MISSING
+                else f.default)
+
+
 def _decode(model: Model, prompt: List[int], plan: Plan, stats: GenerateStats,
             consumer: Sequence[Stopper] = ()) -> Iterator[int]:
     """The stop loop around a decoder; the caller has validated everything and holds the lock.
     `consumer`: the entry point's own stop rules (generate_stream's callback)."""
     config = plan.config
     t0 = time.perf_counter()
+    _clear_stats(stats)
     stats.loops_used = plan.loops
     stats.decoder = plan.decoder_cls.name
-    stats.stop_reason = None
     if config.max_tokens == 0:
         stats.stop_reason = StopReason.MAX_TOKENS
         return
@@ -1091,6 +1105,7 @@ def score_decoded(model: Model, tokens: Sequence[int], config: Optional[Generate
     out = np.empty((len(ids), model.cfg.vocab_size), np.float32)
     lock = _locked(model)
     try:
+        _clear_stats(stats)
         s = Session(model, ids[:1], plan, ProcessorChain([]), stats)
         try:
             s.start()
