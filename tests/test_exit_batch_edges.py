@@ -131,3 +131,26 @@ def test_a_kept_token_loops_list_keeps_its_call(demo):
     assert len(kept) == 4
     tl.generate(demo, [5, 6, 7], tl.GenerateConfig(max_tokens=2), stats=st)
     assert len(kept) == 4 and st.token_loops == []
+
+
+# ------------------------------------------------------------------ a stopped lane's own timing
+def test_a_lane_that_stops_early_reports_its_own_decode_time(demo, monkeypatch):
+    """decode_ms of a lane that stopped ends at its stop, not at the batch's last step. The clock
+    advances one second per lockstep step, so the comparison is exact, not a timing."""
+    from tinyloop.runtime import lockstep
+    now = [0.0]
+    step = lockstep.LockstepBatch._step
+
+    def ticking_step(self, running):
+        now[0] += 1.0
+        return step(self, running)
+    monkeypatch.setattr(lockstep.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(lockstep.LockstepBatch, "_step", ticking_step)
+    p = [5, 6, 7]
+    want = tl.generate(demo, p, tl.GenerateConfig(max_tokens=2))
+    stop = [want[len(p) + 1]]                      # lane 0 stops at its second token
+    cfgs = [tl.GenerateConfig(max_tokens=12, stop_sequences=[stop]), tl.GenerateConfig(max_tokens=12)]
+    st = []
+    out = tl.generate_batch(demo, [p, p], cfgs, stats=st)
+    assert len(out[0]) < len(out[1])
+    assert 0 < st[0].decode_ms < st[1].decode_ms and st[0].decode_ms <= 2000.0

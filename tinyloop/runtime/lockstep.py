@@ -106,6 +106,7 @@ class _Lane:
         self.processed = None
         self.row = -1               # its row in the current step's launch
         self.done = False
+        self.end = None             # perf_counter() when the lane stopped (its decode_ms ends there)
 
 
 class LockstepBatch:
@@ -260,8 +261,8 @@ class LockstepBatch:
         for lane in self.lanes:
             if lane.stats.stop_reason is None:
                 lane.stats.stop_reason = StopReason.MAX_TOKENS
-            if lane.out:
-                lane.stats.decode_ms = (end - t0) * 1e3 - lane.stats.first_token_ms
+            if lane.out:       # a lane that stopped early: its own decode time, not the batch's
+                lane.stats.decode_ms = ((lane.end or end) - t0) * 1e3 - lane.stats.first_token_ms
             lane.stats.finalize()
             self.model.backend.report(lane.stats)
         return [lane.out for lane in self.lanes]
@@ -273,7 +274,7 @@ class LockstepBatch:
             tok = lane.decoder.pick(LaneView(self, lane))
         except StopRequest as stop:
             lane.stats.stop_reason = stop.reason
-            lane.done = True
+            lane.done, lane.end = True, time.perf_counter()
             return
         if not is_token(tok, V):
             raise PluginError(f"decoder {lane.plan.decoder_cls.name!r} picked {tok!r} for lane {lane.index}, "
@@ -287,4 +288,4 @@ class LockstepBatch:
         reason = lane.stoppers.check(lane.out)
         if reason is not None:
             lane.stats.stop_reason = reason
-            lane.done = True
+            lane.done, lane.end = True, time.perf_counter()
