@@ -8,16 +8,20 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..runtime.config import GenerateConfig, GenerateStats
-from ..runtime.engine import Model, check_call, score, score_decoded
+from ..runtime.engine import Model, _as_ids, check_call, score, score_decoded
 from ..errors import InvalidInputError
 from ..progress import bar
 
 
 def _windows(model: Model, ids, window, max_windows):
-    """(ids as int64, number of whole windows to score), checked."""
+    """(ids as int64, number of whole windows to score), checked. `ids` is what score takes: token
+    ids (integers, not floats or bools) or a text (encoded as score encodes it)."""
     if isinstance(window, bool) or not isinstance(window, int) or not 2 <= window <= model.max_seq_len:
         raise InvalidInputError(f"window={window!r} is outside the allowed range [2, {model.max_seq_len}]")
-    ids = np.asarray(ids, dtype=np.int64)
+    if max_windows is not None and (isinstance(max_windows, bool) or not isinstance(max_windows, int)
+                                    or max_windows < 1):
+        raise InvalidInputError(f"max_windows={max_windows!r} must be an integer >= 1, or None for every window")
+    ids = np.asarray(_as_ids(ids, "ids", model), dtype=np.int64)
     n_win = len(ids) // window
     if max_windows is not None:
         n_win = min(n_win, max_windows)

@@ -420,7 +420,8 @@ class GenerateStats:
     first_token_ms: float = 0.0
     """Wall-clock time from call entry to the first emitted token."""
     decode_ms: float = 0.0
-    """Wall-clock time of the decode loop after the first token."""
+    """Wall-clock time of the decode loop after the first token (a decoder that emits its tokens
+    only after its search, beam, counts the search: from the end of the prefill)."""
     tokens_emitted: int = 0
     """Tokens emitted (prompt excluded)."""
     stop_reason: Optional[StopReason] = None

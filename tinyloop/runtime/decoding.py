@@ -147,6 +147,10 @@ class Decoder:
     """(``lockstep`` decoders) ``pick(lane)`` is ``lane.greedy()``: a lockstep batch whose lanes'
     chains leave the argmax alone may then queue the next step on the device's argmax before the
     picks are read (the lockstep twin of ``greedy(ahead=True)``)."""
+    emits_after_search: ClassVar[bool] = False
+    """The decoder yields its tokens only once its whole search has run (beam search): the
+    request's ``decode_ms`` then counts the search, from the end of the prefill, where it would
+    otherwise count from the first token yielded."""
     requires: ClassVar[FrozenSet[str]] = frozenset()
     """Optional backend capabilities (tinyloop.runtime.backend.CAPABILITIES) the decoder cannot run
     without; a request on a backend that lacks one is a BackendError before any allocation. A

@@ -823,7 +823,10 @@ def _decode(model: Model, prompt: List[int], plan: Plan, stats: GenerateStats,
         if stats.stop_reason is None:
             stats.stop_reason = StopReason.CALLBACK_ABORT
         if t_first is not None:
-            stats.decode_ms = (time.perf_counter() - t_first) * 1e3
+            if plan.decoder_cls.emits_after_search:    # the search ran before the first token
+                stats.decode_ms = max(0.0, (time.perf_counter() - t0) * 1e3 - stats.prefill_ms)
+            else:
+                stats.decode_ms = (time.perf_counter() - t_first) * 1e3
         session.close()
         if stats.token_loops:
             stats.loops_used = sum(stats.token_loops) / len(stats.token_loops)

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence
+
+import numpy as np
 
 from ...progress import bar
 from ...runtime.config import GenerateConfig, GenerateStats, SpeculativeConfig, TreeSpeculativeConfig
-from ...runtime.engine import check_call, generate_stream, resolve_loops
+from ...runtime.engine import _as_ids, check_call, generate_stream, resolve_loops
 from ...errors import ConfigError
 from .spec_session import speculative_request
 
@@ -107,7 +109,12 @@ def calibrate(model, loops: Optional[int] = None, prompts: Optional[Sequence[Seq
         prompts = [p[-keep:] for p in _default_prompts(model)]
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise ConfigError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
-    prompts = [list(p) for p in prompts]
+    for i, p in enumerate(prompts):
+        if isinstance(p, (int, np.integer)):
+            raise ConfigError(f"prompts[{i}]={p!r} is a token id, not a prompt: prompts is a list of prompts "
+                              f"(token-id lists or texts), e.g. [[5, 6, 7]]")
+    # each prompt as generate takes it: token ids, or a text encoded with the model's tokenizer
+    prompts = [_as_ids(p, f"prompts[{i}]", model) for i, p in enumerate(prompts)]
     if not prompts:
         raise ConfigError("calibrate needs at least one prompt")
     room = model.max_seq_len - max(len(p) for p in prompts)
@@ -118,6 +125,10 @@ def calibrate(model, loops: Optional[int] = None, prompts: Optional[Sequence[Seq
                               f"(prompts of {model.max_seq_len - room} tokens + at least 2 new ones)")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
         raise ConfigError(f"max_tokens={max_tokens!r} must be an integer >= 2 for a calibration run")
+    if candidates is not None and (isinstance(candidates, (str, bytes, SpeculativeConfig))
+                                   or not isinstance(candidates, Iterable)):
+        raise ConfigError(f"candidates must be a list of SpeculativeConfig / TreeSpeculativeConfig (or None for "
+                          f"the defaults), got {type(candidates).__name__} {candidates!r:.80}")
     cands = list(default_candidates(L) if candidates is None else candidates)
     for c in cands:
         if not isinstance(c, SpeculativeConfig) or c.verify_loops != L:

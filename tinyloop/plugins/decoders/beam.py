@@ -81,6 +81,7 @@ class BeamSearchDecoder(Decoder):
     contexts = frozenset({"single"})
     honours = frozenset({"beam_size", "length_penalty"})
     applies_processors = False          # processors are per sequence: the beams would share one
+    emits_after_search = True           # every token comes out after the search
 
     @classmethod
     def matches(cls, config) -> bool:
