@@ -132,3 +132,23 @@ def test_stream_options_without_stream_is_a_400(client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
     r = post(client, max_tokens=2, stream=True, stream_options={"include_usage": True})
     assert r.status_code == 200 and '"usage"' in r.text and r.text.endswith("data: [DONE]\n\n")
+
+
+# ------------------------------------------------------------------ the engine's own failure
+def test_a_grammar_engine_error_is_not_reported_as_a_dead_end():
+    """A regex whose repeat count passes llguidance's size limit fails lazily, as the text grows:
+    the request ends with GRAMMAR_ERROR and llguidance's message as a RuntimeWarning, not with
+    GRAMMAR_DEAD_END (which says the grammar allows nothing more)."""
+    m = tl.load_model("demo", backend="cpu", max_seq_len=64)
+    try:
+        st = tl.GenerateStats()
+        with pytest.warns(RuntimeWarning, match="too many expressions"):
+            out = tl.generate_text(m, "x = ", tl.GenerateConfig(max_tokens=6, grammar={"regex": "a{1000000}"}),
+                                   stats=st)
+        assert st.stop_reason == tl.StopReason.GRAMMAR_ERROR and set(out) == {"a"}
+        st = tl.GenerateStats()
+        assert tl.generate_text(m, "x = ", tl.GenerateConfig(max_tokens=6, grammar={"regex": "a{3}"}),
+                                stats=st) == "aaa"
+        assert st.stop_reason in (tl.StopReason.EOS, tl.StopReason.GRAMMAR_COMPLETE)
+    finally:
+        tl.free_model(m)

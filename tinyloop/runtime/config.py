@@ -362,7 +362,9 @@ RUN_MODES = ("generate", "batch", "speculative", "tree_speculative")
 class StopReason(str):
     """Why a generation ended: a name. The built-in reasons are class attributes (``EOS``,
     ``STOP_SEQUENCE``, ``MAX_TOKENS``, ``CALLBACK_ABORT``, ``GRAMMAR_DEAD_END``: the grammar allows no
-    token; ``GRAMMAR_COMPLETE``: the grammar is complete on a model without an EOS id); a plugin's stopper
+    token; ``GRAMMAR_COMPLETE``: the grammar is complete on a model without an EOS id; ``GRAMMAR_ERROR``:
+    the grammar engine gave up, e.g. at one of llguidance's size limits, with a RuntimeWarning
+    carrying its message); a plugin's stopper
     (tinyloop.runtime.stopping.Stopper) may end a request with its own, ``StopReason("MY_RULE")``.
     One object per name (``StopReason("EOS") is StopReason.EOS``); a reason compares equal to its
     name and ``.value`` / ``.name`` give the name, as the former enum did."""
@@ -403,9 +405,11 @@ class StopReason(str):
     CALLBACK_ABORT: ClassVar["StopReason"]
     GRAMMAR_DEAD_END: ClassVar["StopReason"]
     GRAMMAR_COMPLETE: ClassVar["StopReason"]
+    GRAMMAR_ERROR: ClassVar["StopReason"]
 
 
-for _name in ("EOS", "STOP_SEQUENCE", "MAX_TOKENS", "CALLBACK_ABORT", "GRAMMAR_DEAD_END", "GRAMMAR_COMPLETE"):
+for _name in ("EOS", "STOP_SEQUENCE", "MAX_TOKENS", "CALLBACK_ABORT", "GRAMMAR_DEAD_END", "GRAMMAR_COMPLETE",
+              "GRAMMAR_ERROR"):
     setattr(StopReason, _name, StopReason(_name))
 del _name
 

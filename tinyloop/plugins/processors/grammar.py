@@ -15,12 +15,15 @@ so are the model's extra_eos_ids (llguidance sees them as tokens with bytes, but
 dead end). Ends: a mask that allows nothing ends the request with GRAMMAR_DEAD_END (raised as a
 StopRequest from ``allowed_words`` / ``apply``, or from ``check`` when the matcher has entered its
 error state); for a model without an EOS id, a complete grammar (only the virtual EOS allowed) ends
-it with GRAMMAR_COMPLETE.
+it with GRAMMAR_COMPLETE. When llguidance itself failed (its error state with a message other than
+its "no extension" dead end: a size limit met as the text grows, a tokenizer that raised) the end is
+GRAMMAR_ERROR, with llguidance's message as a RuntimeWarning.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
@@ -71,7 +74,7 @@ class GrammarMask(LogitProcessor, Stopper):
         self._eos = 0                         # the EOS id llguidance uses (== _V: a virtual one)
         self._extra_eos = ()                  # the model's extra_eos_ids (they end a sequence too)
         self._mask_s = 0.0                    # running mean of the mask computation time
-        self._error = False                   # the matcher refused a token (its error state)
+        self._error = False                   # the matcher refused a token: the StopReason, else False
 
     @classmethod
     def from_config(cls, config):
@@ -130,7 +133,7 @@ class GrammarMask(LogitProcessor, Stopper):
         if not (bits[:full].any() or (rest and bits[full] & np.uint32((1 << rest) - 1))):
             if e == V and bits[e >> 5] & eos_bit:      # only the virtual EOS: the grammar is complete
                 raise StopRequest(StopReason.GRAMMAR_COMPLETE)
-            raise StopRequest(StopReason.GRAMMAR_DEAD_END)
+            raise StopRequest(self._dead_end())
         return words
 
     def apply(self, logits: np.ndarray) -> None:
@@ -141,13 +144,28 @@ class GrammarMask(LogitProcessor, Stopper):
         if self._future is not None:
             self._future.result()            # the mask job of this step has finished with the matcher
         self._error = not self.matcher.consume_token(int(token))
-        if not self._error:
+        if self._error:
+            self._error = self._dead_end()
+        else:
             self._start()
+
+    def _dead_end(self) -> StopReason:
+        """Why no token can follow: the grammar allows none (GRAMMAR_DEAD_END), or llguidance is in
+        its error state (GRAMMAR_ERROR, e.g. a size limit such as a regex's huge repeat count,
+        met lazily as the text grows; its message goes out as a RuntimeWarning)."""
+        if not self.matcher.is_error():
+            return StopReason.GRAMMAR_DEAD_END
+        msg = (self.matcher.get_error() or "").strip().splitlines()
+        if not msg or msg[0].startswith("NoExtension"):    # llguidance's own name for "no token fits"
+            return StopReason.GRAMMAR_DEAD_END
+        warnings.warn(f"the grammar engine (llguidance) stopped this request: {msg[0]}",
+                      RuntimeWarning, stacklevel=2)
+        return StopReason.GRAMMAR_ERROR
 
     def check(self, output_tokens) -> Optional[StopReason]:
         # never touches the matcher: the next mask job may hold it (llguidance objects are not
         # shareable across threads while in use)
-        return StopReason.GRAMMAR_DEAD_END if self._error else None
+        return self._error or None
 
     def clone(self) -> "GrammarMask":
         if self._future is not None:
