@@ -20,6 +20,8 @@ import tinyloop as tl  # noqa: E402
 from tinyloop.cli.convert import convert_hf  # noqa: E402
 from tinyloop.errors import ConfigError, ModelFormatError  # noqa: E402
 
+from test_hf_import import _edit_config  # noqa: E402
+
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 64, 128, 11, 200, 31, 77, 9]
 BASE = dict(vocab_size=301, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -43,19 +45,6 @@ def _make(kind="llama", seed=0, **over):
 def _save(model, path, **kw) -> str:
     model.save_pretrained(str(path), **kw)
     return str(path)
-
-
-def _edit_config(src, **changes):
-    p = os.path.join(src, "config.json")
-    with open(p) as f:
-        d = json.load(f)
-    for k, v in changes.items():
-        if v is None:
-            d.pop(k, None)
-        else:
-            d[k] = v
-    with open(p, "w") as f:
-        json.dump(d, f)
 
 
 def _hf(kind, src):
