@@ -11,6 +11,7 @@ and emits a ``CompatWarning`` for ``partial`` cells. It returns the list of acti
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 import os
@@ -94,6 +95,13 @@ class CompatMatrix:
         return sorted(names)
 
 
+def _request_fields() -> Dict[str, Any]:
+    """GenerateConfig field -> its default (None where it has a factory): what ``when`` may name."""
+    from .config import GenerateConfig
+    return {f.name: (None if f.default is dataclasses.MISSING else f.default)
+            for f in dataclasses.fields(GenerateConfig)}
+
+
 def _parse(data: Any, source: str) -> CompatMatrix:
     def bad(msg: str) -> ConfigError:
         return ConfigError(f"{source}: {msg}")
@@ -102,6 +110,10 @@ def _parse(data: Any, source: str) -> CompatMatrix:
         raise bad("top level must be a mapping with keys version, contexts, modes, pairs")
     if data.get("version") != 1:
         raise bad(f"version {data.get('version')!r} is not supported (expected 1)")
+    for key, kind in (("contexts", dict), ("modes", dict), ("pairs", list)):
+        if not isinstance(data.get(key) or kind(), kind):
+            raise bad(f"{key} must be a {'mapping' if kind is dict else 'list'}, got {data[key]!r:.80}")
+    fields = _request_fields()
     contexts: Dict[str, str] = {}
     for name, c in (data.get("contexts") or {}).items():
         if not isinstance(c, dict) or c.get("status") not in STATUSES:
@@ -116,16 +128,32 @@ def _parse(data: Any, source: str) -> CompatMatrix:
         when = m.get("when")
         if not (isinstance(when, list) and len(when) == 3 and when[1] in _OPS):
             raise bad(f"modes.{name}.when must be [field, op, value] with op in {sorted(_OPS)}")
+        if not isinstance(when[0], str) or when[0] not in fields:
+            # an unknown field would leave the mode switched off for every request, silently
+            raise bad(f"modes.{name}.when names {when[0]!r}, which is not a GenerateConfig field "
+                      f"(one of {', '.join(sorted(fields))})")
+        default = fields[when[0]]
+        if default is not None:
+            try:
+                _OPS[when[1]](default, when[2])
+            except TypeError:
+                raise bad(f"modes.{name}.when compares {when[0]} (a {type(default).__name__}) with "
+                          f"{when[2]!r}, a {type(when[2]).__name__}: the rule could never match") from None
         cells = m.get("cells") or {}
-        if set(cells) != set(contexts) or any(v not in CELLS for v in cells.values()):
+        if (not isinstance(cells, dict) or set(cells) != set(contexts)
+                or any(v not in CELLS for v in cells.values())):
             raise bad(f"modes.{name}.cells must give one of {CELLS} for each context {sorted(contexts)}")
         modes[name] = ModeRule(name, m["status"], when[0], when[1], when[2], dict(cells))
     pairs = []
     for i, p in enumerate(data.get("pairs") or []):
         ms = p.get("modes") if isinstance(p, dict) else None
-        if not (isinstance(ms, list) and len(ms) == 2 and all(x in modes for x in ms)):
-            raise bad(f"pairs[{i}].modes must name two known modes")
-        pairs.append((frozenset(ms), str(p.get("reason", ""))))
+        if not (isinstance(ms, list) and len(ms) == 2 and all(isinstance(x, str) and x in modes for x in ms)
+                and ms[0] != ms[1]):
+            raise bad(f"pairs[{i}].modes must name two different known modes (of {sorted(modes)}), got {ms!r}")
+        reason = p.get("reason")
+        if not (isinstance(reason, str) and reason.strip()):
+            raise bad(f"pairs[{i}] ({ms[0]} + {ms[1]}) needs a reason: the rationale the rejection names")
+        pairs.append((frozenset(ms), reason))
     return CompatMatrix(contexts, modes, tuple(pairs), source)
 
 
@@ -140,16 +168,44 @@ def compat_path() -> str:
     return str(resources.files("tinyloop.configs").joinpath("compat.yaml"))
 
 
+def _strict_loader():
+    """yaml.SafeLoader that refuses a key given twice in one mapping (plain PyYAML keeps the last
+    one, so a repeated mode row or cell would silently replace the first)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool, type(None))) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"found the key {key!r} twice", key_node.start_mark)
+            seen.add(key)
+        return loader.construct_mapping(node, deep=deep)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return Loader
+
+
 @functools.lru_cache(maxsize=8)
 def _load(path: str) -> CompatMatrix:
     import yaml
 
     try:
         with open(path, "r", encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
+            data = yaml.load(fh, Loader=_strict_loader())
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot load the compat matrix {path}: {exc}") from None
-    return _parse(data, "configs/compat.yaml" if path.endswith("compat.yaml") else path)
+    # the shipped matrix (source tree or installed copy) by its documented name; any other file
+    # (TINYLOOP_COMPAT, a test's) by its own path, so an error points at the file to edit
+    here = Path(__file__).resolve()
+    shipped = Path(path).resolve() in (here.parents[2] / "configs" / "compat.yaml",
+                                       here.parents[1] / "configs" / "compat.yaml")
+    return _parse(data, "configs/compat.yaml" if shipped else path)
 
 
 def load_matrix(path: Optional[str] = None) -> CompatMatrix:

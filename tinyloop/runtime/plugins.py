@@ -8,17 +8,19 @@ called once. Registries are built once and cached; nothing here runs per token.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import threading
 from typing import Dict, Iterable, List, Optional, Type
 
+import numpy as np
 import pluggy
 
 from . import hookspecs
 from .backend import BackendEntry
 from .cache import CacheMode, KVCodec, SlotMapMode
 from .decoding import Decoder
-from .early_exit import ExitCriterion
+from .early_exit import STABLE_BELOW, ExitCriterion
 from ..errors import BackendError, ConfigError, PluginError
 from .processors import LogitProcessor
 from .stopping import Stopper
@@ -54,17 +56,41 @@ class PluginManager:
         for modname in DEFAULT_PLUGINS:
             self.pm.register(importlib.import_module(modname), name=modname)
         if load_entrypoints:
-            try:
-                self.pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
-            except Exception as exc:  # a broken third-party package must not take core down silently
-                raise PluginError(f"loading entry points of group {ENTRY_POINT_GROUP!r} failed: {exc}") from exc
-        self.pm.check_pending()
+            self._load_entrypoints()
         self._cache: Dict[str, Dict[str, type]] = {}
 
+    def _load_entrypoints(self) -> None:
+        """Load the ``tinyloop`` entry points one at a time, so that a broken package is a
+        PluginError naming its entry point (a broken third-party package must not take core down
+        with an anonymous error)."""
+        import importlib.metadata
+
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if self.pm.has_plugin(ep.name) or self.pm.is_blocked(ep.name):
+                continue
+            try:
+                self.pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=ep.name)
+                self.pm.check_pending()
+            except Exception as exc:
+                if self.pm.has_plugin(ep.name):
+                    self.pm.unregister(name=ep.name)
+                raise PluginError(f"plugin {ep.name!r} (entry point {ep.name} = {ep.value} of group "
+                                  f"{ENTRY_POINT_GROUP!r}) failed to load: {type(exc).__name__}: {exc}") from exc
+
     def register(self, plugin, name: Optional[str] = None) -> None:
-        """Register a plugin object or module (e.g. from a test); registries are rebuilt."""
-        self.pm.register(plugin, name=name)
-        self.pm.check_pending()
+        """Register a plugin object or module (e.g. from a test); registries are rebuilt. A plugin
+        pluggy refuses (a hook tinyloop does not define, a hook with arguments, a name already in
+        use) is a PluginError naming it, and is left unregistered."""
+        label = name or getattr(plugin, "__name__", None) or type(plugin).__qualname__
+        try:
+            self.pm.register(plugin, name=name)
+        except (ValueError, pluggy.PluginValidationError) as exc:
+            raise PluginError(f"plugin {label!r} cannot be registered: {exc}") from exc
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            self.pm.unregister(plugin)
+            raise PluginError(f"plugin {label!r} cannot be registered: {exc}") from exc
         self._cache.clear()
 
     def unregister(self, plugin=None, name: Optional[str] = None) -> None:
@@ -80,19 +106,50 @@ class PluginManager:
         finally:
             self.unregister(plugin)
 
+    def _hook_results(self, hook: str):
+        """(plugin name, result) of every implementation of `hook`, in pluggy's call order; a
+        hook that raises is a PluginError naming its plugin."""
+        caller = getattr(self.pm.hook, hook)
+        impls = caller.get_hookimpls()
+        if any(i.hookwrapper or i.wrapper for i in impls):    # let pluggy run the wrappers
+            return [(None, r) for r in caller()]
+        out = []
+        for impl in reversed(impls):
+            try:
+                result = impl.function()
+            except Exception as exc:
+                raise PluginError(f"plugin {impl.plugin_name!r}: its {hook} hook raised "
+                                  f"{type(exc).__name__}: {exc}") from exc
+            if result is not None:
+                out.append((impl.plugin_name, result))
+        return out
+
     def _registry(self, hook: str, base: type) -> Dict[str, type]:
         if hook not in self._cache:
             out: Dict[str, type] = {}
-            for result in getattr(self.pm.hook, hook)():
-                for cls in result or ():
+            source: Dict[str, Optional[str]] = {}
+            for plugin, result in self._hook_results(hook):
+                who = f"plugin {plugin!r}: " if plugin is not None else ""
+                if not isinstance(result, (list, tuple)):
+                    raise PluginError(f"{who}{hook} returned {result!r:.120}, not a list of {base.__name__} "
+                                      f"subclasses")
+                for cls in result:
                     if not (isinstance(cls, type) and issubclass(cls, base)):
-                        raise PluginError(f"{hook} returned {cls!r}, which is not a {base.__name__} subclass")
-                    if not cls.name:
-                        raise PluginError(f"{cls.__qualname__} from {hook} has no name")
+                        raise PluginError(f"{who}{hook} returned {cls!r}, which is not a {base.__name__} subclass")
+                    if not isinstance(cls.name, str) or not cls.name:
+                        raise PluginError(f"{who}{cls.__qualname__} from {hook} has no name (a non-empty "
+                                          f"str), got {cls.name!r}")
                     if cls.name in out and out[cls.name] is not cls:
                         raise PluginError(f"two plugins register the {base.__name__} name {cls.name!r}: "
-                                          f"{out[cls.name].__module__} and {cls.__module__}")
+                                          f"{out[cls.name].__module__} (plugin {source[cls.name]!r}) and "
+                                          f"{cls.__module__} (plugin {plugin!r})")
                     out[cls.name] = cls
+                    source.setdefault(cls.name, plugin)
+            for name, cls in out.items():       # after the names: a clash is reported as such
+                problem = _class_problem(cls)
+                if problem:
+                    who = f"plugin {source[name]!r}: " if source[name] is not None else ""
+                    raise PluginError(f"{who}{cls.__qualname__} from {hook} {problem}")
             self._cache[hook] = out
         return self._cache[hook]
 
@@ -180,7 +237,13 @@ class PluginManager:
 
     def slot_map_for(self, config) -> Optional[SlotMapMode]:
         """The slot-map plugin the request switches on (None: the linear map)."""
-        found = [m for m in (cls.from_config(config) for cls in self.slot_maps().values()) if m is not None]
+        found = []
+        for cls in self.slot_maps().values():
+            m = cls.from_config(config)
+            if m is not None:
+                if not isinstance(m, SlotMapMode):
+                    raise PluginError(f"{cls.__qualname__}.from_config returned {m!r:.80}, not a SlotMapMode")
+                found.append(m)
         if len(found) > 1:
             raise PluginError(f"{len(found)} slot maps match this request ({[m.name for m in found]}); "
                               f"a cache has one slot map")
@@ -191,6 +254,8 @@ class PluginManager:
         for cls in self.processors().values():
             p = cls.from_config(config)
             if p is not None:
+                if not isinstance(p, LogitProcessor):
+                    raise PluginError(f"{cls.__qualname__}.from_config returned {p!r:.80}, not a LogitProcessor")
                 out.append(p)
         return out
 
@@ -204,6 +269,51 @@ class PluginManager:
                     raise PluginError(f"{cls.__qualname__}.from_config returned {s!r}, not a Stopper")
                 out.append(s)
         return out
+
+
+def _overrides(cls: type, base: type, attr: str) -> bool:
+    return getattr(cls, attr) is not getattr(base, attr)
+
+
+def _class_problem(cls: type) -> Optional[str]:
+    """What a plugin class lacks or declares wrongly (None: nothing), so that it is refused when
+    the registry is built, not deep inside a request."""
+    if issubclass(cls, Decoder):
+        if not _overrides(cls, Decoder, "decode"):
+            return f"(decoder {cls.name!r}) does not implement decode(session)"
+        if cls.lockstep and not _overrides(cls, Decoder, "pick"):
+            return f"(decoder {cls.name!r}) declares lockstep = True but does not implement pick(lane)"
+        oc = cls.options_class
+        if oc is not None and not (isinstance(oc, type) and dataclasses.is_dataclass(oc)):
+            return f"(decoder {cls.name!r}) options_class {oc!r} is not a dataclass"
+    if issubclass(cls, ExitCriterion):
+        if cls.reads not in ("hidden", "logits"):
+            return f"(exit criterion {cls.name!r}) reads {cls.reads!r}; allowed: 'hidden', 'logits'"
+        if cls.stat is None and not _overrides(cls, ExitCriterion, "statistic"):
+            return f"(exit criterion {cls.name!r}) declares no stat and no statistic(cur, prev)"
+        if cls.stat is not None and cls.stat not in STABLE_BELOW:
+            return (f"(exit criterion {cls.name!r}) stat={cls.stat!r} is not a backend statistic "
+                    f"({', '.join(sorted(STABLE_BELOW))}); leave stat None and define statistic()")
+    if issubclass(cls, KVCodec):
+        try:
+            np.dtype(cls.data_dtype)
+        except TypeError:
+            return f"(KV codec {cls.name!r}) data_dtype={cls.data_dtype!r} is not a numpy dtype name"
+        if isinstance(cls.pack, bool) or not isinstance(cls.pack, int) or cls.pack < 1:
+            return f"(KV codec {cls.name!r}) pack={cls.pack!r} must be an integer >= 1"
+    mode = getattr(cls, "mode", None)
+    if mode is not None:
+        from .compat import load_matrix
+
+        matrix = load_matrix()
+        if mode not in matrix.modes:
+            return (f"declares mode {mode!r}, which is not a row of {matrix.source} "
+                    f"({', '.join(sorted(matrix.modes))}); a plugin outside the matrix leaves mode None")
+        cells = dict(matrix.modes[mode].cells)
+        if dict(cls.compat) != cells:
+            return (f"declares mode {mode!r} with compat {dict(cls.compat)!r}, which contradicts "
+                    f"{matrix.source} (modes.{mode}: {cells!r}); the matrix decides, so declare its cells")
+    return None
 
 
 _manager: Optional[PluginManager] = None
