@@ -536,8 +536,27 @@ def main(argv=None) -> int:
     return run(ap.parse_args(argv))
 
 
+def _check_arguments(args) -> Optional[str]:
+    """The first bad number among the arguments, as an error message (None: all good)."""
+    for flag, value in (("--loops", args.loops), ("--prompt-len", args.prompt_len),
+                        ("--new-tokens", args.new_tokens), ("--repeats", args.repeats)):
+        if value < 1:
+            return f"{flag}={value} must be at least 1"
+    try:
+        sweep = [int(x) for x in args.sweep.split(",") if x.strip()]
+    except ValueError:
+        return f"--sweep={args.sweep!r} must be comma-separated loop depths (integers)"
+    if any(L < 1 for L in sweep):
+        return f"--sweep={args.sweep!r}: every loop depth must be at least 1"
+    return None
+
+
 def run(args) -> int:
     from tinyloop.plugins.backends import CUDAEntry
+    problem = _check_arguments(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if not CUDAEntry.available()[0]:
         print("error: the benchmark needs a CUDA GPU", file=sys.stderr)
         return 2

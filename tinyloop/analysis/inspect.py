@@ -18,6 +18,8 @@ from .memory import estimate_memory, parameter_count
 from ..runtime.plugins import get_plugin_manager
 
 N_LARGEST = 5
+#: Token ids of an embedded tokenizer.json are u32 (the tokenizers library's); others are unreadable.
+MAX_TOKEN_ID = 1 << 32
 
 
 def cache_modes(head_dim: int) -> Dict[str, float]:
@@ -50,10 +52,12 @@ def _hf_tokenizer_info(text) -> dict:
         ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab or [])))
         ids += [t.get("id") for t in d.get("added_tokens") or [] if isinstance(t, dict)]
         ids = [i for i in ids if isinstance(i, int)]
+        if any(not 0 <= i < MAX_TOKEN_ID for i in ids):   # (an id of 4300 digits cannot even be printed)
+            raise ValueError(f"token id outside [0, {MAX_TOKEN_ID})")
         return {"tokens": len(set(ids)), "vocab_size": (max(ids) + 1) if ids else 0,
                 "model": str(model.get("type")), "merges": len(model.get("merges") or []),
                 "json_bytes": len(text)}
-    except (TypeError, ValueError, AttributeError) as e:
+    except (TypeError, ValueError, AttributeError, RecursionError) as e:
         return {"tokens": 0, "vocab_size": 0, "model": f"unreadable ({type(e).__name__})", "merges": 0}
 
 

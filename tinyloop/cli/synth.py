@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import operator
 import os
 import sys
 import zlib
@@ -23,7 +24,7 @@ from typing import Iterator, Mapping, Optional
 import numpy as np
 
 from ..model.arch import QUANT_TYPES, ModelConfig, is_matrix, required_tensors
-from ..errors import TinyLoopError
+from ..errors import ConfigError, TinyLoopError
 from ..model.presets import PRESETS, check_quant_shapes, get_preset, make_quant
 
 
@@ -32,8 +33,14 @@ class RandomWeights(Mapping):
     same values."""
 
     def __init__(self, cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> None:
+        try:
+            value = None if isinstance(seed, bool) else operator.index(seed)
+        except TypeError:
+            value = None
+        if value is None or value < 0:   # (numpy's seed sequence takes non-negative integers only)
+            raise ConfigError(f"seed={seed!r} must be an integer >= 0")
         self.cfg = cfg
-        self.seed = int(seed)
+        self.seed = value
         self.std = float(std)
         self.shapes = required_tensors(cfg)
         self.out_std = std / math.sqrt(2 * cfg.n_layers(cfg.max_loops))

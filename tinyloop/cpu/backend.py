@@ -150,13 +150,13 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
         handles = {}
         nbytes = 0
         for name, tq in model_file.header.quant.items():
-            # a copy, never a view of the file's memory map: the file is closed after loading, and
+            # a copy of its own: the file is closed after loading, and
             # a file rewritten under a loaded model must not reach it (docs/FORMAT.md)
             arr = np.ascontiguousarray(model_file.logical(name), dtype=np.float32)
             if arr.ndim == 2:
                 arr = RowBlocks(arr)                 # (a copy: the blocked layout)
             elif tq.type == "f32":
-                arr = arr.copy()                     # logical() of an f32 tensor is the view itself
+                arr = arr.copy()                     # logical() of an f32 tensor is read-only
             nbytes += arr.nbytes
             handles[name] = arr
         self._held += nbytes

@@ -1,4 +1,4 @@
-"""The ``.tinyloop`` model file: writer, header reader and memory-mapped loader.
+"""The ``.tinyloop`` model file: writer, header reader and loader.
 
 Byte layout (all integers little-endian; docs/FORMAT.md is the normative description)::
 
@@ -23,19 +23,19 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import stat
 import struct
 import tempfile
-import traceback
+import threading
+from collections import abc
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
 from .arch import ModelConfig, TensorQuant, is_matrix, required_tensors
-from ..errors import ConfigError, ModelFormatError, ModelFreedError
+from ..errors import ConfigError, ModelFormatError, ModelFreedError, OutOfMemoryError
 from .quant import dequantize_tensor, quantize_tensor
 
 MAGIC = b"TINYLOOP"
@@ -404,38 +404,89 @@ def _first_bad(a: np.ndarray, ok, what: str, name: str) -> None:
             raise ModelFormatError(f"tensor {name!r}: value {flat[i].item()!r} at index {idx} {what}")
 
 
-def _check_data(mm: mmap.mmap, header: ModelHeader, tensors: Dict[str, np.ndarray]) -> None:
-    entries = header.tensors
-    for e, nxt in zip(entries, entries[1:]):
-        start, stop = header.data_offset + e.offset + e.nbytes, header.data_offset + nxt.offset
-        if mm[start:stop].strip(b"\0"):
-            raise ModelFormatError(f"padding between tensors {e.name!r} and {nxt.name!r} is not zero")
-    scales = {name + ".scales" for name, tq in header.quant.items() if tq.bits}
-    zero_limit = {name + ".zeros": 1 << tq.bits for name, tq in header.quant.items() if tq.bits}
-    for e in entries:
-        a = tensors[e.name]
+class _Tensors(abc.Mapping):
+    """Physical tensor name -> a read-only ndarray, read from the open file on each access (never a
+    memory map: a file truncated under a map kills the process with SIGBUS when a page past the new
+    end is touched, while a read past it is just short) and checked as it is read: a file changed
+    after opening gives a ModelFormatError, never values that were not validated."""
+
+    def __init__(self, model_file: "ModelFile", f, header: ModelHeader):
+        self._owner, self._f, self._header = model_file, f, header
+        self._lock = threading.Lock()        # one seek + read at a time
+        self._entries = {e.name: e for e in header.tensors}
+        self._scales = {name + ".scales" for name, tq in header.quant.items() if tq.bits}
+        self._zero_limit = {name + ".zeros": 1 << tq.bits for name, tq in header.quant.items() if tq.bits}
+
+    def _read(self, start: int, n: int, what: str) -> np.ndarray:
+        try:
+            buf = np.empty(n, np.uint8)
+        except MemoryError:
+            raise OutOfMemoryError(f"cannot allocate {n} bytes to read {what} of {self._owner.path!r}") from None
+        got = 0
+        with self._lock, memoryview(buf) as view:
+            if self._owner.closed:
+                raise ModelFreedError(f"model file {self._owner.path!r} is closed")
+            try:
+                self._f.seek(start)
+                while got < n:
+                    k = self._f.readinto(view[got:])
+                    if not k:
+                        raise ModelFormatError(f"{self._owner.path!r} changed after it was opened: {what} "
+                                               f"(file bytes {start}..{start + n}) ends past the end of the "
+                                               f"file, which is truncated")
+                    got += k
+            except OSError as e:
+                raise ModelFormatError(f"cannot read {what} of {self._owner.path!r}: {e.strerror or e}") from None
+        return buf
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        e = self._entries[name]
+        a = self._read(self._header.data_offset + e.offset, e.nbytes, f"tensor {name!r}")
+        a = a.view(NP_DTYPES[e.dtype]).reshape(e.shape)
+        a.flags.writeable = False
         if e.dtype in ("f32", "f16"):
-            _first_bad(a, np.isfinite, "is not finite", e.name)
-        if e.name in scales:
-            _first_bad(a, lambda c: c > 0, "is not a positive scale", e.name)
-        if e.name in zero_limit:
-            limit = zero_limit[e.name]
-            _first_bad(a, lambda c: c < limit, f"is not a valid zero point (must be < {limit})", e.name)
+            _first_bad(a, np.isfinite, "is not finite", name)
+        if name in self._scales:
+            _first_bad(a, lambda c: c > 0, "is not a positive scale", name)
+        if name in self._zero_limit:
+            limit = self._zero_limit[name]
+            _first_bad(a, lambda c: c < limit, f"is not a valid zero point (must be < {limit})", name)
+        return a
+
+    def __contains__(self, name) -> bool:     # (Mapping's would read the tensor)
+        return name in self._entries
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def check_all(self) -> None:
+        """Every tensor (read one at a time, none kept) and the padding between tensors."""
+        entries = self._header.tensors
+        for e, nxt in zip(entries, entries[1:]):
+            start, stop = self._header.data_offset + e.offset + e.nbytes, self._header.data_offset + nxt.offset
+            if self._read(start, stop - start, f"the padding after tensor {e.name!r}").any():
+                raise ModelFormatError(f"padding between tensors {e.name!r} and {nxt.name!r} is not zero")
+        for e in entries:
+            self[e.name]
 
 
 # --------------------------------------------------------------------------- loading
 class ModelFile:
-    """An open, validated model file whose tensors are read-only views of a memory map.
+    """An open, validated model file. Its tensors are read from the file when asked for (each a
+    read-only array of its own, validated as it is read), so nothing of the file stays mapped.
 
-    Use as a context manager or call :meth:`close`. Arrays taken from :attr:`tensors` (and f32
-    arrays from :meth:`logical`) are views of the map; the mapping is released once they are gone.
+    Use as a context manager or call :meth:`close`. Arrays taken from :attr:`tensors` (and from
+    :meth:`logical`) stay valid after closing.
     """
 
-    def __init__(self, path, header: ModelHeader, mm: mmap.mmap, tensors: Dict[str, np.ndarray]):
+    def __init__(self, path, header: ModelHeader, f):
         self.path = os.fspath(path)
         self._header = header
-        self._mm: Optional[mmap.mmap] = mm
-        self._tensors: Optional[Dict[str, np.ndarray]] = tensors
+        self._f = f
+        self._tensors: Optional[_Tensors] = _Tensors(self, f, header)
         self._shapes = required_tensors(header.config)
 
     @property
@@ -445,32 +496,31 @@ class ModelFile:
 
     @property
     def closed(self) -> bool:
-        return self._mm is None
+        return self._f is None
 
     @property
-    def tensors(self) -> Dict[str, np.ndarray]:
-        """Physical tensor name -> read-only ndarray view of the file, in file order."""
+    def tensors(self) -> Mapping[str, np.ndarray]:
+        """Physical tensor name -> read-only ndarray, in file order (each access reads the tensor
+        from the file and checks it again: take what is needed once)."""
         if self._tensors is None:
             raise ModelFreedError(f"model file {self.path!r} is closed")
         return self._tensors
 
     def logical(self, name: str) -> np.ndarray:
-        """Logical tensor ``name`` dequantized to float32 (f32 tensors: the read-only view itself)."""
+        """Logical tensor ``name`` dequantized to float32 (an f32 tensor: the array as read)."""
         tensors = self.tensors
         if name not in self._shapes:
             raise ConfigError(f"unknown logical tensor {name!r}; this model has {_names(list(self._shapes))}")
         return dequantize_tensor(name, tensors, self._header.quant[name], self._shapes[name])
 
     def close(self) -> None:
-        """Release the memory map. Idempotent. Views still held elsewhere keep the mapping alive
-        until they are freed (closing cannot invalidate them)."""
-        if self._mm is None:
+        """Close the file. Idempotent. Arrays handed out are copies and stay valid."""
+        if self._f is None:
             return
-        mm, self._mm, self._tensors = self._mm, None, None
-        try:
-            mm.close()
-        except BufferError:  # views handed out are still alive; the map closes when they are freed
-            pass
+        lock = self._tensors._lock
+        with lock:
+            f, self._f, self._tensors = self._f, None, None
+            f.close()
 
     def __enter__(self) -> "ModelFile":
         return self
@@ -484,34 +534,26 @@ class ModelFile:
 
 
 def open_model(path) -> ModelFile:
-    """Open and fully validate a model file; tensors are memory-mapped read-only, not copied.
+    """Open and fully validate a model file; the file stays open and tensors are read from it when
+    asked for (never memory-mapped: a file truncated while it is in use is a ModelFormatError).
 
     Beyond :func:`read_header`, checks the data: padding between tensors is zero, every f32/f16
     tensor (weights, norms, scales) is finite, scales are positive and zero points are below
-    2**bits. Raises ModelFormatError (nothing is left open or mapped when it does).
+    2**bits; :attr:`ModelFile.tensors` checks each tensor again as it reads it. Raises
+    ModelFormatError (nothing is left open when it does).
     """
     f = _open(path)
-    mm = tensors = None
     try:
         header = _read_header(f, path)
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        if len(mm) != header.file_size:
-            raise ModelFormatError(f"file changed size while opening ({header.file_size} -> {len(mm)} bytes)")
-        tensors = {e.name: np.frombuffer(mm, dtype=NP_DTYPES[e.dtype], count=math.prod(e.shape),
-                                         offset=header.data_offset + e.offset).reshape(e.shape)
-                   for e in header.tensors}
-        _check_data(mm, header, tensors)
-        return ModelFile(path, header, mm, tensors)
-    except BaseException as e:
-        # Views of the map live on in our locals and in the frames the traceback holds; drop them
-        # so the map can be closed now rather than whenever the traceback is collected.
-        tensors = None
-        traceback.clear_frames(e.__traceback__)
-        if mm is not None:
-            mm.close()
-        raise
-    finally:
+        size = os.fstat(f.fileno()).st_size
+        if size != header.file_size:
+            raise ModelFormatError(f"file changed size while opening ({header.file_size} -> {size} bytes)")
+        m = ModelFile(path, header, f)
+        m.tensors.check_all()
+        return m
+    except BaseException:
         f.close()
+        raise
 
 
 # --------------------------------------------------------------------------- writing

@@ -180,8 +180,8 @@ class Backend(ABC):
     @abstractmethod
     def load_weights(self, model_file) -> ModelWeights:
         """Take the model's tensors (a format.ModelFile) into backend memory: copies, with every
-        transfer finished on return, since the caller closes the file right after (nothing may
-        keep a view of its memory map)."""
+        transfer finished on return, since the caller closes the file right after (its tensors
+        are read from the file on each access)."""
 
     @classmethod
     def workspace_layout(cls, cfg: ModelConfig, rows: int, max_seq_len: int) -> Dict[str, tuple]:
