@@ -237,27 +237,14 @@ class PluginManager:
 
     def slot_map_for(self, config) -> Optional[SlotMapMode]:
         """The slot-map plugin the request switches on (None: the linear map)."""
-        found = []
-        for cls in self.slot_maps().values():
-            m = cls.from_config(config)
-            if m is not None:
-                if not isinstance(m, SlotMapMode):
-                    raise PluginError(f"{cls.__qualname__}.from_config returned {m!r:.80}, not a SlotMapMode")
-                found.append(m)
+        found = _from_config(self.slot_maps(), config, SlotMapMode)
         if len(found) > 1:
             raise PluginError(f"{len(found)} slot maps match this request ({[m.name for m in found]}); "
                               f"a cache has one slot map")
         return found[0] if found else None
 
     def processors_for(self, config) -> List[LogitProcessor]:
-        out = []
-        for cls in self.processors().values():
-            p = cls.from_config(config)
-            if p is not None:
-                if not isinstance(p, LogitProcessor):
-                    raise PluginError(f"{cls.__qualname__}.from_config returned {p!r:.80}, not a LogitProcessor")
-                out.append(p)
-        return out
+        return _from_config(self.processors(), config, LogitProcessor)
 
     def stoppers_for(self, config, model_config) -> List[Stopper]:
         """The registered stop rules the request needs (not yet reset), in registration order."""
@@ -269,6 +256,19 @@ class PluginManager:
                     raise PluginError(f"{cls.__qualname__}.from_config returned {s!r}, not a Stopper")
                 out.append(s)
         return out
+
+
+def _from_config(registry: Dict[str, type], config, base: type) -> list:
+    """The instances the registry's classes make for the request (``from_config``; None: not
+    switched on), each checked to be a `base` (PluginError naming the class otherwise)."""
+    out = []
+    for cls in registry.values():
+        x = cls.from_config(config)
+        if x is not None:
+            if not isinstance(x, base):
+                raise PluginError(f"{cls.__qualname__}.from_config returned {x!r:.80}, not a {base.__name__}")
+            out.append(x)
+    return out
 
 
 def _overrides(cls: type, base: type, attr: str) -> bool:
