@@ -40,15 +40,22 @@ def read_prompts(cfg: RunConfig, base: Path) -> List[str]:
     if cfg.prompts_file:
         path = _resolve(base, cfg.prompts_file)
         text = read_text(path, "prompts_file")
-        for n, line in enumerate(text.splitlines(), 1):
+        # lines end at "\n" (or "\r\n") only: str.splitlines would also split at form feeds,
+        # U+2028, NEL, ..., which are characters of a prompt (and raw inside JSONL strings)
+        for n, line in enumerate(text.split("\n"), 1):
+            line = line[:-1] if line.endswith("\r") else line
             if not line.strip():
                 continue
             if path.endswith(".jsonl"):
                 try:
                     obj = json.loads(line)
-                    prompts.append(str(obj["prompt"]))
-                except (ValueError, KeyError, TypeError):
+                    prompt = obj["prompt"]
+                except (ValueError, KeyError, TypeError, IndexError, RecursionError):
                     raise ConfigError(f"{path}:{n}: expected a JSON object with a \"prompt\" string") from None
+                if not isinstance(prompt, str):
+                    raise ConfigError(f"{path}:{n}: \"prompt\" must be a string, got "
+                                      f"{json.dumps(prompt)[:60]}")
+                prompts.append(prompt)
             else:
                 prompts.append(line.replace("\\n", "\n"))
     if not prompts:

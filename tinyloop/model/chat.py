@@ -2,10 +2,12 @@
 Face tokenizer directory's ``chat_template``, embedded in the model file by ``convert --hf``).
 
 The rendering environment is the one those templates are written for: a sandboxed Jinja
-environment with ``trim_blocks`` and ``lstrip_blocks``, the loop-controls extension, a ``tojson``
-filter that keeps non-ASCII text, and the helpers ``raise_exception(message)`` and
-``strftime_now(format)``. Variables: ``messages``, ``add_generation_prompt``, ``bos_token``,
-``eos_token`` and whatever extra keywords the caller passes (``tools``, ``documents``, ...).
+environment with ``trim_blocks`` and ``lstrip_blocks``, the loop-controls extension, the
+``{% generation %} ... {% endgeneration %}`` tag (transformers' assistant-mask marker; it renders
+its body), a ``tojson`` filter that keeps non-ASCII text, and the helpers
+``raise_exception(message)`` and ``strftime_now(format)``. Variables: ``messages``,
+``add_generation_prompt``, ``bos_token``, ``eos_token``, ``tools`` and ``documents`` (None unless
+given, as transformers passes them) and whatever extra keywords the caller passes.
 jinja2 is an optional dependency (the ``tokenizer`` extra).
 """
 
@@ -47,7 +49,8 @@ def check_messages(messages: Any) -> List[Dict[str, Any]]:
 def _environment():
     try:
         import jinja2
-        from jinja2.ext import loopcontrols
+        from jinja2 import nodes
+        from jinja2.ext import Extension, loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         raise TokenizerError("chat templates need jinja2: pip install 'tinyloop[tokenizer]'") from None
@@ -61,7 +64,21 @@ def _environment():
     def strftime_now(fmt):
         return datetime.datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    class Generation(Extension):
+        """``{% generation %}...{% endgeneration %}``: transformers marks the assistant's text with
+        it (return_assistant_tokens_mask); rendering, it is its body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, Generation])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
@@ -83,8 +100,9 @@ def render(template: str, messages: Sequence[Mapping[str, Any]], add_generation_
     env, TemplateError = _environment()
     try:
         compiled = env.from_string(template)
+        variables = {"tools": None, "documents": None, **dict(extra)}   # transformers always sets both
         return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=bos_token, eos_token=eos_token, **dict(extra))
+                               bos_token=bos_token, eos_token=eos_token, **variables)
     except TemplateError as e:
         raise TokenizerError(f"the model's chat template failed: {type(e).__name__}: {e}") from None
     except (TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError) as e:
