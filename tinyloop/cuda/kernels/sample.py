@@ -40,7 +40,9 @@ Two kernels (`sample` launches both):
    takes the first k. When more than CAP keys fall at or above the bin (many equal or nearly
    equal logits) it selects exactly instead: a 4 x 8-bit radix select of the k-th largest key over
    the whole row, a gather of the keys above it and the first of those equal to it by index, a
-   bitonic sort. Then the weights, the running sums and the draw.
+   bitonic sort. Then the weights (in parallel), the running sums (one thread, candidate order,
+   as the host adds them) and the top-p cut and the draw: each "the first j whose running sum
+   passes" is a parallel search (the sums never decrease: a minimum of each thread's first hit).
 
 Every selection is exact (counts and order-preserving keys), so the candidates do not depend on
 the launch shape. Sampling one row is not a batched op: batch invariance does not apply.
@@ -321,27 +323,55 @@ def _pick_kernel(out, logits, params, iparams, utab, pos, T, plan):
     # Every weight must be stored before thread 0 accumulates them.
     cuda.syncthreads()
     if tid == 0:
+        # the running sums in candidate order (the host's order, so the same float64 sums); four
+        # weights are read ahead of their additions, which stay one dependent chain
         run = float64(0.0)
-        for j in range(kc):
+        j = 0
+        while j + 4 <= kc:
+            a0 = cum[j]
+            a1 = cum[j + 1]
+            a2 = cum[j + 2]
+            a3 = cum[j + 3]
+            run += a0
+            cum[j] = run
+            run += a1
+            cum[j + 1] = run
+            run += a2
+            cum[j + 2] = run
+            run += a3
+            cum[j + 3] = run
+            j += 4
+        while j < kc:
             run += cum[j]
             cum[j] = run
-        n = kc
-        top_p = params[1]
-        if top_p < 1.0:
-            thr = top_p * cum[kc - 1]
-            for j in range(kc):
-                if cum[j] >= thr:
-                    n = j + 1
-                    break
-        idx = int64(pos[0]) + T - iparams[1]
-        idx = min(max(idx, int64(0)), int64(utab.shape[0] - 1))
-        r = utab[idx] * cum[n - 1]
-        js = n - 1
-        for j in range(n):
-            if cum[j] > r:
-                js = j
+            j += 1
+        bc[0] = kc                              # candidates kept by top-p (the first j + 1 ...)
+        bc[1] = KMAX                            # the drawn candidate (the first j ...), if any
+    # The running sums and the slots must be in place before the searches.
+    cuda.syncthreads()
+    # The sums never decrease, so "the first j with cum[j] >= thr" is a minimum over threads of
+    # each thread's first hit: the same comparisons as a scan, done in parallel.
+    top_p = params[1]
+    if top_p < 1.0:                             # uniform over the block
+        thr = top_p * cum[kc - 1]
+        for j in range(tid, kc, NT):
+            if cum[j] >= thr:
+                cuda.atomic.min(bc, 0, j + 1)
                 break
-        out[0] = _index(comp[js])
+        # The top-p cut must be final before the draw reads it.
+        cuda.syncthreads()
+    n = bc[0]
+    idx = int64(pos[0]) + T - iparams[1]
+    idx = min(max(idx, int64(0)), int64(utab.shape[0] - 1))
+    r = utab[idx] * cum[n - 1]
+    for j in range(tid, n, NT):
+        if cum[j] > r:
+            cuda.atomic.min(bc, 1, j)
+            break
+    # Every thread's hit must be in before the token is chosen.
+    cuda.syncthreads()
+    if tid == 0:
+        out[0] = _index(comp[min(bc[1], n - 1)])
 
 
 # ----------------------------------------------------------------------------- launcher
