@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("jinja2")
 
+import tinyloop as tl  # noqa: E402
 from tinyloop.cli.main import main  # noqa: E402
 from tinyloop.cli.run import read_prompts  # noqa: E402
 from tinyloop.errors import ConfigError  # noqa: E402
@@ -114,3 +115,43 @@ def test_cli_jsonl_null_prompt_is_an_error_not_a_completion(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: ") and "p.jsonl:1" in err[-1]
     assert not (tmp_path / "out.jsonl").exists()
+
+
+# ------------------------------------------------------------------ GPT-2 style directories
+def test_vocab_merges_directory_keeps_its_chat_template(tmp_path):
+    """A vocab.json + merges.txt directory's tokenizer_config.json chat template is read as a
+    tokenizer.json directory's is, rendered by apply_chat_template, and embedded in a model
+    file written with that tokenizer (the 'bpe' embedded form carries it)."""
+    pytest.importorskip("jinja2")
+    tokenizers = pytest.importorskip("tokenizers")
+    from tinyloop.model.format import open_model, write_model
+    from tinyloop.model.tokenizer import BPETokenizer, load_tokenizer_dir, tokenizer_from_embedded
+    from conftest import TINY, random_weights
+    from tinyloop.model.arch import ModelConfig
+
+    lib = tokenizers.ByteLevelBPETokenizer()
+    lib.train_from_iterator(["user says hello and assistant answers"] * 20, vocab_size=300,
+                            special_tokens=["<|end|>"])
+    d = tmp_path / "gpt2"
+    d.mkdir()
+    lib.save_model(str(d))
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<|end|>{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}), encoding="utf-8")
+    tok = load_tokenizer_dir(str(d))
+    assert isinstance(tok, BPETokenizer) and tok.chat_template == template
+    emb = tok.to_embedded()
+    assert emb["chat_template"] == template
+    assert tokenizer_from_embedded(emb).chat_template == template
+    cfg = ModelConfig(**{**TINY, "vocab_size": max(TINY["vocab_size"], tok.vocab_size)})
+    path = tmp_path / "m.tinyloop"
+    write_model(str(path), cfg, random_weights(cfg, 0), tokenizer=emb)
+    with open_model(str(path)) as mf:
+        assert mf.header.tokenizer["chat_template"] == template
+    m = tl.load_model(str(path), backend="cpu", max_seq_len=64)
+    try:
+        convo = [{"role": "user", "content": "hello"}]
+        got = tl.apply_chat_template(m, convo, add_generation_prompt=True, tokenize=False)
+        assert got == "<user>hello<|end|><assistant>"
+    finally:
+        tl.free_model(m)

@@ -97,7 +97,8 @@ class ModelHeader:
     quant: Dict[str, TensorQuant]
     """Logical tensor name -> storage, in :func:`required_tensors` order."""
     tokenizer: Optional[dict]
-    """None or {"type": "bpe", "vocab": {token: id}, "merges": ["a b", ...]}."""
+    """None, {"type": "bpe", "vocab": {token: id}, "merges": ["a b", ...]} or {"type": "hf", "json": ...}
+    (either optionally with "chat_template")."""
     metadata: dict
     tensors: List[TensorEntry]
     """The tensor table, in file order."""
@@ -118,6 +119,12 @@ def _physical_layout(config: ModelConfig, quant: Mapping[str, TensorQuant]) -> D
     return layout
 
 
+def _check_chat_template(tok: dict) -> None:
+    t = tok.get("chat_template")
+    if t is not None and (not isinstance(t, str) or not t.strip()):
+        raise ConfigError("tokenizer 'chat_template' must be the non-empty text of a Jinja template")
+
+
 def _check_tokenizer(tok, vocab_size: int) -> Optional[dict]:
     """Validate a tokenizer entry; raises ConfigError naming the bad part."""
     if tok is None:
@@ -133,12 +140,13 @@ def _check_tokenizer(tok, vocab_size: int) -> Optional[dict]:
                               f"optionally 'chat_template'")
         if not isinstance(tok["json"], str) or not tok["json"].lstrip().startswith("{"):
             raise ConfigError("tokenizer 'json' must be the text of a tokenizer.json object")
-        t = tok.get("chat_template")
-        if t is not None and (not isinstance(t, str) or not t.strip()):
-            raise ConfigError("tokenizer 'chat_template' must be the non-empty text of a Jinja template")
+        _check_chat_template(tok)
         return tok
-    if sorted(tok) != sorted(TOKENIZER_KEYS):
-        raise ConfigError(f"tokenizer keys are {sorted(tok)}; expected exactly {sorted(TOKENIZER_KEYS)}")
+    keys = set(tok) - {"chat_template"}
+    if sorted(keys, key=str) != sorted(TOKENIZER_KEYS):
+        raise ConfigError(f"tokenizer keys are {sorted(tok, key=str)}; expected {sorted(TOKENIZER_KEYS)} and "
+                          f"optionally 'chat_template'")
+    _check_chat_template(tok)
     if tok["type"] != "bpe":
         raise ConfigError(f"tokenizer type {tok['type']!r} is not supported; 'bpe' and 'hf' are")
     vocab, merges = tok["vocab"], tok["merges"]

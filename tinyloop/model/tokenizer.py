@@ -315,13 +315,14 @@ class BPETokenizer(Tokenizer):
 
     @classmethod
     def from_embedded(cls, d: dict) -> "BPETokenizer":
-        """Build from the embedded dict form {"type": "bpe", "vocab": {...}, "merges": ["a b", ...]}."""
+        """Build from the embedded dict form {"type": "bpe", "vocab": {...}, "merges": ["a b", ...]}
+        (optionally "chat_template": the Jinja text of the model's chat template)."""
         if not isinstance(d, dict):
             raise TokenizerError(f"embedded tokenizer must be a mapping, got {type(d).__name__}")
         if d.get("type") != "bpe":
             raise TokenizerError(f"embedded tokenizer type {d.get('type')!r} is not supported "
                                  f"(only 'bpe')")
-        unknown = sorted(set(d) - {"type", "vocab", "merges"})
+        unknown = sorted(set(d) - {"type", "vocab", "merges", "chat_template"}, key=str)
         if unknown:
             raise TokenizerError(f"embedded tokenizer has unknown key(s) {unknown}")
         if "vocab" not in d or "merges" not in d:
@@ -340,11 +341,15 @@ class BPETokenizer(Tokenizer):
             if len(parts) != 2 or not all(isinstance(p, str) and p for p in parts):
                 raise TokenizerError(f"embedded tokenizer merge #{n} must be \"a b\", got {m!r}")
             merges.append((parts[0], parts[1]))
-        return cls(d["vocab"], merges, name="bpe:embedded")
+        tok = cls(d["vocab"], merges, name="bpe:embedded")
+        tok.chat_template = _check_template(d.get("chat_template"), "embedded 'chat_template'")
+        return tok
 
     def to_embedded(self) -> dict:
-        return {"type": "bpe", "vocab": dict(self._vocab),
-                "merges": [f"{a} {b}" for a, b in self._merges]}
+        out = {"type": "bpe", "vocab": dict(self._vocab), "merges": [f"{a} {b}" for a, b in self._merges]}
+        if self.chat_template is not None:
+            out["chat_template"] = self.chat_template
+        return out
 
     # ------------------------------------------------------------------ protocol
     @property
@@ -718,9 +723,9 @@ def read_chat_template(path: str) -> Optional[str]:
 
 
 def load_tokenizer_dir(path: str) -> Tokenizer:
-    """Load a tokenizer directory: ``tokenizer.json`` (:class:`HFTokenizer`, with the directory's
-    chat template when it has one: :func:`read_chat_template`) when it has one, else GPT-2's
-    ``vocab.json`` + ``merges.txt`` (:class:`BPETokenizer`)."""
+    """Load a tokenizer directory: ``tokenizer.json`` (:class:`HFTokenizer`) when it has one, else
+    GPT-2's ``vocab.json`` + ``merges.txt`` (:class:`BPETokenizer`); either with the directory's
+    chat template when it has one (:func:`read_chat_template`)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise TokenizerError(f"tokenizer directory {path!r} does not exist or is not a directory")
@@ -732,7 +737,9 @@ def load_tokenizer_dir(path: str) -> Tokenizer:
     if not any(os.path.isfile(os.path.join(path, f)) for f in ("vocab.json", "merges.txt")):
         raise TokenizerError(f"tokenizer directory {path!r} has no tokenizer.json (Hugging Face) "
                              f"and no vocab.json + merges.txt (GPT-2)")
-    return BPETokenizer.from_dir(path)
+    tok = BPETokenizer.from_dir(path)
+    tok.chat_template = read_chat_template(path)
+    return tok
 
 
 def resolve_tokenizer(model_header_tokenizer: Optional[dict], tokenizer_dir: Optional[str],
