@@ -443,7 +443,9 @@ class GenerateStats:
     """The decoder that ran: the one the request named or the automatic choice, after any
     hand-over (e.g. tree_speculative on a backend without tree ops runs speculative)."""
     loop_iters_run: int = 0
-    """Shared-block loop iterations executed over all forwards (prefill rows counted once per chunk)."""
+    """Shared-block loop iterations executed over all forwards (prefill rows counted once per chunk;
+    a generate_batch lane, whose prompt rows share launches with other lanes', counts its prompt
+    once per row)."""
     drafted_tokens: int = 0
     """Speculative: tokens drafted at draft_loops."""
     accepted_tokens: int = 0
