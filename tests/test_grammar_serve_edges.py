@@ -152,3 +152,28 @@ def test_a_grammar_engine_error_is_not_reported_as_a_dead_end():
         assert st.stop_reason in (tl.StopReason.EOS, tl.StopReason.GRAMMAR_COMPLETE)
     finally:
         tl.free_model(m)
+
+
+# ------------------------------------------------------------------ a tokenizer is not kept alive
+def test_a_grammar_does_not_keep_a_freed_tokenizer_alive():
+    """llguidance's tokenizer is cached per tokenizer (weakly keyed): the cache value must not hold
+    the tokenizer itself, or every tokenizer ever used with a grammar lives as long as the process;
+    a grammar drops its compiled template for a freed tokenizer at its next use."""
+    import gc
+    import weakref
+    from tinyloop.model.tokenizer import tokenizer_from_embedded
+    m = tl.load_model("demo", backend="cpu", max_seq_len=32)
+    try:
+        emb, V, eos = m.tokenizer.to_embedded(), m.cfg.vocab_size, m.cfg.eos_id
+    finally:
+        tl.free_model(m)
+    g = tl.Grammar.regex("[a-z]+")
+    tok = tokenizer_from_embedded(emb)
+    g.matcher(tok, V, eos)
+    ref = weakref.ref(tok)
+    del tok
+    gc.collect()
+    assert ref() is None
+    other = tokenizer_from_embedded(emb)
+    g.matcher(other, V, eos)
+    assert len(g._templates) == 1

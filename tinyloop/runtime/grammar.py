@@ -15,6 +15,7 @@ with GRAMMAR_COMPLETE).
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import weakref
@@ -51,16 +52,26 @@ class _TokenizerView:
         self.bos_token_id = None
         self.special_token_ids = [eos_id]
         self.is_tokenizer_wrapper = True
-        self._tok = tokenizer
+        # weak: the cache below is keyed weakly by the tokenizer, and its value (llguidance's
+        # tokenizer, which holds this view) must not keep the key alive
+        self._tok = weakref.ref(tokenizer)
 
     def __call__(self, s) -> list:
+        tok = self._tok()
+        if tok is None:
+            raise RuntimeError("the tokenizer of this llguidance tokenizer was freed")
         if isinstance(s, bytes):
             s = s.decode("utf-8", errors="replace")
-        return list(self._tok.encode(s))
+        return list(tok.encode(s))
 
 
 _LLTOK_LOCK = threading.Lock()
-_LLTOKS: "weakref.WeakKeyDictionary[Any, Dict[Tuple[int, int], Any]]" = weakref.WeakKeyDictionary()
+#: tokenizer -> {(ids, EOS): (serial, llguidance tokenizer)}; the serial, never reused, keys the
+#: grammars' compiled templates (an id() of a freed llguidance tokenizer could be reused)
+_LLTOKS: "weakref.WeakKeyDictionary[Any, Dict[Tuple[int, int], Tuple[int, Any]]]" = weakref.WeakKeyDictionary()
+_SERIALS = itertools.count()
+#: serials whose tokenizer was freed: the grammars drop their templates for them
+_FREED: set = set()
 
 
 def ll_vocab(vocab_size: int, eos_id: Optional[int]) -> Tuple[int, int]:
@@ -71,20 +82,26 @@ def ll_vocab(vocab_size: int, eos_id: Optional[int]) -> Tuple[int, int]:
 
 def ll_tokenizer(tokenizer, vocab_size: int, eos_id: Optional[int]):
     """The llguidance tokenizer for `tokenizer` with the model's vocabulary and EOS (ll_vocab).
-    Built once per (tokenizer, vocab, EOS) and cached."""
+    Built once per (tokenizer, vocab, EOS) and cached as long as the tokenizer lives."""
+    return _ll_entry(tokenizer, vocab_size, eos_id)[1]
+
+
+def _ll_entry(tokenizer, vocab_size: int, eos_id: Optional[int]) -> Tuple[int, Any]:
+    """(serial, llguidance tokenizer) of ll_tokenizer."""
     llg = llguidance()
     n, eos = ll_vocab(vocab_size, eos_id)
     with _LLTOK_LOCK:
         per = _LLTOKS.setdefault(tokenizer, {})
-        lt = per.get((n, eos))
-        if lt is None:
+        entry = per.get((n, eos))
+        if entry is None:
             view = _TokenizerView(tokenizer, n, eos)
             try:
                 lt = llg.LLTokenizer(llg.TokenizerWrapper(view), n_vocab=n, eos_token=eos)
             except Exception as exc:          # llguidance's own message, typed
                 raise ConfigError(f"llguidance cannot use the tokenizer {tokenizer!r}: {_one_line(exc)}") from None
-            per[(n, eos)] = lt
-    return lt
+            entry = per[(n, eos)] = (next(_SERIALS), lt)
+            weakref.finalize(tokenizer, _FREED.add, entry[0])
+    return entry
 
 
 class Grammar:
@@ -173,16 +190,18 @@ class Grammar:
         """A fresh llguidance matcher of this grammar for the model's tokenizer (copied from a
         template compiled once per tokenizer). ConfigError when the grammar cannot be compiled for
         this tokenizer (llguidance's message)."""
-        lt = ll_tokenizer(tokenizer, vocab_size, eos_id)
+        serial, lt = _ll_entry(tokenizer, vocab_size, eos_id)
         with self._lock:
-            tpl = self._templates.get(id(lt))
+            for gone in _FREED.intersection(self._templates):   # templates of freed tokenizers
+                del self._templates[gone]
+            tpl = self._templates.get(serial)
             if tpl is None:
                 llg = llguidance()
                 tpl = llg.LLMatcher(lt, self._ll, log_level=0)
                 if tpl.is_error():
                     raise ConfigError(f"the {self.kind} grammar cannot be used with tokenizer {tokenizer!r}: "
                                       f"{_one_line(tpl.get_error())}")
-                self._templates[id(lt)] = tpl
+                self._templates[serial] = tpl
         return tpl.deep_copy()
 
 
