@@ -18,11 +18,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
-from ..errors import ConfigError, IncompatibleModesError, InvalidInputError, TinyLoopError
+from ..errors import (ConfigError, IncompatibleModesError, InvalidInputError, ModelFreedError, PluginError,
+                      TinyLoopError, TokenizerError)
 from ..runtime.config import GenerateStats
 from ..runtime.engine import encode_text
 from .config import ServeConfig
-from .worker import EventBox, Job, ModelWorker, QueueFullError
+from .worker import EventBox, Job, ModelWorker, QueueFullError, ShuttingDownError
 
 try:
     import fastapi
@@ -51,7 +52,7 @@ class Served:
     owns_model: bool = True
 
     def close(self) -> None:
-        """Stop the worker (queued requests are cancelled), free the pool and, when the server
+        """Stop the worker (queued requests fail with a 503), free the pool and, when the server
         loaded it, the model. Idempotent."""
         from ..runtime.engine import free_model
         from ..runtime.reuse import free_prefix_pool
@@ -96,7 +97,7 @@ class Metrics:
     def finished(self, job: Job) -> None:
         self.prompt_tokens.inc(job.prompt_len)
         self.tokens.inc(job.stats.tokens_emitted)
-        self.stops.labels(str(job.stop_reason or "NONE")).inc()
+        self.stops.labels(str(job.stop_reason or "ERROR")).inc()     # None: the job failed
         if job.first_token_s is not None:
             self.ttft.observe(job.first_token_s)
         for g in job.token_gaps:
@@ -250,7 +251,7 @@ class Request:
                     if ev[0] == "text":
                         text.append(ev[1])
                     elif ev[0] == "error":
-                        raise ev[1] if isinstance(ev[1], TinyLoopError) else RuntimeError(str(ev[1]))
+                        raise ev[1]
                     else:
                         end = ev
             out.append(("".join(text), end))
@@ -286,7 +287,32 @@ def _error(status: int, message: str, type_: str, param: Optional[str] = None, h
 def _tinyloop_error(exc: TinyLoopError, retry_after: int):
     if isinstance(exc, QueueFullError):
         return _error(429, str(exc), "rate_limit_error", headers={"Retry-After": str(retry_after)})
+    if isinstance(exc, ShuttingDownError):
+        return _error(503, str(exc), "service_unavailable", headers={"Retry-After": str(retry_after)})
     return _error(400, str(exc), type(exc).__name__, getattr(exc, "param", None))
+
+
+#: Errors of a request's own input (a 400 even when only decoding finds them).
+_INPUT_ERRORS = (ConfigError, InvalidInputError, IncompatibleModesError, PluginError, TokenizerError)
+
+
+def _failed(exc: BaseException, retry_after: int):
+    """The response of a request that failed after it was validated and queued: the server's
+    failure (5xx: a model freed or a server stopping is 503, a backend error or a bug 500), not
+    the client's, unless the error is about the request's own input."""
+    if isinstance(exc, _INPUT_ERRORS) or isinstance(exc, (QueueFullError, ShuttingDownError)):
+        return _tinyloop_error(exc, retry_after)
+    if isinstance(exc, ModelFreedError):
+        return _error(503, str(exc), "service_unavailable", headers={"Retry-After": str(retry_after)})
+    return _error(500, str(exc) or type(exc).__name__, type(exc).__name__ if isinstance(exc, TinyLoopError)
+                  else "server_error")
+
+
+async def _until_disconnect(http) -> None:
+    """Returns when the client of a request whose body has been read goes away (the ASGI server
+    answers receive() with http.disconnect then)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
 
 
 # =============================================================================== the app
@@ -319,12 +345,20 @@ class _CountResponses:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         route = scope["path"] if scope["path"] in ROUTES else "other"
+        started = False
 
         async def counted(message):
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.counter.labels(route, str(message["status"])).inc()
             await send(message)
-        await self.app(scope, receive, counted)
+        try:
+            await self.app(scope, receive, counted)
+        except Exception:
+            if not started:           # the outer ServerErrorMiddleware answers it: a 500
+                self.counter.labels(route, "500").inc()
+            raise
 
 
 def create_app(cfg: Optional[ServeConfig] = None, model=None):
@@ -351,6 +385,7 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
     app.state.served = served
     app.add_middleware(_CountResponses, counter=served.metrics.requests)
     errors = {400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 429: {"model": ErrorResponse},
+              503: {"model": ErrorResponse, "description": "The server is stopping (or its model was freed)"},
               200: {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
                     "description": "A completion (JSON), or with stream=true server-sent events"}}
 
@@ -391,9 +426,10 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
         with open(path, encoding="utf-8") as fh:
             return HTMLResponse(fh.read())
 
-    async def respond(body, chat: bool):
+    async def respond(body, chat: bool, http):
         """Both routes: the model check, then a stream of server-sent events, or the decoded
-        choices in a Completion (chat: a ChatCompletion)."""
+        choices in a Completion (chat: a ChatCompletion). A non-streamed request whose client
+        goes away is cancelled (its jobs stop within one token, or never start)."""
         if body.model != served.name:
             return _error(404, f"model {body.model!r} is not served here (this server serves {served.name!r})",
                           "model_not_found", "model")
@@ -402,10 +438,22 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_sse(req, include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        work = asyncio.ensure_future(req.collect())
+        gone = asyncio.ensure_future(_until_disconnect(http))
         try:
-            done = await req.collect()
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            req.cancel()              # a handler cancelled by a disconnect stops its jobs
+            req.cancel()              # a disconnect (or a cancelled handler) stops its jobs
+            gone.cancel()
+            left = not work.done()
+            if left:
+                work.cancel()
+        if left:                      # nobody reads this answer: 499, as proxies log a client that left
+            return _error(499, "the client closed the connection before the completion was ready",
+                          "client_closed_request")
+        if work.exception() is not None:
+            return _failed(work.exception(), cfg.retry_after_s)
+        done = work.result()
         choices = [(ChatChoice(message=ChatReply(content=text), index=i, finish_reason=_finish_reason(end[1]),
                                tinyloop=req.choice_stats(i)) if chat else
                     Choice(text=text, index=i, finish_reason=_finish_reason(end[1]), tinyloop=req.choice_stats(i)))
@@ -415,12 +463,12 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
                                   usage=req.usage()).model_dump())
 
     @app.post("/v1/completions", response_model=Completion, responses=errors)
-    async def completions(body: CompletionRequest):
-        return await respond(body, chat=False)
+    async def completions(body: CompletionRequest, http: fastapi.Request):
+        return await respond(body, False, http)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=errors)
-    async def chat_completions(body: ChatCompletionRequest):
-        return await respond(body, chat=True)
+    async def chat_completions(body: ChatCompletionRequest, http: fastapi.Request):
+        return await respond(body, True, http)
 
     async def _sse(req: Request, include_usage: bool):
         chunk = req.chunk

@@ -33,6 +33,10 @@ class QueueFullError(TinyLoopError):
     """The request queue is full (HTTP 429 with Retry-After)."""
 
 
+class ShuttingDownError(TinyLoopError):
+    """The worker was stopped: a request it will never run (HTTP 503)."""
+
+
 @dataclass
 class Job:
     """One validated request: `tokens` is its generator (validated, not started); events go to
@@ -100,20 +104,22 @@ class ModelWorker:
     def submit(self, jobs: Sequence[Job]) -> None:
         """Queue the jobs of one request (one queue entry, run in order); QueueFullError when the
         queue is full (their generators are closed then)."""
-        if self._stopped:
-            why = "the server is shutting down"
-        else:
+        if not self._stopped:
             try:
                 self.queue.put_nowait(list(jobs))
                 return
             except queue.Full:
-                why = f"the request queue is full ({self.queue.maxsize} waiting); retry later"
+                for job in jobs:
+                    job.tokens.close()
+                raise QueueFullError(f"the request queue is full ({self.queue.maxsize} waiting); "
+                                     f"retry later") from None
         for job in jobs:
             job.tokens.close()
-        raise QueueFullError(why)
+        raise ShuttingDownError("the server is shutting down")
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel what is queued, let the running request end, stop the thread."""
+        """Fail what is queued (ShuttingDownError: those requests never ran, so they must not look
+        like finished completions), let the running request end, stop the thread."""
         self._stopped = True
         while True:
             try:
@@ -123,7 +129,8 @@ class ModelWorker:
             for job in jobs or ():
                 job.cancelled.set()
                 job.tokens.close()
-                self._finish(job, CANCELLED)
+                job.sink(("error", ShuttingDownError("the server shut down before this request ran")))
+                self._done(job)
         self.queue.put(None)
         self._thread.join(timeout)
 
