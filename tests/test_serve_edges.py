@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import re
 import socket
 import threading
 import time
@@ -19,21 +18,23 @@ import time
 import pytest
 
 pytest.importorskip("fastapi")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from tinyloop.errors import BackendError  # noqa: E402
 from tinyloop.runtime.config import GenerateStats  # noqa: E402
-from tinyloop.serve import ServeConfig, create_app  # noqa: E402
+from tinyloop.serve import ServeConfig  # noqa: E402
 from tinyloop.serve.worker import CANCELLED, Job  # noqa: E402
 
+from test_serve import Live as ServedLive  # noqa: E402
 
-class Live:
-    """A uvicorn server on a free port, in a thread; `finished` collects the worker's finished
-    jobs (its on_finish hook, wrapped) so tests wait on them instead of sleeping."""
+
+class Live(ServedLive):
+    """test_serve's live server; `finished` collects the worker's finished jobs (its on_finish
+    hook, wrapped) so tests wait on them instead of sleeping."""
 
     def __init__(self, cfg: ServeConfig):
-        self.app = create_app(cfg)
+        super().__init__(cfg)
         self.worker = self.app.state.served.worker
         self.finished, self._cond = [], threading.Condition()
         inner = self.worker.on_finish
@@ -44,28 +45,7 @@ class Live:
                 self.finished.append(job)
                 self._cond.notify_all()
         self.worker.on_finish = on_finish
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="critical"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        t0 = time.time()
-        while not self.server.started:
-            assert time.time() - t0 < 60, "server did not start"
-            time.sleep(0.02)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def close(self):
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.app.state.served.close()
-
-    def post(self, body, **kw):
-        return httpx.post(self.url + "/v1/completions", json=body, timeout=60, **kw)
-
-    def metric(self, name, labels=""):
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        m = re.search(rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+]+)$", text, re.M)
-        return float(m.group(1)) if m else 0.0
+        self.port = int(self.url.rsplit(":", 1)[1])
 
     def wait_finished(self, job, limit=30.0):
         with self._cond:
