@@ -1,10 +1,9 @@
-"""Audit of ``tinyloop convert --hf``: cases tests/test_hf_import.py does not cover (config keys
+"""Edges of ``tinyloop convert --hf``: cases tests/test_hf_import.py does not cover (config keys
 transformers ignores or reads differently, non-float tensors, output paths that are inputs or
 directories, a stray non-HF shard beside an index, conflicting loop options). Tiny shapes, CPU."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys

@@ -388,7 +388,7 @@ def _write(cfg: ModelConfig, index: Mapping[str, TensorInfo], checkpoint: str, o
     check_quant_shapes(cfg, tq)
     meta = {"source_checkpoint": os.path.basename(os.path.normpath(checkpoint))}
     meta.update(metadata or {})
-    out_abs = _check_output(output, [checkpoint])
+    out_abs = os.path.abspath(os.fspath(output))      # checked by the callers (_check_output)
     d, base = os.path.split(out_abs)
     tmp = os.path.join(d, f".{base}.{os.getpid()}.partial")
     weights = CheckpointWeights(index, required_tensors(cfg), derived)

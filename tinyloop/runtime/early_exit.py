@@ -205,7 +205,9 @@ def resolve_exit(model, config, loops: int, criteria: Mapping[str, type]) -> Opt
     if config.early_exit_min_L >= loops:
         raise ConfigError(f"early_exit_min_L={config.early_exit_min_L} leaves no probe before the last of "
                           f"loops={loops} iterations (early exit needs early_exit_min_L < loops)")
-    n_probes = len(range(config.early_exit_min_L, loops, config.early_exit_peek_every))
+    plan = ExitPlan(criterion, config.early_exit_patience, config.early_exit_min_L,
+                    config.early_exit_peek_every, loops, config.early_exit_kv)
+    n_probes = len(plan.probe_depths)
     if config.early_exit_patience > n_probes:
         raise ConfigError(f"early_exit_patience={config.early_exit_patience} can never be reached: "
                           f"early_exit_min_L={config.early_exit_min_L} and early_exit_peek_every="
@@ -215,8 +217,7 @@ def resolve_exit(model, config, loops: int, criteria: Mapping[str, type]) -> Opt
         raise BackendError(f"early_exit_kv='copy_last' needs the backend capability 'kv_layer_copy', which the "
                            f"{model.backend.name} backend does not provide (early_exit_kv='recompute' runs on "
                            f"the required ops)")
-    return ExitPlan(criterion, config.early_exit_patience, config.early_exit_min_L,
-                    config.early_exit_peek_every, loops, config.early_exit_kv)
+    return plan
 
 
 class ExitStep:

@@ -80,14 +80,9 @@ def ll_vocab(vocab_size: int, eos_id: Optional[int]) -> Tuple[int, int]:
     return (vocab_size, eos_id) if eos_id is not None else (vocab_size + 1, vocab_size)
 
 
-def ll_tokenizer(tokenizer, vocab_size: int, eos_id: Optional[int]):
-    """The llguidance tokenizer for `tokenizer` with the model's vocabulary and EOS (ll_vocab).
-    Built once per (tokenizer, vocab, EOS) and cached as long as the tokenizer lives."""
-    return _ll_entry(tokenizer, vocab_size, eos_id)[1]
-
-
 def _ll_entry(tokenizer, vocab_size: int, eos_id: Optional[int]) -> Tuple[int, Any]:
-    """(serial, llguidance tokenizer) of ll_tokenizer."""
+    """(serial, the llguidance tokenizer for `tokenizer` with the model's vocabulary and EOS
+    (ll_vocab)): built once per (tokenizer, vocab, EOS) and cached as long as the tokenizer lives."""
     llg = llguidance()
     n, eos = ll_vocab(vocab_size, eos_id)
     with _LLTOK_LOCK:

@@ -228,18 +228,16 @@ def _unsupported(req: _Generation) -> None:
 #: The keys of OpenAI's json_schema wrapper that are not JSON Schema keywords: a json_schema object
 #: holding one of them is the wrapper, whose schema is under "schema" (never the wrapper itself).
 _WRAPPER_KEYS = ("name", "strict", "schema")
-#: The response_format fields each type reads (a field given to a type that does not read it would
-#: be silently ignored: a 400 instead).
-_FORMAT_FIELDS = {"text": (), "json_object": (), "json_schema": ("json_schema",), "regex": ("regex",),
-                  "lark": ("lark",)}
 
 
 def grammar_of(fmt: Optional[ResponseFormat]) -> Any:
     """The GenerateConfig grammar a response_format asks for (None: unconstrained)."""
     if fmt is None:
         return None
+    # each constraint field is read by the type of its own name only: given to another type it would
+    # be silently ignored (a 400 instead)
     for other in ("json_schema", "regex", "lark"):
-        if getattr(fmt, other) is not None and other not in _FORMAT_FIELDS[fmt.type]:
+        if getattr(fmt, other) is not None and other != fmt.type:
             raise FieldError("response_format", f"response_format type {fmt.type!r} does not use the {other!r} "
                                                 f"field (it would be ignored); use type {other!r} for it")
     if fmt.type == "text":
