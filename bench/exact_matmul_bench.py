@@ -200,11 +200,11 @@ def main(argv=None) -> int:
     return 0
 
 
-def _load_baseline(path: str):
+def _load_baseline(path: str, name: str = "matmul_exact"):
     """The kernels file at `path` as a module of tinyloop.cuda.kernels (its relative imports resolve
-    there), beside the current matmul_exact."""
+    there), beside the current module `name`."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("tinyloop.cuda.kernels._baseline_matmul_exact", path)
+    spec = importlib.util.spec_from_file_location(f"tinyloop.cuda.kernels._baseline_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -214,3 +214,15 @@ def test_guarded_overhead_refuses_bad_arguments_before_any_work(argv, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2
     assert argv[0] in err and ("unknown" in err or "must be at least" in err)
+
+
+@pytest.mark.parametrize("argv", [["--vocab", "0"], ["--vocab", "a,b"], ["--top-k", "2048"], ["--top-p", "0"],
+                                  ["--reps", "0"], ["--scale", "-1"], ["--baseline", "/nonexistent/sample.py"]])
+def test_sample_bench_refuses_bad_arguments_before_any_work(argv, capsys):
+    """bench/sample_bench.py checks its arguments before it looks for a GPU."""
+    from bench import sample_bench
+    with pytest.raises(SystemExit) as e:
+        sample_bench.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert argv[0] in err

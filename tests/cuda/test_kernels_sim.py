@@ -1497,6 +1497,7 @@ SAMPLE_CASES = [
     (1.0, 3, 0.01, 300, "normal"),       # top-p small keeps one
     (0.6, 20, 0.95, 1500, "flat"),       # > CAP keys in the threshold bin: the exact select
     (1.1, 1024, 1.0, 1500, "normal"),    # KMAX candidates
+    (0.9, 200, 0.9, 3000, "normal"),     # whole histogram chunks and eight-load gather rounds
 ]
 
 
@@ -1549,6 +1550,37 @@ def test_sample_many_draws_follow_the_host():
         for i in range(5):
             assert device_sample(logits, 0.9, 30, 0.9, utab, i, 1, 1, work=work) == \
                 sample_token(logits, 0.9, 30, 0.9, utab[i]), (r, i)
+
+
+_SORT_CAP = sample.CAP
+_SORT_SCR = sample.SCR
+_SORT_NT = sample.NT
+
+
+@cuda.jit
+def _sort_probe(vals, m):
+    tid = cuda.threadIdx.x
+    comp = cuda.shared.array(_SORT_CAP, numba.uint64)
+    scr = cuda.shared.array(_SORT_SCR, numba.uint64)
+    for j in range(tid, m, _SORT_NT):
+        comp[j] = vals[j]
+    cuda.syncthreads()
+    sample._pad_sort(comp, m, scr, tid)
+    for j in range(tid, m, _SORT_NT):
+        vals[j] = comp[j]
+
+
+@pytest.mark.parametrize("m", [1, 5, 63, 64, 65, 200, 513, sample.CAP])
+def test_sample_sort_orders_candidates(m):
+    """The pick kernel's sort (register stages by warp shuffles, the rest through shared memory)
+    puts any m <= CAP keys in descending order: high bits set, duplicates, zeros included."""
+    rng = np.random.default_rng(m)
+    vals = rng.integers(0, 2 ** 63, m, dtype=np.uint64) * np.uint64(2) + rng.integers(0, 2, m).astype(np.uint64)
+    vals[rng.integers(0, m, max(1, m // 8))] = vals[0]          # duplicates
+    vals[rng.integers(0, m, max(1, m // 16))] = np.uint64(0)    # zeros, as the padding
+    d = D(vals)
+    _sort_probe[1, _SORT_NT](d, m)
+    np.testing.assert_array_equal(host(d), np.sort(vals)[::-1])
 
 
 def test_sample_launcher_rejects_bad_arguments():

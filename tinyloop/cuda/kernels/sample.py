@@ -57,7 +57,7 @@ from numba import cuda, float64, int32, int64, uint32, uint64
 
 from ...errors import BackendError
 from ._cache import jit_kernel
-from ._common import SIM, as_bits, cdiv, check_array, check_workspace
+from ._common import FULL_MASK, SIM, as_bits, as_float, cdiv, check_array, check_workspace
 from ._pdl import grid_dep_wait
 
 #: Threads of the pick kernel (a power of two); of the histogram kernel.
@@ -70,6 +70,8 @@ BITS = 12
 BINS = 1 << BITS
 #: Gathered keys the pick kernel sorts (a power of two, >= KMAX); more fall back to the exact select.
 CAP = 1024 if SIM else 4096
+#: The sort's exchange row: the simulator's twin of the warp shuffle needs one slot per thread.
+SCR = NT if SIM else 1
 #: Most candidates (top_k) the device sampler takes.
 KMAX = 1024
 #: 512 threads x 128 registers fill the register file; without the cap the compiler may use more
@@ -94,6 +96,16 @@ def _key(v):
 
 
 @cuda.jit(device=True)
+def _value(c):
+    """The logit of sort key c (the inverse of _key on its high word: -0.0 comes back as +0.0,
+    which divides and exponentiates the same; a NaN as a NaN)."""
+    key = uint32(c >> uint64(32))
+    if key & uint32(0x80000000):
+        return as_float(int32(key & uint32(0x7FFFFFFF)))
+    return as_float(int32(~key))
+
+
+@cuda.jit(device=True)
 def _comp(key, i):
     """Sort key of candidate i: larger key first, then smaller index."""
     return (uint64(key) << uint64(32)) | uint64(_LOW32 - i)
@@ -105,34 +117,144 @@ def _index(c):
 
 
 @cuda.jit(device=True)
-def _bitonic_desc(comp, n2, tid):
-    """Sort comp[0:n2] (n2 a power of two) descending; every thread calls it after a barrier
-    that published the entries; sorted when it returns."""
+def _count(sh, v):
+    """Count logit v into its bin of the shared histogram."""
+    cuda.atomic.add(sh, int32(_key(v) >> uint32(32 - BITS)), 1)
+
+
+@cuda.jit(device=True)
+def _gather(comp, bc, bstar, v, i):
+    """Append candidate i (logit v) to comp when its bin is at or above bstar (bc[3] counts)."""
+    key = _key(v)
+    if (key >> uint32(32 - BITS)) >= bstar:
+        comp[cuda.atomic.add(bc, 3, 1)] = _comp(key, i)
+
+
+if SIM:
+    @cuda.jit(device=True)
+    def _partner(v, m, scratch, tid):
+        """The value lane ``lane ^ m`` holds (simulator twin of the shuffle: the same exchange
+        through a shared row, every thread of the block calling it)."""
+        scratch[tid] = v
+        # Every lane's value must be stored before its partner reads it.
+        cuda.syncthreads()
+        p = scratch[tid ^ m]
+        # The partner's value must be read before the row is reused.
+        cuda.syncthreads()
+        return p
+else:
+    @cuda.jit(device=True)
+    def _partner(v, m, scratch, tid):
+        """The value lane ``lane ^ m`` holds (a 64-bit shuffle; the casts keep the bits)."""
+        return uint64(cuda.shfl_xor_sync(FULL_MASK, int64(v), m))
+
+
+@cuda.jit(device=True)
+def _lane_stage(a, b, g0, size, stride, scratch, tid):
+    """One bitonic stage (size, stride <= 32) on elements g0 (a) and g0 + 1 (b) of a lane, g0
+    even: the pair's lower element keeps the larger value in a descending block ((lower & size)
+    == 0), the smaller in an ascending one -- the compare-exchange of the shared-memory form."""
+    if stride == 1:
+        hi = max(a, b)
+        lo = min(a, b)
+        if (g0 & size) == 0:
+            return hi, lo
+        return lo, hi
+    m = stride >> 1                    # element g0 ^ stride is lane (lane ^ m)'s, same slot
+    pa = _partner(a, m, scratch, tid)
+    pb = _partner(b, m, scratch, tid)
+    if ((g0 & stride) == 0) == ((g0 & size) == 0):
+        return max(a, pa), max(b, pb)
+    return min(a, pa), min(b, pb)
+
+
+@cuda.jit(device=True)
+def _lane_stages(comp, n2, size, first, scratch, tid):
+    """Stages (size, stride) for stride = first, first / 2, ..., 1 (first <= 32) on every
+    64-element chunk of comp[0:n2] in registers: lane l of a warp holds elements 2l and 2l + 1 of
+    its chunk, so a stride s >= 2 is a shuffle with lane l ^ (s / 2) and stride 1 stays in the
+    lane. Every thread runs the same number of rounds (warps without a chunk exchange dummies),
+    as the simulator twin's barriers need."""
+    lane = tid & 31
+    warp = tid >> 5
+    nwarp = NT // 32
+    nch = n2 // 64
+    for r in range((nch + nwarp - 1) // nwarp):
+        c = warp + r * nwarp
+        g0 = c * 64 + 2 * lane
+        a = uint64(0)
+        b = uint64(0)
+        if c < nch:
+            a = comp[g0]
+            b = comp[g0 + 1]
+        stride = first
+        while stride > 0:
+            a, b = _lane_stage(a, b, g0, size, stride, scratch, tid)
+            stride //= 2
+        if c < nch:
+            comp[g0] = a
+            comp[g0 + 1] = b
+
+
+@cuda.jit(device=True)
+def _shared_stage(comp, n2, size, stride, tid):
+    """One bitonic stage (size, stride) through shared memory: every pair (i, i + stride) of
+    comp[0:n2] compare-exchanged, descending where (i & size) == 0, ascending elsewhere."""
+    for e in range(tid, n2 // 2, NT):
+        i = 2 * stride * (e // stride) + (e % stride)
+        j = i + stride
+        a = comp[i]
+        b = comp[j]
+        if (i & size) == 0:
+            if a < b:
+                comp[i] = b
+                comp[j] = a
+        else:
+            if a > b:
+                comp[i] = b
+                comp[j] = a
+    # This stage's swaps must land before the next stage compares.
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def _bitonic_desc(comp, n2, scratch, tid):
+    """Sort comp[0:n2] (n2 a power of two) descending; every thread calls it after a barrier that
+    published the entries; sorted when it returns. The bitonic network of (size, stride) stages
+    in the usual order. From 64 keys on, the stages of stride <= 32 run in registers with warp
+    shuffles (_lane_stages: sizes 2..64 whole, then the last six stages of every larger size) and
+    the others through shared memory with a barrier after each: 10 shared-memory stages for 2048
+    keys instead of 66. Fewer keys take the shared-memory stages only (a register pass over a
+    padded 64 costs more there). Every stage is the same compare-exchange, so the result is the
+    sorted array whichever form ran it."""
+    if n2 < 64:
+        size = 2
+        while size <= n2:
+            stride = size // 2
+            while stride > 0:
+                _shared_stage(comp, n2, size, stride, tid)
+                stride //= 2
+            size *= 2
+        return
     size = 2
+    while size <= 64:
+        _lane_stages(comp, n2, size, size // 2, scratch, tid)
+        size *= 2
+    # The chunks must be stored before the shared-memory stages read across them.
+    cuda.syncthreads()
     while size <= n2:
         stride = size // 2
-        while stride > 0:
-            for e in range(tid, n2 // 2, NT):
-                i = 2 * stride * (e // stride) + (e % stride)
-                j = i + stride
-                a = comp[i]
-                b = comp[j]
-                if (i & size) == 0:
-                    if a < b:
-                        comp[i] = b
-                        comp[j] = a
-                else:
-                    if a > b:
-                        comp[i] = b
-                        comp[j] = a
-            # This stage's swaps must land before the next stage compares.
-            cuda.syncthreads()
+        while stride >= 64:
+            _shared_stage(comp, n2, size, stride, tid)
             stride //= 2
+        _lane_stages(comp, n2, size, 32, scratch, tid)
+        # The chunks must be stored before the next size's stages read across them.
+        cuda.syncthreads()
         size *= 2
 
 
 @cuda.jit(device=True)
-def _pad_sort(comp, m, tid):
+def _pad_sort(comp, m, scratch, tid):
     """Pad comp[m:] to a power of two with zeros (below every real entry) and sort it."""
     n2 = 1
     while n2 < m:
@@ -141,11 +263,11 @@ def _pad_sort(comp, m, tid):
         comp[j] = uint64(0)
     # The padding must be in place before the sort reads it.
     cuda.syncthreads()
-    _bitonic_desc(comp, n2, tid)
+    _bitonic_desc(comp, n2, scratch, tid)
 
 
 @cuda.jit(device=True)
-def _select_exact(logits, V, kc, comp, hist, segi, bc, tid):
+def _select_exact(logits, V, kc, comp, hist, segi, bc, scr, tid):
     """comp[0:kc] := the kc best candidates of the whole row, sorted (the fallback: radix select
     of the kc-th largest key 8 bits at a time, gather by per-thread segments, sort)."""
     prefix = uint32(0)
@@ -220,7 +342,7 @@ def _select_exact(logits, V, kc, comp, hist, segi, bc, tid):
             comp[slot] = _comp(key, i)
     # Every candidate must be in place before the sort.
     cuda.syncthreads()
-    _pad_sort(comp, kc, tid)
+    _pad_sort(comp, kc, scr, tid)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -238,8 +360,29 @@ def _hist_kernel(logits, iparams, hist, ticket, plan):
     cuda.syncthreads()
     lo = cuda.blockIdx.x * CHUNK
     hi = min(V, lo + CHUNK)
-    for i in range(lo + tid, hi, HIST_NT):
-        cuda.atomic.add(sh, int32(_key(logits[i]) >> uint32(32 - BITS)), 1)
+    if hi - lo == CHUNK:
+        # a whole chunk: the thread's 8 logits requested before any is counted (8 loads in
+        # flight instead of one load's latency per element)
+        i = lo + tid
+        v0 = logits[i]
+        v1 = logits[i + HIST_NT]
+        v2 = logits[i + 2 * HIST_NT]
+        v3 = logits[i + 3 * HIST_NT]
+        v4 = logits[i + 4 * HIST_NT]
+        v5 = logits[i + 5 * HIST_NT]
+        v6 = logits[i + 6 * HIST_NT]
+        v7 = logits[i + 7 * HIST_NT]
+        _count(sh, v0)
+        _count(sh, v1)
+        _count(sh, v2)
+        _count(sh, v3)
+        _count(sh, v4)
+        _count(sh, v5)
+        _count(sh, v6)
+        _count(sh, v7)
+    else:
+        for i in range(lo + tid, hi, HIST_NT):
+            _count(sh, logits[i])
     # Every count must be in before the block's bins are added to the global histogram.
     cuda.syncthreads()
     for j in range(tid, BINS, HIST_NT):
@@ -299,27 +442,53 @@ def _pick_kernel(out, logits, params, iparams, utab, pos, T, plan):
     hist = cuda.shared.array(256, int32)
     segi = cuda.shared.array(NT, int64)
     bc = cuda.shared.array(4, int32)           # broadcast slots / the gather counter
+    scr = cuda.shared.array(SCR, uint64)       # the simulator's shuffle row (unused on the GPU)
     kc = min(max(iparams[0], 1), V, KMAX)
     bstar = uint32(plan[0])
     n_ge = plan[2]
+    # the scalars the end of the kernel needs, read now so their latency hides behind the gather
+    temp = params[0]
+    top_p = params[1]
+    idx = int64(pos[0]) + T - iparams[1]
+    u = utab[min(max(idx, int64(0)), int64(utab.shape[0] - 1))]
     if n_ge <= CAP:
         if tid == 0:
             bc[3] = 0
         # The counter must be zero before anyone gathers.
         cuda.syncthreads()
-        for i in range(tid, V, NT):
-            key = _key(logits[i])
-            if (key >> uint32(32 - BITS)) >= bstar:
-                comp[cuda.atomic.add(bc, 3, 1)] = _comp(key, i)
+        # eight logits requested per round before any is tested (one load's latency per round,
+        # not per element: this one block reads the whole row)
+        i = tid
+        while i + 7 * NT < V:
+            v0 = logits[i]
+            v1 = logits[i + NT]
+            v2 = logits[i + 2 * NT]
+            v3 = logits[i + 3 * NT]
+            v4 = logits[i + 4 * NT]
+            v5 = logits[i + 5 * NT]
+            v6 = logits[i + 6 * NT]
+            v7 = logits[i + 7 * NT]
+            _gather(comp, bc, bstar, v0, i)
+            _gather(comp, bc, bstar, v1, i + NT)
+            _gather(comp, bc, bstar, v2, i + 2 * NT)
+            _gather(comp, bc, bstar, v3, i + 3 * NT)
+            _gather(comp, bc, bstar, v4, i + 4 * NT)
+            _gather(comp, bc, bstar, v5, i + 5 * NT)
+            _gather(comp, bc, bstar, v6, i + 6 * NT)
+            _gather(comp, bc, bstar, v7, i + 7 * NT)
+            i += 8 * NT
+        while i < V:
+            _gather(comp, bc, bstar, logits[i], i)
+            i += NT
         # Every gathered key must be in place before the sort.
         cuda.syncthreads()
-        _pad_sort(comp, bc[3], tid)
+        _pad_sort(comp, bc[3], scr, tid)
     else:
-        _select_exact(logits, V, kc, comp, hist, segi, bc, tid)
-    temp = params[0]
-    z0 = float64(logits[_index(comp[0])]) / temp
+        _select_exact(logits, V, kc, comp, hist, segi, bc, scr, tid)
+    # the logits come back from the sort keys (no second read of the row)
+    z0 = float64(_value(comp[0])) / temp
     for j in range(tid, kc, NT):
-        cum[j] = math.exp(float64(logits[_index(comp[j])]) / temp - z0)
+        cum[j] = math.exp(float64(_value(comp[j])) / temp - z0)
     # Every weight must be stored before thread 0 accumulates them.
     cuda.syncthreads()
     if tid == 0:
@@ -351,7 +520,6 @@ def _pick_kernel(out, logits, params, iparams, utab, pos, T, plan):
     cuda.syncthreads()
     # The sums never decrease, so "the first j with cum[j] >= thr" is a minimum over threads of
     # each thread's first hit: the same comparisons as a scan, done in parallel.
-    top_p = params[1]
     if top_p < 1.0:                             # uniform over the block
         thr = top_p * cum[kc - 1]
         for j in range(tid, kc, NT):
@@ -361,9 +529,7 @@ def _pick_kernel(out, logits, params, iparams, utab, pos, T, plan):
         # The top-p cut must be final before the draw reads it.
         cuda.syncthreads()
     n = bc[0]
-    idx = int64(pos[0]) + T - iparams[1]
-    idx = min(max(idx, int64(0)), int64(utab.shape[0] - 1))
-    r = utab[idx] * cum[n - 1]
+    r = u * cum[n - 1]
     for j in range(tid, n, NT):
         if cum[j] > r:
             cuda.atomic.min(bc, 1, j)
