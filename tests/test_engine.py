@@ -167,11 +167,12 @@ def _definition_filtered(logits, temperature, top_k, top_p):
     z = np.asarray(logits, np.float64) / temperature
     order = np.lexsort((np.arange(z.size), -z))[:min(top_k, z.size)]
     p = np.exp(z[order] - z[order[0]])
+    w = np.cumsum(p)                    # the cut: step 4 of sample_token, on the running sums
     p /= p.sum()
     if top_p < 1.0:
         c = np.cumsum(p)
-        keep = int(np.searchsorted(c, top_p, side="left")) + 1
-        order, p = order[:keep], p[:keep] / c[min(keep, len(c)) - 1]
+        keep = min(int(np.searchsorted(w, top_p * w[-1], side="left")) + 1, len(c))
+        order, p = order[:keep], p[:keep] / c[keep - 1]
     return order, p
 
 

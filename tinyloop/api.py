@@ -85,6 +85,7 @@ def apply_chat_template(model: Model, messages: Sequence[Mapping[str, Any]], add
     from .model.chat import render
     from .runtime.engine import check_call
     check_call(model)
+    model._check_live()
     if not isinstance(tokenize, bool):
         raise InvalidInputError(f"tokenize must be True or False, got {tokenize!r:.40}")
     tok = model.tokenizer

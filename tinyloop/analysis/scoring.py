@@ -24,7 +24,7 @@ from typing import Callable, List, Optional, Sequence
 import numpy as np
 
 from ..errors import ConfigError
-from ..runtime.config import GenerateConfig, GenerateStats
+from ..runtime.config import GenerateConfig, GenerateStats, plain_number
 from ..runtime.engine import Model, Plan, Session, _locked, check_call, resolve_loops, validate_request
 from ..runtime.processors import ProcessorChain
 from ..runtime import reuse
@@ -131,7 +131,10 @@ def score_logit_lens(model: Model, tokens: Sequence[int], loops: Optional[int] =
     log-probabilities per depth and position: memory depths x T x k instead of x vocab)."""
     check_call(model)
     V = model.cfg.vocab_size
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= V):
+    top_k = plain_number(top_k)                      # np.int64(3) is 3
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
+        raise ConfigError(f"top_k={top_k!r} must be an integer in [1, {V}] (the vocabulary), or None")
+    if top_k is not None and not 1 <= top_k <= V:
         raise ConfigError(f"top_k={top_k!r} is outside the allowed range [1, {V}] (the vocabulary), or None")
     L = resolve_loops(model, loops)
     ds = _depths(L, depths)
@@ -261,6 +264,7 @@ def score_with_consistency_escalation(model: Model, tokens: Sequence[int], loops
             raise ConfigError(f"criterion 'disagreement' needs loops_low >= 2 (it compares depths loops_low - 1 "
                               f"and loops_low), got {lo}")
     else:
+        threshold = plain_number(threshold)          # np.float32(0.5) is 0.5
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold):
             raise ConfigError(f"threshold={threshold!r} must be a finite number for criterion {criterion!r}")
         if threshold < 0:

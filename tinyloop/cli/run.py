@@ -187,11 +187,15 @@ def run(args) -> int:
             depth = f"draft loops {cfg.speculative.draft_loops}, verify loops {cfg.speculative.verify_loops}"
         else:
             depth = f"loops={cfg.generate.loops or model.cfg.default_loops}"
+            if cfg.resume is not None:      # the depths come from resume: (generate.loops is refused there)
+                depth = (f"warm start from loops={cfg.resume.loops_used} to depths "
+                         f"{', '.join(map(str, cfg.resume.depths))}")
             if cfg.generate.decoder:
                 o = cfg.generate.options
                 opts = "".join(f", {k}={v}" for k, v in (dataclasses.asdict(o) if dataclasses.is_dataclass(o)
                                                          else dict(o)).items())
-                depth = f"decoder {cfg.generate.decoder}{opts}" if opts else f"decoder {cfg.generate.decoder}, {depth}"
+                depth = (f"decoder {cfg.generate.decoder}{opts}" if opts and cfg.resume is None else
+                         f"decoder {cfg.generate.decoder}{opts}, {depth}")
         print(f"[tinyloop] {Path(model_path).name} on {model.backend_name}, {depth}, tokenizer {tok.name}",
               file=sys.stderr)
         if cfg.mode == "batch":

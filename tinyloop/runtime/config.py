@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, Mapping, Optional, Sequence, Tuple, Type, TypeVar
 
+import numpy as np
+
 from ..errors import ConfigError
 
 
@@ -64,6 +66,9 @@ MAX_BEAM = 256
 MAX_WINDOW = 1 << 20
 #: Float knobs are bounded so no arithmetic on them overflows float32 (penalties divide logits).
 MAX_PENALTY = 1e6
+#: repetition_penalty's lower bound: a penalty below 1 divides positive logits by it, so below
+#: 1 / MAX_PENALTY float32 logits overflow to inf (and 1e-300 rounds to a float32 zero).
+MIN_REPETITION_PENALTY = 1.0 / MAX_PENALTY
 MAX_LENGTH_PENALTY = 10.0
 #: GenerateConfig.early_exit_kv: what the skipped loop iterations of an exited token store.
 EXIT_KV_POLICIES = ("copy_last", "recompute")
@@ -89,17 +94,31 @@ def typed_init(cls):
     return cls
 
 
+def plain_number(v: Any) -> Any:
+    """A numpy integer or floating scalar as the Python int / float it holds (numpy's bool is left
+    as it is, so it is refused where a number is expected, like bool); anything else unchanged."""
+    if isinstance(v, np.integer):
+        return int(v)
+    if isinstance(v, np.floating):
+        return float(v)
+    return v
+
+
 def _stop_sequences(v: Any) -> Tuple[Tuple[int, ...], ...]:
     if v is None:
         return ()
+    if isinstance(v, np.ndarray) and v.ndim == 2:
+        v = list(v)                                 # one stop sequence per row
     if isinstance(v, (str, bytes)) or not isinstance(v, Sequence):
         raise ConfigError(f"stop_sequences must be a list of token-id lists, got {v!r}")
     out = []
     for i, seq in enumerate(v):
+        if isinstance(seq, np.ndarray) and seq.ndim == 1:
+            seq = seq.tolist() if seq.dtype.kind in "iu" else list(seq)
         if isinstance(seq, (str, bytes)) or not isinstance(seq, Sequence) or len(seq) == 0:
             raise ConfigError(f"stop_sequences[{i}] must be a non-empty list of token ids, got {seq!r}")
         for t in seq:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            if isinstance(t, bool) or not isinstance(plain_number(t), int) or t < 0:
                 raise ConfigError(f"stop_sequences[{i}] holds {t!r}; token ids are integers >= 0")
         out.append(tuple(int(t) for t in seq))
     return tuple(out)
@@ -172,7 +191,8 @@ class GenerateConfig:
     cache_window: int = 0
     """Sliding-window cap on the KV cache; 0 means unlimited."""
     repetition_penalty: float = 1.0
-    """HF-convention penalty (> 0) on tokens already in the prompt or output; 1.0 disables."""
+    """HF-convention penalty in [1e-6, 1e6] on tokens already in the prompt or output (a positive
+    logit divided by it, a negative one multiplied); 1.0 disables."""
     stop_sequences: Tuple[Tuple[int, ...], ...] = ()
     """Token-id sequences that end decoding when they match the tail of the output (included)."""
     beam_size: int = 0
@@ -222,16 +242,24 @@ class GenerateConfig:
         "beam_size": lambda v: v <= 1,
     }
 
+    #: The numeric fields: a numpy scalar given for one is stored as the Python number it holds.
+    _NUMERIC: ClassVar[Tuple[str, ...]] = (
+        "max_tokens", "loops", "temperature", "top_k", "top_p", "cache_window", "repetition_penalty", "beam_size",
+        "length_penalty", "early_exit_patience", "early_exit_min_L", "early_exit_peek_every",
+        "early_exit_logit_margin", "early_exit_threshold", "sample_seed")
+
     def __post_init__(self) -> None:
+        for name in self._NUMERIC:
+            object.__setattr__(self, name, plain_number(getattr(self, name)))
         _int("max_tokens", self.max_tokens, 0, MAX_TOKENS)
         if self.loops is not None:
             _int("loops", self.loops, 1)
         _check_sampling(self)
         _int("cache_window", self.cache_window, 0, MAX_WINDOW)
         rp = _float("repetition_penalty", self.repetition_penalty)
-        if not 0 < rp <= MAX_PENALTY:
+        if not MIN_REPETITION_PENALTY <= rp <= MAX_PENALTY:
             raise ConfigError(f"repetition_penalty={self.repetition_penalty} is outside the allowed range "
-                              f"(0, {MAX_PENALTY:g}]")
+                              f"[{MIN_REPETITION_PENALTY:g}, {MAX_PENALTY:g}] (1.0 disables it)")
         object.__setattr__(self, "repetition_penalty", rp)
         object.__setattr__(self, "stop_sequences", _stop_sequences(self.stop_sequences))
         _int("beam_size", self.beam_size, 0, MAX_BEAM)
@@ -304,18 +332,21 @@ class SpeculativeConfig:
     draft_loops: int = 2
     """Cheap draft-pass loop depth (>= 1, < verify_loops)."""
     verify_loops: int = 8
-    """Verify-pass loop depth (<= model.max_loops)."""
+    """Verify-pass loop depth, in [2, model.max_loops] (the draft depth is below it)."""
     draft_ahead: int = 4
     """Tokens drafted per verify cycle (>= 1)."""
     temperature: float = 0.0
     """0 (or <= 0.01) = greedy acceptance (exact); above = speculative sampling, whose output
     distribution equals plain sampling at verify_loops with the same temperature/top_k/top_p."""
     seed: int = 0
-    """RNG seed for stochastic mode."""
+    """RNG seed for stochastic mode. A sampling knob: set on a greedy config (temperature <= 0.01)
+    it is an error, as GenerateConfig.sample_seed on a greedy request (it would be ignored)."""
     top_k: int = 50
-    """Speculative sampling: keep the k most likely tokens (as GenerateConfig.top_k)."""
+    """Speculative sampling: keep the k most likely tokens (as GenerateConfig.top_k). A sampling
+    knob (an error on a greedy config)."""
     top_p: float = 1.0
-    """Speculative sampling: nucleus threshold in (0, 1] (as GenerateConfig.top_p)."""
+    """Speculative sampling: nucleus threshold in (0, 1] (as GenerateConfig.top_p). A sampling
+    knob (an error on a greedy config)."""
     verify_resume: bool = True
     """Verify resumes each drafted position from the residual the draft left after draft_loops
     iterations and runs only iterations draft_loops..verify_loops-1 (same tokens either way)."""
@@ -327,7 +358,16 @@ class SpeculativeConfig:
     """Sliding-window cap on the KV cache (as GenerateConfig.cache_window); 0 means unlimited.
     Chain speculation only (trees are rejected)."""
 
+    #: The numeric fields: a numpy scalar given for one is stored as the Python number it holds.
+    _NUMERIC: ClassVar[Tuple[str, ...]] = ("max_tokens", "draft_loops", "verify_loops", "draft_ahead",
+                                           "temperature", "seed", "top_k", "top_p", "cache_window")
+    #: The knobs only speculative sampling uses, with their defaults: set on a greedy config they
+    #: would be ignored, so they are refused (as GenerateConfig's sampling knobs on a greedy request).
+    _SAMPLING_KNOBS: ClassVar[Tuple[Tuple[str, Any], ...]] = (("seed", 0), ("top_k", 50), ("top_p", 1.0))
+
     def __post_init__(self) -> None:
+        for name in self._NUMERIC:
+            object.__setattr__(self, name, plain_number(getattr(self, name)))
         _int("max_tokens", self.max_tokens, 0, MAX_TOKENS)
         _int("cache_window", self.cache_window, 0, MAX_WINDOW)
         if not isinstance(self.cache_mode, str) or not self.cache_mode:
@@ -335,11 +375,20 @@ class SpeculativeConfig:
         if not isinstance(self.verify_resume, bool):
             raise ConfigError(f"verify_resume must be true or false, got {self.verify_resume!r}")
         object.__setattr__(self, "stop_sequences", _stop_sequences(self.stop_sequences))
-        _int("verify_loops", self.verify_loops, 1)
-        _int("draft_loops", self.draft_loops, 1, max(1, self.verify_loops - 1))
+        # a verify depth of 1 leaves no draft depth below it (draft_loops < verify_loops)
+        _int("verify_loops", self.verify_loops, 2)
+        _int("draft_loops", self.draft_loops, 1, self.verify_loops - 1)
         _int("draft_ahead", self.draft_ahead, 1, 64)
         _check_sampling(self)
         _int("seed", self.seed, 0, MAX_SEED)
+        if self.temperature <= GREEDY_TEMPERATURE:
+            for name, default in self._SAMPLING_KNOBS:
+                v = getattr(self, name)
+                if v != default:
+                    raise ConfigError(f"{name}={v} is a speculative-sampling knob, but temperature={self.temperature} "
+                                      f"is greedy (<= {GREEDY_TEMPERATURE}) and would ignore it: set temperature "
+                                      f"above {GREEDY_TEMPERATURE} to sample, or leave {name} at its default "
+                                      f"{default}")
 
 
 @typed_init
@@ -352,6 +401,7 @@ class TreeSpeculativeConfig(SpeculativeConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        object.__setattr__(self, "K_branches", plain_number(self.K_branches))
         _int("K_branches", self.K_branches, 1, 16)
 
 
@@ -587,6 +637,10 @@ class RunConfig:
             object.__setattr__(self, "speculative", from_mapping(cls, self.speculative, "speculative"))
         elif self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise ConfigError(f"speculative must be a mapping of {cls.__name__} fields, got {self.speculative!r}")
+        elif spec_mode and isinstance(self.speculative, SpeculativeConfig) and (
+                isinstance(self.speculative, TreeSpeculativeConfig) != (cls is TreeSpeculativeConfig)):
+            raise ConfigError(f"mode: {self.mode} takes a {cls.__name__} as its `speculative:` section, got "
+                              f"{type(self.speculative).__name__}")
         if spec_mode and self.speculative is None:
             raise ConfigError(f"mode: {self.mode} needs a `speculative:` section (draft_loops, verify_loops, ...)")
         if not spec_mode and self.speculative is not None:

@@ -70,10 +70,16 @@ class Model:
 
     def __init__(self, path, max_seq_len: int, backend: str, prefill_chunk: int, tokenizer=None):
         path = model_path(path)
-        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or not 1 <= max_seq_len <= 1 << 20:
+        # numpy integers are integers (np.bool_, like bool, is not one)
+        max_seq_len = int(max_seq_len) if isinstance(max_seq_len, np.integer) else max_seq_len
+        prefill_chunk = int(prefill_chunk) if isinstance(prefill_chunk, np.integer) else prefill_chunk
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int):
+            raise ConfigError(f"max_seq_len must be an integer in [1, 1048576], got {max_seq_len!r}")
+        if not 1 <= max_seq_len <= 1 << 20:
             raise ConfigError(f"max_seq_len={max_seq_len!r} is outside the allowed range [1, 1048576]")
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 0:
-            raise ConfigError(f"prefill_chunk={prefill_chunk!r} must be an integer >= 0 (0 = automatic)")
+            what = "" if isinstance(prefill_chunk, int) and not isinstance(prefill_chunk, bool) else " an integer"
+            raise ConfigError(f"prefill_chunk must be{what} >= 0 (0 = automatic), got {prefill_chunk!r}")
         if not (tokenizer is None or isinstance(tokenizer, Tokenizer)
                 or (isinstance(tokenizer, str) and tokenizer)):
             raise ConfigError(f"tokenizer={tokenizer!r} must be None (the documented precedence), a tokenizer "
@@ -275,7 +281,11 @@ def validate_request(model: Model, prompt: Any, config: GenerateConfig, what: st
 
 def resolve_loops(model: Model, loops: Optional[int]) -> int:
     L = model.cfg.default_loops if loops is None else loops
-    if isinstance(L, bool) or not isinstance(L, int) or not 1 <= L <= model.cfg.max_loops:
+    if isinstance(L, np.integer):
+        L = int(L)                      # a numpy integer is an integer (np.bool_ is not one)
+    if isinstance(L, bool) or not isinstance(L, int):
+        raise ConfigError(f"loops={L!r} must be an integer in [1, {model.cfg.max_loops}] (model.max_loops)")
+    if not 1 <= L <= model.cfg.max_loops:
         # a config value out of range is a ConfigError wherever the range comes from (the model here)
         raise ConfigError(f"loops={L!r} is outside the allowed range [1, {model.cfg.max_loops}] "
                           f"(model.max_loops)")

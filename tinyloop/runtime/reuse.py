@@ -56,6 +56,11 @@ from .stopping import CallbackStopper
 MAX_HANDLE_BYTES_ENV = "TINYLOOP_MAX_HANDLE_BYTES"
 
 
+def _count(v: Any) -> Any:
+    """A numpy integer as the int it is (np.bool_ is not one); anything else unchanged."""
+    return int(v) if isinstance(v, np.integer) else v
+
+
 # --------------------------------------------------------------------------- the live-handle cap
 def _env_cap() -> Optional[int]:
     raw = os.environ.get(MAX_HANDLE_BYTES_ENV, "").strip()
@@ -108,6 +113,13 @@ class _Budget:
         with self.lock:
             self.live.pop(id(h), None)
 
+    def check(self, nbytes: int, what: str) -> None:
+        """HandleBudgetError when `nbytes` can never fit under the cap (whatever is evicted)."""
+        cap = self.current_cap()
+        if cap is not None and nbytes > cap:
+            raise HandleBudgetError(f"{what} needs {nbytes} bytes, more than the live handle cap of {cap} "
+                                    f"bytes ({MAX_HANDLE_BYTES_ENV} / set_handle_bytes_cap)")
+
     def admit(self, nbytes: int, what: str, model: Model, keep: Tuple["_Kept", ...] = ()) -> None:
         """Make room for `nbytes` more under the cap, evicting least recently used handles (not
         those in `keep`; a handle of another model only while that model is idle). The caller
@@ -116,9 +128,7 @@ class _Budget:
         if cap is None:
             return
         with self.lock:
-            if nbytes > cap:
-                raise HandleBudgetError(f"{what} needs {nbytes} bytes, more than the live handle cap of {cap} "
-                                        f"bytes ({MAX_HANDLE_BYTES_ENV} / set_handle_bytes_cap)")
+            self.check(nbytes, what)
             for h in self.handles():
                 if self.total() + nbytes <= cap:
                     break
@@ -145,6 +155,7 @@ def set_handle_bytes_cap(max_bytes: Optional[int]) -> None:
     together (None: no cap; the default is TINYLOOP_MAX_HANDLE_BYTES). Admitting state beyond the
     cap evicts least recently used handles; lowering the cap evicts nothing until the next
     admission."""
+    max_bytes = _count(max_bytes)
     if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
         raise ConfigError(f"max_bytes={max_bytes!r} must be an integer >= 1, or None for no cap")
     with _BUDGET.lock:
@@ -175,6 +186,8 @@ def live_handles(model: Optional[Model] = None) -> List[Dict[str, Any]]:
 # --------------------------------------------------------------------------- kept state
 #: Why a handle ended when its model was freed (freeing it afterwards is then a no-op).
 RELEASED_WITH_MODEL = "released with its model (free_model)"
+#: The state of a handle object made directly (its class called) rather than by its builder.
+_UNBUILT = "never built"
 
 
 def _uncharge(model: Model, acct: List[int]) -> None:
@@ -189,11 +202,15 @@ class _Kept:
     and its end (freed, evicted, or released with its model)."""
 
     kind = "handle"
+    #: the function that builds this kind of state (named when an object made otherwise is used)
+    builder = "its builder"
 
     def __init__(self, model: Model) -> None:
+        check_call(model)
         self.model = model
         self._acct = [0]
-        self._gone: Optional[str] = None
+        # a handle is usable once its builder registers it; one made by calling the class is not
+        self._gone: Optional[str] = _UNBUILT
         weakref.finalize(self, _uncharge, model, self._acct)
 
     @property
@@ -202,14 +219,21 @@ class _Kept:
         return self._acct[0]
 
     def _register(self) -> None:
+        self._gone = None
         self.model._handles.add(self)
         _BUDGET.add(self)
+
+    def _unbuilt(self, what: str = "") -> InvalidInputError:
+        return InvalidInputError(f"{what}{': ' if what else ''}this {self.kind} was made by calling the class, "
+                                 f"not by {self.builder}, so it holds no state; use {self.builder}")
 
     def _charge(self, delta: int) -> None:
         self._acct[0] += delta
         self.model._live_handle_bytes += delta
 
     def _check(self, model: Optional[Model] = None) -> None:
+        if self._gone == _UNBUILT:
+            raise self._unbuilt()
         if self._gone is not None:
             raise HandleFreedError(f"this {self.kind} was {self._gone}; build a new one")
         if model is not None and model is not self.model:
@@ -236,6 +260,8 @@ class _Kept:
     def _free(self, what: str) -> None:
         if self._gone == RELEASED_WITH_MODEL:
             return
+        if self._gone == _UNBUILT:
+            raise self._unbuilt(what)
         if self._gone is not None:
             raise HandleFreedError(f"{what}: this {self.kind} was already {self._gone}")
         lock = _locked(self.model)
@@ -281,7 +307,7 @@ def _prefix_plan(model: Model, loops: Any, cache_mode: Any) -> Plan:
     prefix_reuse compat column and the backend's capability."""
     if not isinstance(cache_mode, str) or not cache_mode:
         raise ConfigError(f"cache_mode must be a registered cache mode name, got {cache_mode!r}")
-    L = resolve_loops(model, loops)
+    L = resolve_loops(model, _count(loops))
     return Plan(model, GenerateConfig(max_tokens=0, loops=L, cache_mode=cache_mode), "single", reuse="prefix_reuse")
 
 
@@ -346,6 +372,7 @@ class PrefixCache(_Kept):
     are PrefixCaches too). ``prefix_ids``, ``loops``, ``cache_mode``, ``nbytes``, ``alive``."""
 
     kind = "PrefixCache"
+    builder = "build_prefix_cache or register_prefix"
 
     def __init__(self, model: Model, ids: List[int], loops: int, cache_mode: str) -> None:
         super().__init__(model)
@@ -471,7 +498,13 @@ class PrefixPool:
     registration. ``stats()`` gives the counters; ``entries`` the live PrefixCaches, least recently
     used first."""
 
-    def __init__(self, capacity: int, max_bytes: Optional[int]) -> None:
+    def __init__(self, capacity: int, max_bytes: Optional[int] = None) -> None:
+        capacity, max_bytes = _count(capacity), _count(max_bytes)
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ConfigError(f"capacity={capacity!r} must be an integer >= 1 (entries the pool holds)")
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
+                                      or max_bytes < 1):
+            raise ConfigError(f"max_bytes={max_bytes!r} must be an integer >= 1, or None for no byte cap")
         self.capacity, self.max_bytes = capacity, max_bytes
         self.model: Optional[Model] = None
         self._root = _Node()
@@ -553,10 +586,6 @@ class PrefixPool:
 def create_prefix_pool(capacity: int, max_bytes: Optional[int] = None) -> PrefixPool:
     """A pool of up to `capacity` registered prefixes (and `max_bytes` of their caches, when given);
     registering beyond either evicts the least recently used entries."""
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-        raise ConfigError(f"capacity={capacity!r} must be an integer >= 1 (entries the pool holds)")
-    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
-        raise ConfigError(f"max_bytes={max_bytes!r} must be an integer >= 1, or None for no byte cap")
     return PrefixPool(capacity, max_bytes)
 
 
@@ -584,6 +613,8 @@ def register_prefix(pool: PrefixPool, model: Model, ids: Sequence[int], loops: O
         if pool.max_bytes is not None and need > pool.max_bytes:
             raise HandleBudgetError(f"a prefix of {len(ids)} tokens needs {need} bytes, more than the pool's "
                                     f"max_bytes={pool.max_bytes}")
+        # refused before the pool makes room: a registration that can never fit evicts nothing
+        _BUDGET.check(need, f"a prefix cache of {len(ids)} tokens")
         while pool._lru and (len(pool._lru) >= pool.capacity
                              or (pool.max_bytes is not None and pool.nbytes + need > pool.max_bytes)):
             next(iter(pool._lru.values()))._evict()
@@ -666,14 +697,19 @@ class ResumeHandle(_Kept):
     """A prompt's state for warm start (build_resume_handle): the cache layers of every iteration
     reached, the residual after the last iteration of each depth reached (``depths``), the post
     blocks' layers of the depth served last. ``prompt_ids``, ``loops_used`` (the build depth),
-    ``cache_mode``, ``nbytes``, ``alive``."""
+    ``cache_mode``, ``config`` (build_resume_handle's, what resume_generate decodes with when
+    given no config), ``nbytes``, ``alive``."""
 
     kind = "ResumeHandle"
+    builder = "build_resume_handle"
 
     def __init__(self, model: Model, ids: List[int], loops: int, cache_mode: str) -> None:
         super().__init__(model)
         self.prompt_ids: Tuple[int, ...] = tuple(ids)
         self.loops_used, self.cache_mode = loops, cache_mode
+        #: the config resume_generate decodes with when it is given none (build_resume_handle's,
+        #: its loops left to each request's depth)
+        self.config = GenerateConfig(cache_mode=cache_mode)
         self.cache = None
         self.snaps: Dict[int, Any] = {}        # depth -> (P, d_model) residual after its last iteration
         self.e_rows = None                     # (P, d_model) the loop input (cfg.keeps_loop_input)
@@ -769,6 +805,9 @@ class ResumeHandle(_Kept):
             self.snaps[loops] = snap
             self._charge(_rows_bytes(model, P))
         if self.post_depth != loops:
+            # no depth's post layers until the pass is complete: one cut short (an interrupt, an
+            # allocation) leaves a mix of two depths, which the next request must recompute
+            self.post_depth = 0
             self.run_rows(loops, loops, P, post=True)
             self.post_depth = loops
         return base
@@ -797,18 +836,23 @@ def build_resume_handle(model: Model, ids: Sequence[int], loops_used: int,
     layers and the residual after iteration loops_used - 1 at every position). `config` holds the
     settings the handle will serve, checked now as a warm-start request's (configs/compat.yaml:
     warm_start; its loops, when set, must equal loops_used): its cache_mode shapes the kept cache,
-    its decoding fields apply again at each resume_generate."""
+    and it is the config of every resume_generate that passes none (its max_tokens is checked
+    against the prompt now)."""
     check_call(model, config)
+    given = config is not None
     config = config or GenerateConfig()
+    loops_used = _count(loops_used)
     if isinstance(loops_used, bool) or not isinstance(loops_used, int):
         raise ConfigError(f"loops_used={loops_used!r} must be an integer in [1, {model.cfg.max_loops}]")
     if config.loops is not None and config.loops != loops_used:
         raise ConfigError(f"config.loops={config.loops} differs from loops_used={loops_used}")
     prompt = _check_ids(model, ids, "ids")
     # the settings the handle serves are checked now as a warm-start request's (its cache shape
-    # comes from them; the decoding fields apply to each resume_generate)
+    # comes from them; the decoding fields apply to each resume_generate without a config)
     plan = Plan(model, dataclasses.replace(config, loops=resolve_loops(model, loops_used), max_tokens=0),
                 "single", reuse="warm_start")
+    if given:
+        validate_request(model, prompt, dataclasses.replace(config, loops=loops_used))
     L, P = loops_used, len(prompt)
     spec = build_spec(model.cfg, L, plan.cache_mode, linear_slots(P))
     inject = model.cfg.keeps_loop_input
@@ -818,6 +862,7 @@ def build_resume_handle(model: Model, ids: Sequence[int], loops_used: int,
     try:
         _BUDGET.admit(need, f"a resume handle of {P} tokens", model)
         h = ResumeHandle(model, prompt, L, config.cache_mode)
+        h.config = dataclasses.replace(config, loops=None)
         be = model.backend
         cache = be.alloc_kept_cache(spec)
         snap = be.alloc_rows(P, model.cfg.d_model)
@@ -838,9 +883,14 @@ def _prepare_resume(handle, loops_new, config, stats, on_token=None):
     handle._check()
     model = handle.model
     check_call(model, config, stats, on_token)
-    L = resolve_loops(model, loops_new)
+    L, top = _count(loops_new), model.cfg.max_loops
+    if isinstance(L, bool) or not isinstance(L, int):
+        raise ConfigError(f"loops_new={L!r} must be an integer in [1, {top}] (the depth to decode at; "
+                          f"model.max_loops)")
+    if not 1 <= L <= top:
+        raise ConfigError(f"loops_new={L} is outside the allowed range [1, {top}] (model.max_loops)")
     handle.base_depth(L)
-    config = _request(model, config, L, handle.cache_mode, "resume handle")
+    config = _request(model, handle.config if config is None else config, L, handle.cache_mode, "resume handle")
     plan = Plan(model, config, "single", reuse="warm_start")
     ids = validate_request(model, list(handle.prompt_ids), config)
     plan.delegate()
@@ -860,7 +910,8 @@ def resume_generate(handle: ResumeHandle, loops_new: int, config: Optional[Gener
     iterations the handle has not run yet run over the prompt, the cache is extended with their
     layers, and decoding proceeds. Bit-exact to ``generate(model, prompt, loops=loops_new)``. Any
     depth >= the handle's shallowest kept depth is answered (the handle keeps each depth it
-    serves); a shallower one is a ConfigError. Returns prompt + generated."""
+    serves); a shallower one is a ConfigError. `config` None: the config the handle was built
+    with (its loops: loops_new). Returns prompt + generated."""
     model, ids, plan, admit = _prepare_resume(handle, loops_new, config, stats, on_token)
     return _run(model, ids, plan, stats, on_token, before=admit)
 

@@ -14,7 +14,10 @@ on-device sampler, tinyloop/cuda/kernels/sample.py, runs the same operations):
    rounding leaves none).
 
 `sampling_probs` gives the same distribution as explicit probabilities (softmax over the kept
-tokens, renormalised after the top-p cut), for the speculative decoders' accept / reject tests.
+tokens, renormalised after the top-p cut), for the speculative decoders' accept / reject tests. Its
+top-p cut is step 4's, on the same running sums c_j, so it keeps exactly the candidates
+sample_token can draw (a cut on the normalised sums would round differently: on ten tied tokens
+with top_p 0.8, 0.1 + ... + 0.1 stays below 0.8 after eight terms while c_7 = 8 = 0.8 * 10).
 """
 
 from __future__ import annotations
@@ -56,13 +59,14 @@ def _kept(logits: np.ndarray, temperature: float, top_k: int, top_p: float):
     and p the kept tokens' renormalised probabilities in descending order,
     ``p = exp(z - zmax) / norms[0] (/ norms[1] after a top-p cut)``."""
     z, order, zs = _ranked(logits, temperature, top_k)
-    p = np.exp(zs - zs[0])
-    norms = [p.sum()]
-    p /= norms[0]
+    w = np.exp(zs - zs[0])
+    norms = [w.sum()]
+    p = w / norms[0]
     if top_p < 1.0:
+        cw = np.cumsum(w)                   # sample_token's c_j: the cut is its step 4, exactly
+        keep = min(int(np.searchsorted(cw, top_p * cw[-1], side="left")) + 1, len(cw))
         c = np.cumsum(p)
-        keep = int(np.searchsorted(c, top_p, side="left")) + 1
-        norms.append(c[min(keep, len(c)) - 1])
+        norms.append(c[keep - 1])
         p = p[:keep] / norms[1]
         if order is not None:
             order = order[:keep]

@@ -29,6 +29,8 @@ import copy
 import enum
 from typing import Any, Callable, ClassVar, List, Optional, Sequence
 
+import numpy as np
+
 from .config import StopReason
 from ..errors import PluginError
 
@@ -133,9 +135,10 @@ class StopperChain(Stopper):
 
 
 class CallbackStopper(Stopper):
-    """generate_stream's ``on_token(token, position)``: returning False ends the request with
-    CALLBACK_ABORT after that token. Built by the engine from the entry point's argument (it is
-    not a registered plugin: no config carries a callback)."""
+    """generate_stream's ``on_token(token, position)``: returning False (Python's or numpy's, the
+    result of a comparison with a numpy value) ends the request with CALLBACK_ABORT after that
+    token; anything else (True, None, ...) goes on. Built by the engine from the entry point's
+    argument (it is not a registered plugin: no config carries a callback)."""
 
     name = "callback"
     order = StopOrder.CONSUMER
@@ -151,6 +154,7 @@ class CallbackStopper(Stopper):
 
     def check(self, output_tokens: Sequence[int]) -> Optional[StopReason]:
         n = len(output_tokens)
-        if self.on_token(output_tokens[-1], self._prompt_len + n - 1) is False:
+        go_on = self.on_token(output_tokens[-1], self._prompt_len + n - 1)
+        if go_on is False or (isinstance(go_on, np.bool_) and not go_on):
             return StopReason.CALLBACK_ABORT
         return None

@@ -19,11 +19,11 @@ import dataclasses
 from ...runtime.compat import check_request
 from ...runtime.config import GenerateConfig
 from ...runtime.decoding import Decoder
-from ...runtime.engine import resolve_loops
+from ...runtime.engine import Plan, resolve_loops
 from ...errors import ConfigError, TinyLoopError
 from ...runtime.hookspecs import hookimpl
 from ...runtime.plugins import get_plugin_manager
-from .autotune import calibrate
+from .autotune import DecoderChoice, calibrate
 from .spec_session import options_of
 
 
@@ -45,16 +45,22 @@ class AutoDecoder(Decoder):
         if choice is None:
             try:
                 choice = calibrate(model, loops)
-            except ConfigError:         # the model's limits leave no room to measure: decode plainly
-                return fallback
+            except ConfigError:
+                # the model's limits leave no room to measure: decode plainly, and remember it (a
+                # calibration that cannot run is not tried again on every request)
+                choice = model.decoder_choices[loops] = DecoderChoice(loops, "greedy", None, 1.0)
         if choice.config is None:
             return fallback
         target = pm.decoders()[choice.decoder]
         try:
             check_request(target.compat_context or context, plain)
+            request = plain.replace(decoder=choice.decoder, loops=loops, options=options_of(choice.config))
+            # every check of the winner's request (its decoder's own, the environment's: e.g.
+            # TINYLOOP_DISABLE_KV_CACHE refuses speculation), before any work
+            Plan(model, request, context)
         except TinyLoopError:
             return fallback
-        return plain.replace(decoder=choice.decoder, loops=loops, options=options_of(choice.config))
+        return request
 
     def decode(self, session):      # never reached: resolve() always hands the request on
         raise TinyLoopError("the auto decoder only resolves to another decoder")

@@ -21,8 +21,8 @@ import numpy as np
 
 from ...progress import bar
 from ...runtime.config import GenerateConfig, GenerateStats, SpeculativeConfig, TreeSpeculativeConfig
-from ...runtime.engine import _as_ids, check_call, generate_stream, resolve_loops
-from ...errors import ConfigError
+from ...runtime.engine import Plan, _as_ids, check_call, generate_stream, resolve_loops
+from ...errors import ConfigError, TinyLoopError
 from .spec_session import speculative_request
 
 #: Texts the default calibration prompts are made from (with the model's tokenizer, if it has one).
@@ -68,6 +68,12 @@ def default_candidates(loops: int) -> List[SpeculativeConfig]:
     return out
 
 
+def _knobs(config: SpeculativeConfig) -> str:
+    """A candidate's draft knobs, for messages."""
+    out = f"{_decoder_name(config)}: draft_loops={config.draft_loops}, draft_ahead={config.draft_ahead}"
+    return out + (f", K_branches={config.K_branches}" if isinstance(config, TreeSpeculativeConfig) else "")
+
+
 def _decoder_name(config: SpeculativeConfig) -> str:
     """The decoder plugin that runs a speculative configuration."""
     return "tree_speculative" if isinstance(config, TreeSpeculativeConfig) else "speculative"
@@ -96,10 +102,13 @@ def calibrate(model, loops: Optional[int] = None, prompts: Optional[Sequence[Seq
     model's default depth) on `prompts` (default: a few generic prompts), `max_tokens` new tokens
     each, and cache the choice on the model. Speculative wins only when its decode tokens/s beat
     plain's by `min_speedup`. Every candidate is warmed up on every prompt (kernels, graphs) before
-    timing."""
+    timing. Candidates are timed greedily (their temperature and sampling knobs are dropped) and
+    checked on the model before any work: a default one the model cannot run (a draft or tree
+    larger than its prefill_chunk, speculation refused by TINYLOOP_DISABLE_KV_CACHE) is left out,
+    a given one is the error of its request, naming it."""
     check_call(model)
     model._check_live()
-    L = resolve_loops(model, loops)
+    L = resolve_loops(model, int(loops) if isinstance(loops, np.integer) else loops)
     if (isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float))
             or not 0 < min_speedup < float("inf")):
         raise ConfigError(f"min_speedup={min_speedup!r} must be a finite number > 0")
@@ -123,6 +132,8 @@ def calibrate(model, loops: Optional[int] = None, prompts: Optional[Sequence[Seq
         if max_tokens < 2:
             raise ConfigError(f"max_seq_len={model.max_seq_len} leaves no room for a calibration run "
                               f"(prompts of {model.max_seq_len - room} tokens + at least 2 new ones)")
+    if isinstance(max_tokens, np.integer):
+        max_tokens = int(max_tokens)         # a numpy integer is an integer (np.bool_ is not one)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
         raise ConfigError(f"max_tokens={max_tokens!r} must be an integer >= 2 for a calibration run")
     if candidates is not None and (isinstance(candidates, (str, bytes, SpeculativeConfig))
@@ -134,6 +145,20 @@ def calibrate(model, loops: Optional[int] = None, prompts: Optional[Sequence[Seq
         if not isinstance(c, SpeculativeConfig) or c.verify_loops != L:
             raise ConfigError(f"calibration candidates must be SpeculativeConfig / TreeSpeculativeConfig with "
                               f"verify_loops={L}, got {c!r}")
+    # every candidate as it is timed (greedy, this max_tokens), checked on this model before any
+    # work: a default one the model cannot run (a draft longer than its prefill_chunk, speculation
+    # refused by the environment) is left out; a given one is an error naming it
+    timed_cands = []
+    for i, c in enumerate(cands):
+        c = dataclasses.replace(c, max_tokens=max_tokens, temperature=0.0, **dict(SpeculativeConfig._SAMPLING_KNOBS))
+        try:
+            plan = Plan(model, speculative_request(c, isinstance(c, TreeSpeculativeConfig)), "single")
+            plan.delegate()
+        except TinyLoopError as exc:
+            if candidates is None:
+                continue
+            raise type(exc)(f"calibration candidate {i} ({_knobs(c)}) does not run on this model: {exc}") from None
+        timed_cands.append(c)
 
     def timed(run):
         for p in prompts:                    # warm-up: compile kernels, capture graphs (per cache size)
@@ -150,8 +175,7 @@ def calibrate(model, loops: Optional[int] = None, prompts: Optional[Sequence[Seq
     ref, base_rate = timed(lambda p, st=None: generate_stream(model, p, base_cfg, stats=st))
     results = [{"decoder": "greedy", "loops": L, "tokens_per_s": base_rate, "exact": True}]
     best, best_rate = None, base_rate
-    for c in bar(cands, "calibrate", total=len(cands), unit="candidate"):
-        c = dataclasses.replace(c, max_tokens=max_tokens, temperature=0.0)
+    for c in bar(timed_cands, "calibrate", total=len(timed_cands), unit="candidate"):
         tree = isinstance(c, TreeSpeculativeConfig)
         req = speculative_request(c, tree)
         outs, rate = timed(lambda p, st=None, req=req: generate_stream(model, p, req, stats=st))

@@ -33,6 +33,7 @@ later: cache slots past the committed position are rewritten before any query re
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
@@ -40,7 +41,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from ...runtime.config import (GREEDY_TEMPERATURE, GenerateConfig, GenerateStats, SpeculativeConfig,
-                            TreeSpeculativeConfig, check_bool, check_int)
+                            TreeSpeculativeConfig, check_bool, check_int, plain_number)
 from ...runtime.engine import DISABLE_KV_CACHE_ENV, Model, Plan, Session, kv_cache_disabled
 from ...errors import ConfigError, IncompatibleModesError, PluginError
 
@@ -58,7 +59,7 @@ class SpeculativeOptions:
     draft_loops: int = 2
     """Cheap draft-pass loop depth, in [1, verify depth - 1]."""
     verify_loops: Optional[int] = None
-    """Verify-pass loop depth, <= model.max_loops: the request's loop depth. None: GenerateConfig.loops
+    """Verify-pass loop depth, in [2, model.max_loops]: the request's loop depth. None: GenerateConfig.loops
     (else the model's default_loops); when both are set they must agree."""
     draft_ahead: int = 4
     """Tokens drafted per verify cycle, in [1, 64]."""
@@ -67,9 +68,12 @@ class SpeculativeOptions:
     iterations and runs only iterations draft_loops..verify_loops-1 (same tokens either way)."""
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):            # numpy integers are integers
+            object.__setattr__(self, f.name, plain_number(getattr(self, f.name)))
         if self.verify_loops is not None:
-            check_int("verify_loops", self.verify_loops, 1)
-        hi = None if self.verify_loops is None else max(1, self.verify_loops - 1)
+            # a verify depth of 1 leaves no draft depth below it
+            check_int("verify_loops", self.verify_loops, 2)
+        hi = None if self.verify_loops is None else self.verify_loops - 1
         check_int("draft_loops", self.draft_loops, 1, hi)
         check_int("draft_ahead", self.draft_ahead, 1, MAX_DRAFT_AHEAD)
         check_bool("verify_resume", self.verify_resume)
@@ -116,13 +120,14 @@ def validate(model: Model, config: GenerateConfig, opts: SpeculativeOptions) -> 
         if n > rows:
             raise ConfigError(f"K_branches={opts.K_branches}, draft_ahead={opts.draft_ahead} make a draft tree of "
                               f"{n} nodes, but a verify pass holds at most {rows} rows (the model's "
-                              f"prefill_chunk); lower K_branches or draft_ahead, or load with a larger "
-                              f"prefill_chunk")
+                              f"prefill_chunk, at most its max_seq_len); lower K_branches or draft_ahead, or "
+                              f"load with a larger prefill_chunk")
         if opts.K_branches > cfg.vocab_size:
             raise ConfigError(f"K_branches={opts.K_branches} exceeds the vocabulary ({cfg.vocab_size})")
     elif opts.draft_ahead + 1 > rows:
         raise ConfigError(f"draft_ahead={opts.draft_ahead} needs {opts.draft_ahead + 1} rows per verify "
-                          f"pass, but the model was loaded with prefill_chunk={rows}")
+                          f"pass, but a verify pass holds at most {rows} rows (the model's prefill_chunk, at "
+                          f"most its max_seq_len); lower draft_ahead, or load with a larger prefill_chunk")
 
 
 def verify_depth(config: GenerateConfig, opts: SpeculativeOptions) -> Optional[int]:
