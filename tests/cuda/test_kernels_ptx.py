@@ -85,6 +85,11 @@ def test_compiles_for_sm90(cc90_device, name, fn, sig):
         # the int4 decode q * scale + zero keeps its two roundings (the codec reference's): the
         # product is an explicit mul.rn, which ptxas never contracts into an fma
         assert "mul.rn.f32" in ptx
+    if name.startswith("sample"):
+        # the rounds of logit loads held in registers (unrolled local arrays, no local memory);
+        # the pick's sort stages of stride <= 32 as warp shuffles
+        assert "ld.local" not in ptx and "st.local" not in ptx
+        assert ("shfl.sync.bfly" in ptx) == (name == "sample_pick")
     if name.startswith("kv_store"):
         # rint half to even (cvt.rni), the warp max butterflies
         assert "cvt.rni.f32.f32" in ptx and "shfl.sync.bfly" in ptx

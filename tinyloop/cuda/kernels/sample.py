@@ -53,7 +53,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float64, int32, int64, uint32, uint64
+from numba import cuda, float32, float64, int32, int64, uint32, uint64
 
 from ...errors import BackendError
 from ._cache import jit_kernel
@@ -63,8 +63,11 @@ from ._pdl import grid_dep_wait
 #: Threads of the pick kernel (a power of two); of the histogram kernel.
 NT = 64 if SIM else 512
 HIST_NT = 64 if SIM else 256
-#: Logits per histogram block.
-CHUNK = HIST_NT * 8
+#: Logits per histogram thread, and per histogram block.
+HIST_PER = 8
+CHUNK = HIST_NT * HIST_PER
+#: Logits each pick thread requests per round of its gather over the row.
+GATHER_ILP = 16
 #: Histogram bins: the top BITS bits of the 32-bit key.
 BITS = 12
 BINS = 1 << BITS
@@ -361,25 +364,13 @@ def _hist_kernel(logits, iparams, hist, ticket, plan):
     lo = cuda.blockIdx.x * CHUNK
     hi = min(V, lo + CHUNK)
     if hi - lo == CHUNK:
-        # a whole chunk: the thread's 8 logits requested before any is counted (8 loads in
-        # flight instead of one load's latency per element)
-        i = lo + tid
-        v0 = logits[i]
-        v1 = logits[i + HIST_NT]
-        v2 = logits[i + 2 * HIST_NT]
-        v3 = logits[i + 3 * HIST_NT]
-        v4 = logits[i + 4 * HIST_NT]
-        v5 = logits[i + 5 * HIST_NT]
-        v6 = logits[i + 6 * HIST_NT]
-        v7 = logits[i + 7 * HIST_NT]
-        _count(sh, v0)
-        _count(sh, v1)
-        _count(sh, v2)
-        _count(sh, v3)
-        _count(sh, v4)
-        _count(sh, v5)
-        _count(sh, v6)
-        _count(sh, v7)
+        # a whole chunk: the thread's HIST_PER logits requested before any is counted (all loads
+        # in flight instead of one load's latency per element)
+        vals = cuda.local.array(HIST_PER, float32)
+        for u in range(HIST_PER):
+            vals[u] = logits[lo + tid + u * HIST_NT]
+        for u in range(HIST_PER):
+            _count(sh, vals[u])
     else:
         for i in range(lo + tid, hi, HIST_NT):
             _count(sh, logits[i])
@@ -405,29 +396,39 @@ def _hist_kernel(logits, iparams, hist, ticket, plan):
     cuda.threadfence()
     kc = min(max(iparams[0], 1), V)
     per = BINS // HIST_NT
+    # the global totals of this thread's bins copied into the block's (no longer needed) shared
+    # bins and cleared for the next launch; the walk below reads shared memory only
     s = 0
     for j in range(tid * per, (tid + 1) * per):
-        s += hist[j]
+        c = hist[j]
+        hist[j] = 0
+        sh[j] = c
+        s += c
     part[tid] = s
-    # The per-thread sums must be stored before thread 0 walks them.
+    # suffix sums part[g] = keys in bin groups g.. (a doubling scan; integer sums, exact)
+    off = 1
+    while off < HIST_NT:
+        # The previous step's sums must be stored before anyone reads them.
+        cuda.syncthreads()
+        v = part[tid + off] if tid + off < HIST_NT else 0
+        # Every read of this step must be done before anyone adds.
+        cuda.syncthreads()
+        part[tid] += v
+        off *= 2
+    # The suffix sums must be stored before the groups test them.
     cuda.syncthreads()
-    if tid == 0:
-        acc = 0
-        g = HIST_NT - 1
-        while g > 0 and acc + part[g] < kc:
-            acc += part[g]
-            g -= 1
-        b = (g + 1) * per - 1
-        while b > g * per and acc + hist[b] < kc:
-            acc += hist[b]
+    # the group holding the kc-th largest key: the one thread whose suffix reaches kc while the
+    # groups above it do not (kc <= V = part[0]); it walks its own bins from the top
+    above = part[tid + 1] if tid + 1 < HIST_NT else 0
+    if above < kc <= part[tid]:
+        acc = above
+        b = (tid + 1) * per - 1
+        while b > tid * per and acc + sh[b] < kc:
+            acc += sh[b]
             b -= 1
         plan[0] = b
         plan[1] = acc
-        plan[2] = acc + hist[b]
-    # Every thread has read the histogram before it is cleared.
-    cuda.syncthreads()
-    for j in range(tid * per, (tid + 1) * per):
-        hist[j] = 0
+        plan[2] = acc + sh[b]
     if tid == 0:
         ticket[0] = 0
 
@@ -450,33 +451,22 @@ def _pick_kernel(out, logits, params, iparams, utab, pos, T, plan):
     temp = params[0]
     top_p = params[1]
     idx = int64(pos[0]) + T - iparams[1]
-    u = utab[min(max(idx, int64(0)), int64(utab.shape[0] - 1))]
+    unif = utab[min(max(idx, int64(0)), int64(utab.shape[0] - 1))]
     if n_ge <= CAP:
         if tid == 0:
             bc[3] = 0
         # The counter must be zero before anyone gathers.
         cuda.syncthreads()
-        # eight logits requested per round before any is tested (one load's latency per round,
-        # not per element: this one block reads the whole row)
+        # GATHER_ILP logits requested per round before any is tested (one load's latency per
+        # round, not per element: this one block reads the whole row)
+        vals = cuda.local.array(GATHER_ILP, float32)
         i = tid
-        while i + 7 * NT < V:
-            v0 = logits[i]
-            v1 = logits[i + NT]
-            v2 = logits[i + 2 * NT]
-            v3 = logits[i + 3 * NT]
-            v4 = logits[i + 4 * NT]
-            v5 = logits[i + 5 * NT]
-            v6 = logits[i + 6 * NT]
-            v7 = logits[i + 7 * NT]
-            _gather(comp, bc, bstar, v0, i)
-            _gather(comp, bc, bstar, v1, i + NT)
-            _gather(comp, bc, bstar, v2, i + 2 * NT)
-            _gather(comp, bc, bstar, v3, i + 3 * NT)
-            _gather(comp, bc, bstar, v4, i + 4 * NT)
-            _gather(comp, bc, bstar, v5, i + 5 * NT)
-            _gather(comp, bc, bstar, v6, i + 6 * NT)
-            _gather(comp, bc, bstar, v7, i + 7 * NT)
-            i += 8 * NT
+        while i + (GATHER_ILP - 1) * NT < V:
+            for u in range(GATHER_ILP):
+                vals[u] = logits[i + u * NT]
+            for u in range(GATHER_ILP):
+                _gather(comp, bc, bstar, vals[u], i + u * NT)
+            i += GATHER_ILP * NT
         while i < V:
             _gather(comp, bc, bstar, logits[i], i)
             i += NT
@@ -529,7 +519,7 @@ def _pick_kernel(out, logits, params, iparams, utab, pos, T, plan):
         # The top-p cut must be final before the draw reads it.
         cuda.syncthreads()
     n = bc[0]
-    r = u * cum[n - 1]
+    r = unif * cum[n - 1]
     for j in range(tid, n, NT):
         if cum[j] > r:
             cuda.atomic.min(bc, 1, j)
