@@ -38,7 +38,7 @@ from .cache import build_spec, linear_slots
 from .compat import check_request
 from .config import GenerateConfig, GenerateStats, StopReason, env_switch
 from ..errors import (BackendError, ConfigError, IncompatibleModesError, InvalidInputError, ModelBusyError,
-                      ModelFreedError, PluginError, TokenizerError)
+                      ModelFreedError, PluginError, TinyLoopError, TokenizerError)
 from ..model.format import open_model
 from ..model.tokenizer import Tokenizer, resolve_tokenizer
 from ..models import model_path
@@ -246,21 +246,24 @@ def check_vocab(model: Model, ids: Sequence[int], what: str) -> None:
             raise InvalidInputError(f"{what}[{i}]={t} is outside the vocabulary [0, {V})")
 
 
-def check_model_window(model: Model, n: int, cache_window: int, what: str) -> None:
+def check_model_window(model: Model, n: int, cache_window: int, what: str, hint: str = "") -> None:
     """A sequence of `n` positions fits a model with its own sliding window (ModelConfig
     .sliding_window = W) only within W, or under a window cache of at most W positions (which
-    applies the model's span exactly); otherwise full causal attention would be wrong."""
+    applies the model's span exactly); otherwise full causal attention would be wrong. `hint`
+    replaces the error's advice (a path that takes no window cache says what to do instead)."""
     W = model.cfg.sliding_window
     if W and n > W and not 0 < cache_window <= W:
-        hint = (f"set cache_window={W} (or less) to decode it" if cache_window >= 0 else
-                "this path keeps no window cache")
+        hint = hint or (f"set cache_window={W} (or less) to decode it" if cache_window >= 0 else
+                        "this path keeps no window cache")
         raise IncompatibleModesError(
             f"{what} spans {n} positions, past the model's sliding_window={W} (it attends to the "
             f"last {W} positions only); {hint}")
 
 
-def validate_request(model: Model, prompt: Any, config: GenerateConfig, what: str = "prompt") -> List[int]:
-    """Model-dependent checks of one request; returns the prompt as a list of ints."""
+def validate_request(model: Model, prompt: Any, config: GenerateConfig, what: str = "prompt",
+                     window_hint: str = "") -> List[int]:
+    """Model-dependent checks of one request; returns the prompt as a list of ints. `window_hint`:
+    the advice of check_model_window's error where the path takes no window cache."""
     ids = _as_ids(prompt, what, model)
     V = model.cfg.vocab_size
     if len(ids) < 1:
@@ -270,7 +273,8 @@ def validate_request(model: Model, prompt: Any, config: GenerateConfig, what: st
         raise InvalidInputError(
             f"{what}_len ({len(ids)}) + max_tokens ({config.max_tokens}) = {len(ids) + config.max_tokens} "
             f"exceeds max_seq_len={model.max_seq_len}")
-    check_model_window(model, len(ids) + config.max_tokens, config.cache_window, f"{what} + max_tokens")
+    check_model_window(model, len(ids) + config.max_tokens, config.cache_window, f"{what} + max_tokens",
+                       window_hint)
     resolve_loops(model, config.loops)
     for i, seq in enumerate(config.stop_sequences):
         for t in seq:
@@ -957,12 +961,56 @@ def generate(model: Model, prompt: Sequence[int], config: Optional[GenerateConfi
 PER_LANE_FIELDS = frozenset({"stop_sequences", "grammar", "sample_seed"})
 
 
-def _lane_configs(prompts, config, grammars) -> List[GenerateConfig]:
+def _batch_prompts(prompts: Any) -> list:
+    """The prompts of a generate_batch call as a list: a sequence of prompts, a 2-D integer numpy
+    array (one prompt per row) or a 1-D object array of prompts. A flat list of token ids is one
+    prompt, not a batch: refused with that hint."""
+    what = "prompts must be a non-empty list of prompts (token-id lists or text)"
+    if isinstance(prompts, np.ndarray):
+        if prompts.ndim == 2 or (prompts.ndim == 1 and prompts.dtype == object):
+            prompts = list(prompts)
+        elif prompts.ndim == 1:
+            raise InvalidInputError(f"{what}; a 1-D array of {prompts.dtype} is one prompt: pass [prompt] to "
+                                    f"decode it as a batch of one (or call generate)")
+        else:
+            raise InvalidInputError(f"{what}; a numpy array of prompts holds one prompt per row (2-D), got "
+                                    f"shape {prompts.shape}")
+    if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, Sequence):
+        raise InvalidInputError(f"{what}, got {type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise InvalidInputError(f"{what}, got an empty {type(prompts).__name__}")
+    if all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in prompts):
+        raise InvalidInputError(f"{what}; these are token ids ([{prompts[0]!r}, ...]), one prompt: pass [prompt] "
+                                f"to decode it as a batch of one (or call generate)")
+    return list(prompts)
+
+
+def _shared_value(model: Model, config: GenerateConfig, name: str) -> Any:
+    """Shared field `name` of a lane's config as the batch runs it: a value that means the field's
+    default (a greedy temperature, beam_size 1) is the default, loops None the model's default
+    depth, decoder None the automatic choice. Equal here means the lanes decode alike."""
+    value = getattr(config, name)
+    same = GenerateConfig._AS_DEFAULT.get(name)
+    if same is not None and same(value):
+        return GenerateConfig.__dataclass_fields__[name].default
+    if name == "loops" and value is None:
+        return model.cfg.default_loops
+    if name == "decoder" and value is None:
+        try:
+            return get_plugin_manager().decoder_for(config).name
+        except TinyLoopError:
+            return None                 # the lane's own Plan says what is wrong
+    return value
+
+
+def _lane_configs(model: Model, prompts, config, grammars) -> List[GenerateConfig]:
     """One GenerateConfig per prompt: `config` itself (one per lane, sharing every field outside
-    PER_LANE_FIELDS), or the one config with lane i's sample_seed derived (lockstep.lane_seed)
-    when it samples; `grammars` then replaces each lane's grammar."""
+    PER_LANE_FIELDS, compared by what they mean: _shared_value), or the one config with lane i's
+    sample_seed derived (lockstep.lane_seed) when it samples; `grammars` then gives each lane's
+    grammar (a config that sets one as well is refused: one of the two would be dropped)."""
     n = len(prompts)
-    if isinstance(config, (list, tuple)):
+    per_lane = isinstance(config, (list, tuple))
+    if per_lane:
         if len(config) != n:
             raise InvalidInputError(f"config holds {len(config)} GenerateConfigs for {n} prompts: give one "
                                     f"GenerateConfig for every lane, or a single one")
@@ -970,12 +1018,16 @@ def _lane_configs(prompts, config, grammars) -> List[GenerateConfig]:
             if not isinstance(c, GenerateConfig):
                 raise ConfigError(f"config[{i}] must be a GenerateConfig, got {type(c).__name__} {c!r:.80}")
         first = config[0]
+        shared = [f.name for f in dataclasses.fields(GenerateConfig) if f.name not in PER_LANE_FIELDS]
+        first_values = [_shared_value(model, first, name) for name in shared]
         for i, c in enumerate(config[1:], 1):
-            for f in dataclasses.fields(GenerateConfig):
-                if f.name not in PER_LANE_FIELDS and getattr(c, f.name) != getattr(first, f.name):
+            if c == first:
+                continue
+            for name, want in zip(shared, first_values):
+                if _shared_value(model, c, name) != want:
                     raise IncompatibleModesError(
-                        f"config[{i}].{f.name}={getattr(c, f.name)!r} differs from config[0].{f.name}="
-                        f"{getattr(first, f.name)!r}: the lanes of a batch share every field but "
+                        f"config[{i}].{name}={getattr(c, name)!r} differs from config[0].{name}="
+                        f"{getattr(first, name)!r}: the lanes of a batch share every field but "
                         f"{', '.join(sorted(PER_LANE_FIELDS))} (the spec's batching contract: per-lane "
                         f"divergent settings are not batched); call generate per prompt instead")
         configs = list(config)
@@ -992,6 +1044,13 @@ def _lane_configs(prompts, config, grammars) -> List[GenerateConfig]:
         if isinstance(grammars, (str, bytes)) or not isinstance(grammars, Sequence) or len(grammars) != n:
             raise InvalidInputError(f"grammars must be a list with one grammar (or None) per prompt: {n} "
                                     f"prompts, got {grammars!r:.80}")
+        for i, c in enumerate(configs):
+            if c.grammar is not None:
+                where = f"config[{i}].grammar" if per_lane else "config.grammar"
+                raise InvalidInputError(
+                    f"{where} is set and grammars= gives every lane's grammar as well (grammars[{i}]="
+                    f"{grammars[i]!r:.60}): one of them would be dropped; give the grammars in one place "
+                    f"(grammars=[...], None for an unconstrained lane, or each lane's config)")
         out = []
         for i, (c, g) in enumerate(zip(configs, grammars)):
             try:
@@ -1002,18 +1061,30 @@ def _lane_configs(prompts, config, grammars) -> List[GenerateConfig]:
     return configs
 
 
+def _lane_error(exc: TinyLoopError, label: str) -> TinyLoopError:
+    """`exc` with its lane named in front (the same type; `exc` itself when the type cannot be
+    built from a message)."""
+    try:
+        return type(exc)(f"{label}: {exc}")
+    except Exception:
+        return exc
+
+
 def generate_batch(model: Model, prompts: Sequence[Sequence[int]], config=None,
                    stats: Optional[List[GenerateStats]] = None,
                    grammars: Optional[Sequence[Any]] = None) -> List[List[int]]:
     """Decode several prompts; returns one prompt + continuation list per prompt (the C++ API's
     flat concatenation, split per lane).
 
-    `config`: one GenerateConfig for every lane (a sampling one gives lane i the seed
-    ``tinyloop.lane_seed(sample_seed, i)``), or a list of one GenerateConfig per prompt that share
-    every field but stop_sequences, grammar and sample_seed (used as given). `grammars`, if given,
-    holds one grammar per prompt (a tinyloop.Grammar, a grammar mapping, or None for an
-    unconstrained lane); it replaces each lane's grammar. `stats`, if given, receives one
-    GenerateStats per prompt. Everything is validated before any work.
+    `prompts`: a list of prompts (token-id sequences or text), or a 2-D integer numpy array with
+    one prompt per row. `config`: one GenerateConfig for every lane (a sampling one gives lane i the
+    seed ``tinyloop.lane_seed(sample_seed, i)``), or a list of one GenerateConfig per prompt that
+    share every field but stop_sequences, grammar and sample_seed (used as given; fields are
+    compared by meaning: loops None equals the model's default depth, temperature 0 equals 0.005).
+    `grammars`, if given, holds one grammar per prompt (a tinyloop.Grammar, a grammar mapping, or
+    None for an unconstrained lane); the configs then set none. `stats`, if given, is a list whose
+    contents are replaced by one GenerateStats per prompt. Everything is validated before any work;
+    an error of one lane's own settings names the lane.
 
     On a backend with the ``lanes`` capability and a decoder that picks in lockstep (greedy,
     sampling) the prompts decode together, one launch per op per step (tinyloop.runtime.lockstep;
@@ -1023,12 +1094,24 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], config=None,
     if stats is not None and not isinstance(stats, list):
         raise InvalidInputError(f"stats must be a list (it receives one GenerateStats per prompt) or None, got "
                                 f"{type(stats).__name__}")
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise InvalidInputError("prompts must be a non-empty list of prompts (token-id lists or text)")
-    configs = _lane_configs(prompts, config, grammars)
-    plans = [Plan(model, c, "batched") for c in configs]
-    all_ids = [validate_request(model, p, c, what=f"prompts[{i}]")
-               for i, (p, c) in enumerate(zip(prompts, configs))]
+    prompts = _batch_prompts(prompts)
+    configs = _lane_configs(model, prompts, config, grammars)
+    per_lane = isinstance(config, (list, tuple)), grammars is not None
+    W = model.cfg.sliding_window
+    hint = (f"generate_batch keeps no window cache (cache_window is rejected in batched decoding): keep "
+            f"prompt + max_tokens within {W}, or decode this prompt with generate and cache_window={W}")
+    plans, all_ids = [], []
+    for i, (p, c) in enumerate(zip(prompts, configs)):
+        try:
+            plans.append(Plan(model, c, "batched"))
+            all_ids.append(validate_request(model, p, c, what=f"prompts[{i}]", window_hint=hint))
+        except TinyLoopError as exc:
+            if not any(per_lane) or str(exc).startswith(f"prompts[{i}]"):
+                raise
+            label = (f"lane {i} (config[{i}])" if per_lane == (True, False) else
+                     f"lane {i} (grammars[{i}])" if per_lane == (False, True) else
+                     f"lane {i} (config[{i}], grammars[{i}])")
+            raise _lane_error(exc, label) from None
     for plan in plans:
         plan.delegate()
     lanes_ok = (model.backend.supports("lanes") and not kv_cache_disabled()
@@ -1041,7 +1124,8 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], config=None,
         if lanes_ok:
             group = model.ws.rows
             for a in range(0, len(all_ids), group):
-                batch = LockstepBatch(model, all_ids[a:a + group], plans[a:a + group], out_stats[a:a + group])
+                batch = LockstepBatch(model, all_ids[a:a + group], plans[a:a + group], out_stats[a:a + group],
+                                      first_index=a)
                 try:
                     gen = batch.run()
                 finally:
@@ -1053,7 +1137,7 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], config=None,
     finally:
         lock.release()
     if stats is not None:
-        stats.extend(out_stats)
+        stats[:] = out_stats
     return results
 
 

@@ -61,10 +61,10 @@ def lane_seed(seed: int, lane: int) -> int:
 
 class LaneView:
     """What a lockstep decoder's ``pick`` sees of its lane for one step (tinyloop.runtime.decoding.
-    Decoder.pick): ``config``, ``vocab_size``, ``eos_id``, ``eos_ids``, ``index`` (the lane's place in the
-    batch), ``logits()`` (the lane's pending row after its processor chain, float32, host; valid
-    for this step) and ``greedy()`` (its argmax; from the device when the chain leaves the argmax
-    alone)."""
+    Decoder.pick): ``config``, ``vocab_size``, ``eos_id``, ``eos_ids``, ``index`` (the lane's place
+    among the generate_batch call's prompts), ``logits()`` (the lane's pending row after its
+    processor chain, float32, host; valid for this step) and ``greedy()`` (its argmax; from the
+    device when the chain leaves the argmax alone)."""
 
     def __init__(self, batch: "LockstepBatch", lane: "_Lane"):
         self._batch, self._lane = batch, lane
@@ -95,8 +95,10 @@ class LaneView:
 class _Lane:
     """One prompt's state in the batch."""
 
-    def __init__(self, index: int, ids: List[int], plan, stats: GenerateStats, vocab_size: int):
-        self.index, self.ids, self.plan, self.stats = index, list(ids), plan, stats
+    def __init__(self, region: int, index: int, ids: List[int], plan, stats: GenerateStats, vocab_size: int):
+        #: its cache region in this batch; its place among the generate_batch call's prompts
+        self.region, self.index = region, index
+        self.ids, self.plan, self.stats = list(ids), plan, stats
         self.out: List[int] = []
         self.chain = plan.new_processors()
         self.chain.reset(self.ids)
@@ -111,25 +113,32 @@ class _Lane:
 
 class LockstepBatch:
     """N validated prompts (their plans: one per lane, sharing every field but the per-lane ones)
-    decoded in lockstep on `model` (the caller holds the model's lock). ``run()`` returns each
-    lane's generated tokens and fills its GenerateStats."""
+    decoded in lockstep on `model` (the caller holds the model's lock); `first_index`: the first
+    one's place among the call's prompts (LaneView.index). ``run()`` returns each lane's generated
+    tokens and fills its GenerateStats."""
 
     #: stopped lanes leave the launch (True) or keep their row with outputs discarded (False:
     #: the spec's description; bench/batch_bench.py measures both)
     compact = True
 
-    def __init__(self, model, prompts: Sequence[List[int]], plans: Sequence, stats: Sequence[GenerateStats]):
+    def __init__(self, model, prompts: Sequence[List[int]], plans: Sequence, stats: Sequence[GenerateStats],
+                 first_index: int = 0):
         self.model = model
         self.vocab_size = model.cfg.vocab_size
         plan = plans[0]
         self.loops = plan.loops
         self.max_tokens = plan.config.max_tokens
-        self.lanes = [_Lane(i, p, pl, st, self.vocab_size) for i, (p, pl, st) in enumerate(zip(prompts, plans, stats))]
+        # lane i of this batch is prompt first_index + i of the call (more prompts than the workspace's
+        # rows run as several batches)
+        self.lanes = [_Lane(i, first_index + i, p, pl, st, self.vocab_size)
+                      for i, (p, pl, st) in enumerate(zip(prompts, plans, stats))]
         n = len(self.lanes)
         lane_slots = max(len(p) for p in prompts) + self.max_tokens
         self.spec = build_spec(model.cfg, self.loops, plan.cache_mode, SlotMap(n * lane_slots, lanes=n))
-        self.cache = model.backend.alloc_cache(self.spec)
-        model._live_cache_bytes += int(getattr(self.cache, "nbytes", 0))
+        self.cache = None               # max_tokens=0 decodes nothing: no cache (as generate)
+        if self.max_tokens:
+            self.cache = model.backend.alloc_cache(self.spec)
+            model._live_cache_bytes += int(getattr(self.cache, "nbytes", 0))
         self._logits = None
         self._argmax = None
         self._rows = 0
@@ -158,7 +167,7 @@ class LockstepBatch:
         """Every lane's prompt but its last token, packed across lanes into launches (each launch
         as the backend's row pieces, a captured forward per piece size)."""
         be, fwd, ws = self.model.backend, self.model.fwd, self.model.ws
-        rows = [(lane.index, p, t) for lane in self.lanes for p, t in enumerate(lane.ids[:-1])]
+        rows = [(lane.region, p, t) for lane in self.lanes for p, t in enumerate(lane.ids[:-1])]
         for a in range(0, len(rows), ws.rows):
             b = a
             for n in be.row_pieces(min(ws.rows, len(rows) - a)):
@@ -178,7 +187,7 @@ class LockstepBatch:
         uploaded with the rows' positions."""
         be = self.model.backend
         ids = be.set_ids(self.model.ws, [lane.ids[-1] if not lane.out else lane.out[-1] for lane in running])
-        pos = be.lane_positions(self.cache, [lane.index for lane in running],
+        pos = be.lane_positions(self.cache, [lane.region for lane in running],
                                 [len(lane.ids) + len(lane.out) - 1 for lane in running])
         self._launch(running, ids, pos, "lanes")
 
@@ -237,6 +246,10 @@ class LockstepBatch:
             else:                       # the step queued ahead is the pending one
                 self._logits, self._argmax = None, None
             self._ahead = False
+            if first:                   # every lane's first-token logits are launched
+                for lane in self.lanes:
+                    lane.stats.prefill_ms = (time.perf_counter() - t0) * 1e3
+                first = False
             # queue the next step unless every lane ends with this pick (max_tokens)
             if ahead_ok and max(len(lane.out) for lane in live) + 1 < self.max_tokens:
                 self._queue_ahead(running)
@@ -253,10 +266,6 @@ class LockstepBatch:
                 raise ModelFreedError(f"free_model({self.model.path!r}) was called while this batch ran: it "
                                       f"ended after {max(len(lane.out) for lane in self.lanes)} steps and the "
                                       f"model is released")
-            if first:                   # the first step's picks read every lane's first token
-                for lane in self.lanes:
-                    lane.stats.prefill_ms = (time.perf_counter() - t0) * 1e3
-            first = False
         end = time.perf_counter()
         for lane in self.lanes:
             if lane.stats.stop_reason is None:
