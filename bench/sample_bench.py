@@ -31,6 +31,22 @@ def _ints(ap, text: str, flag: str) -> list:
     return vals
 
 
+def _parts(mod):
+    """(hist_launch, pick_launch) of a sample.py version: its own, or for a version from before
+    they existed (one pick block, work = (hist, ticket, plan)) the same launches spelled out."""
+    if hasattr(mod, "pick_launch"):
+        return mod.hist_launch, mod.pick_launch
+
+    def hist_launch(logits, iparams, work, stream):
+        nb = (logits.shape[0] + mod.CHUNK - 1) // mod.CHUNK
+        mod._hist_kernel[nb, mod.HIST_NT, stream](logits, iparams, *work[:3])
+
+    def pick_launch(out, logits, params, iparams, utab, pos, T, work, stream):
+        mod._pick_kernel[1, mod.NT, stream](out, logits, params, iparams, utab, pos, T, work[2])
+
+    return hist_launch, pick_launch
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", default="49152,151936", help="vocabulary sizes (comma-separated)")
@@ -106,16 +122,15 @@ def main(argv=None) -> int:
                         mod.sample(out, logits, params, iparams, utab, pos, 1, work, stream=stream)
 
                 row[f"{name}_us"] = graph_time_ms(stream, draw, args.reps) * 1e3
-                hist, ticket, plan = work
-                nb = (V + mod.CHUNK - 1) // mod.CHUNK
+                hist_launch, pick_launch = _parts(mod)
 
-                def hist_only(mod=mod, iparams=iparams, hist=hist, ticket=ticket, plan=plan, nb=nb):
-                    for _ in range(args.reps):      # each launch leaves hist and ticket zero
-                        mod._hist_kernel[nb, mod.HIST_NT, stream](logits, iparams, hist, ticket, plan)
+                def hist_only(iparams=iparams, work=work, hist_launch=hist_launch):
+                    for _ in range(args.reps):      # each launch leaves its counters zero
+                        hist_launch(logits, iparams, work, stream)
 
-                def pick_only(mod=mod, params=params, iparams=iparams, pos=pos, plan=plan):
+                def pick_only(params=params, iparams=iparams, pos=pos, work=work, pick_launch=pick_launch):
                     for _ in range(args.reps):      # the plan of the last histogram, read only
-                        mod._pick_kernel[1, mod.NT, stream](out, logits, params, iparams, utab, pos, 1, plan)
+                        pick_launch(out, logits, params, iparams, utab, pos, 1, work, stream)
 
                 row[f"{name}_hist_us"] = graph_time_ms(stream, hist_only, args.reps) * 1e3
                 row[f"{name}_pick_us"] = graph_time_ms(stream, pick_only, args.reps) * 1e3

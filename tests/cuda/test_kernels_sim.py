@@ -1535,8 +1535,8 @@ def test_sample_equals_host_sampler(temp, top_k, top_p, V, kind):
         # logits the hosts' NaN arithmetic differs, so compare where NaN cannot be drawn
         want = sample_token(host_logits if kind == "specials" else logits, temp, top_k, top_p, utab[idx])
         assert got == want, (pos, T, base)
-        # the launch left the histogram and the ticket zero for the next one
-        assert not host(work[0]).any() and host(work[1])[0] == 0
+        # the launch left the histogram, its ticket and the gather's counters zero for the next one
+        assert not host(work[0]).any() and host(work[1])[0] == 0 and not host(work[3]).any()
 
 
 def test_sample_many_draws_follow_the_host():

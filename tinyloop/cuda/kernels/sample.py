@@ -10,8 +10,9 @@ Shapes::
     utab    float64 (n,)   the request's uniform numbers, token i uses utab[i]
     pos     int32 (1,)     the position handle of the launch that computed the logits
     out     int32 (1,)     the token
-    work    (hist int32 (BINS,), ticket int32 (1,), plan int32 (3,))  zero before the first
-            launch; every launch leaves hist and ticket zero
+    work    int32 arrays (WORK_NAMES, work_shapes): hist (BINS,), ticket (1,), plan (3,),
+            cnt (2,), ckey (CAP,), cidx (CAP,); zero before the first launch; every launch
+            leaves hist, ticket and cnt zero
 
 The uniform number of a launch is ``utab[pos[0] + T - base]`` (clamped into the table): with
 base = the prompt's length and T the rows of the launch whose last row's logits are sampled, that
@@ -35,9 +36,12 @@ Two kernels (`sample` launches both):
    arrives last (fence + ticket, the "last block" pattern of argmax.py) finds the bin holding the
    k-th largest key, stores [bin, keys above it, keys at or above it] in ``plan`` and zeroes the
    histogram and the ticket for the next launch.
-2. ``pick``: one block gathers the keys at or above that bin (at most CAP; typically a few
-   hundred) with their indices into shared memory, bitonic-sorts them by (key desc, index asc) and
-   takes the first k. When more than CAP keys fall at or above the bin (many equal or nearly
+2. ``pick``: ceil(V / PICK_CHUNK) blocks gather the keys at or above that bin (at most CAP;
+   typically a few hundred) with their indices into a global candidate list (one round of loads
+   per thread; a global atomic counter gives the slots); the block that arrives last (fence +
+   ticket, as ``hist``) reads the plan[2] candidates into shared memory, bitonic-sorts them by
+   (key desc, index asc) -- the stages of stride <= 32 in registers by warp shuffles -- and takes
+   the first k. When more than CAP keys fall at or above the bin (many equal or nearly
    equal logits) it selects exactly instead: a 4 x 8-bit radix select of the k-th largest key over
    the whole row, a gather of the keys above it and the first of those equal to it by index, a
    bitonic sort. Then the weights (in parallel), the running sums (one thread, candidate order,
@@ -68,6 +72,8 @@ HIST_PER = 8
 CHUNK = HIST_NT * HIST_PER
 #: Logits each pick thread requests per round of its gather over the row.
 GATHER_ILP = 16
+#: Logits per pick block: one round of GATHER_ILP loads per thread.
+PICK_CHUNK = NT * GATHER_ILP
 #: Histogram bins: the top BITS bits of the 32-bit key.
 BITS = 12
 BINS = 1 << BITS
@@ -81,6 +87,7 @@ KMAX = 1024
 #: and the launch fails with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES.
 _JIT_OPTS = {} if SIM else {"max_registers": 128}
 _LOW32 = 0xFFFFFFFF
+_HALF = 1 << 31
 
 
 # ----------------------------------------------------------------------------- device helpers
@@ -105,13 +112,13 @@ def _value(c):
     key = uint32(c >> uint64(32))
     if key & uint32(0x80000000):
         return as_float(int32(key & uint32(0x7FFFFFFF)))
-    return as_float(int32(~key))
+    return as_float(int32(int64(~key) - (1 << 32)))   # ~key has the sign bit set here
 
 
 @cuda.jit(device=True)
 def _comp(key, i):
     """Sort key of candidate i: larger key first, then smaller index."""
-    return (uint64(key) << uint64(32)) | uint64(_LOW32 - i)
+    return (uint64(key) << uint64(32)) | uint64(_LOW32 - int64(i))
 
 
 @cuda.jit(device=True)
@@ -126,11 +133,14 @@ def _count(sh, v):
 
 
 @cuda.jit(device=True)
-def _gather(comp, bc, bstar, v, i):
-    """Append candidate i (logit v) to comp when its bin is at or above bstar (bc[3] counts)."""
+def _gather(cnt, ckey, cidx, bstar, v, i):
+    """Append candidate i (logit v) to the global list (ckey, cidx) when its bin is at or above
+    bstar (cnt[0] counts)."""
     key = _key(v)
     if (key >> uint32(32 - BITS)) >= bstar:
-        comp[cuda.atomic.add(bc, 3, 1)] = _comp(key, i)
+        slot = cuda.atomic.add(cnt, 0, 1)
+        ckey[slot] = int32(int64(key) - _HALF)   # the key offset into int32's range
+        cidx[slot] = i
 
 
 if SIM:
@@ -434,7 +444,7 @@ def _hist_kernel(logits, iparams, hist, ticket, plan):
 
 
 @jit_kernel(**_JIT_OPTS)
-def _pick_kernel(out, logits, params, iparams, utab, pos, T, plan):
+def _pick_kernel(out, logits, params, iparams, utab, pos, T, plan, cnt, ckey, cidx):
     grid_dep_wait()
     V = logits.shape[0]
     tid = cuda.threadIdx.x
@@ -442,7 +452,7 @@ def _pick_kernel(out, logits, params, iparams, utab, pos, T, plan):
     cum = cuda.shared.array(KMAX, float64)     # weights, then running sums
     hist = cuda.shared.array(256, int32)
     segi = cuda.shared.array(NT, int64)
-    bc = cuda.shared.array(4, int32)           # broadcast slots / the gather counter
+    bc = cuda.shared.array(4, int32)           # broadcast slots / the last-block flag
     scr = cuda.shared.array(SCR, uint64)       # the simulator's shuffle row (unused on the GPU)
     kc = min(max(iparams[0], 1), V, KMAX)
     bstar = uint32(plan[0])
@@ -453,28 +463,45 @@ def _pick_kernel(out, logits, params, iparams, utab, pos, T, plan):
     idx = int64(pos[0]) + T - iparams[1]
     unif = utab[min(max(idx, int64(0)), int64(utab.shape[0] - 1))]
     if n_ge <= CAP:
-        if tid == 0:
-            bc[3] = 0
-        # The counter must be zero before anyone gathers.
-        cuda.syncthreads()
-        # GATHER_ILP logits requested per round before any is tested (one load's latency per
-        # round, not per element: this one block reads the whole row)
-        vals = cuda.local.array(GATHER_ILP, float32)
-        i = tid
-        while i + (GATHER_ILP - 1) * NT < V:
+        # every block gathers the keys at or above the bin from its PICK_CHUNK logits (one round
+        # of GATHER_ILP loads per thread) into the global candidate list
+        lo = cuda.blockIdx.x * PICK_CHUNK
+        hi = min(V, lo + PICK_CHUNK)
+        if hi - lo == PICK_CHUNK:
+            vals = cuda.local.array(GATHER_ILP, float32)
             for u in range(GATHER_ILP):
-                vals[u] = logits[i + u * NT]
+                vals[u] = logits[lo + tid + u * NT]
             for u in range(GATHER_ILP):
-                _gather(comp, bc, bstar, vals[u], i + u * NT)
-            i += GATHER_ILP * NT
-        while i < V:
-            _gather(comp, bc, bstar, logits[i], i)
-            i += NT
-        # Every gathered key must be in place before the sort.
+                _gather(cnt, ckey, cidx, bstar, vals[u], lo + tid + u * NT)
+        else:
+            for i in range(lo + tid, hi, NT):
+                _gather(cnt, ckey, cidx, bstar, logits[i], i)
+    # Release: this thread's candidates are visible device-wide before the block's arrival counts.
+    cuda.threadfence()
+    # Every thread's candidates must be written (and fenced) before thread 0 counts the arrival.
+    cuda.syncthreads()
+    if tid == 0:
+        last = cuda.atomic.add(cnt, 1, 1) == cuda.gridDim.x - 1
+        if last:
+            cuda.threadfence()   # acquire: the other blocks' candidates after their arrivals
+        bc[2] = 1 if last else 0
+    # The flag must be stored before the block reads it.
+    cuda.syncthreads()
+    if bc[2] == 0:
+        return
+    cuda.threadfence()
+    if n_ge <= CAP:
+        # the candidates the histogram counted (plan[2] of them), in arrival order: the sort orders them
+        for j in range(tid, n_ge, NT):
+            comp[j] = _comp(uint32(int64(ckey[j]) + _HALF), cidx[j])
+        # Every candidate must be in place (and the list read) before the sort and the reset.
         cuda.syncthreads()
-        _pad_sort(comp, bc[3], scr, tid)
+        _pad_sort(comp, n_ge, scr, tid)
     else:
         _select_exact(logits, V, kc, comp, hist, segi, bc, scr, tid)
+    if tid == 0:
+        cnt[0] = 0                              # the next launch starts from an empty list
+        cnt[1] = 0
     # the logits come back from the sort keys (no second read of the row)
     z0 = float64(_value(comp[0])) / temp
     for j in range(tid, kc, NT):
@@ -531,9 +558,29 @@ def _pick_kernel(out, logits, params, iparams, utab, pos, T, plan):
 
 
 # ----------------------------------------------------------------------------- launcher
+#: The sampler's work arrays (all int32; allocate them zeroed, once: every launch leaves hist,
+#: ticket and cnt zero): the histogram, its arrival ticket, the plan [bin, keys above it, keys at
+#: or above it], the gather's [count, arrival ticket], and the candidates' keys and indices.
+WORK_NAMES = ("hist", "ticket", "plan", "cnt", "ckey", "cidx")
+
+
 def work_shapes() -> tuple:
-    """Shapes of (hist int32, ticket int32, plan int32); allocate hist and ticket zeroed, once."""
-    return (BINS,), (1,), (3,)
+    """Shapes of the work arrays named by WORK_NAMES (int32 each)."""
+    return (BINS,), (1,), (3,), (2,), (CAP,), (CAP,)
+
+
+def hist_launch(logits, iparams, work, stream=0):
+    """The first kernel of `sample` alone (arguments checked by `sample`)."""
+    hist, ticket, plan = work[:3]
+    _hist_kernel[cdiv(logits.shape[0], CHUNK), HIST_NT, stream](logits, iparams, hist, ticket, plan)
+
+
+def pick_launch(out, logits, params, iparams, utab, pos, T, work, stream=0):
+    """The second kernel of `sample` alone (arguments checked by `sample`); it reads the plan the
+    last histogram left."""
+    plan, cnt, ckey, cidx = work[2:]
+    _pick_kernel[cdiv(logits.shape[0], PICK_CHUNK), NT, stream](out, logits, params, iparams, utab, pos,
+                                                                int(T), plan, cnt, ckey, cidx)
 
 
 def sample(out, logits, params, iparams, utab, pos, T: int, work, stream=0):
@@ -558,13 +605,13 @@ def sample(out, logits, params, iparams, utab, pos, T: int, work, stream=0):
         raise BackendError(f"{op}: pos is empty")
     if isinstance(T, bool) or not isinstance(T, (int, np.integer)) or T < 1:
         raise BackendError(f"{op}: T={T!r} must be an integer >= 1")
-    if not isinstance(work, (tuple, list)) or len(work) != 3:
-        raise BackendError(f"{op}: work must be a (hist, ticket, plan) tuple, got {type(work).__name__}")
-    for name, a, shape in zip(("hist", "ticket", "plan"), work, work_shapes()):
+    if not isinstance(work, (tuple, list)) or len(work) != len(WORK_NAMES):
+        raise BackendError(f"{op}: work must be a ({', '.join(WORK_NAMES)}) tuple (work_shapes), got "
+                           f"{type(work).__name__}{'' if not isinstance(work, (tuple, list)) else f' of {len(work)}'}")
+    for name, a, shape in zip(WORK_NAMES, work, work_shapes()):
         check_workspace(op, name, a, np.int32, shape[0], "the sampler (work_shapes)")
-    hist, ticket, plan = work
-    _hist_kernel[cdiv(V, CHUNK), HIST_NT, stream](logits, iparams, hist, ticket, plan)
-    _pick_kernel[1, NT, stream](out, logits, params, iparams, utab, pos, int(T), plan)
+    hist_launch(logits, iparams, work, stream)
+    pick_launch(out, logits, params, iparams, utab, pos, T, work, stream)
 
 
 def ptx_signatures():
@@ -572,4 +619,4 @@ def ptx_signatures():
              "void(float32[::1], int32[::1], int32[::1], int32[::1], int32[::1])"),
             ("sample_pick", _pick_kernel.py_func,
              "void(int32[::1], float32[::1], float64[::1], int32[::1], float64[::1], int32[::1], "
-             "int64, int32[::1])")]
+             "int64, int32[::1], int32[::1], int32[::1], int32[::1])")]
