@@ -157,7 +157,7 @@ def _run_layouts(tl, a, path, layouts, max_seq, rows, fixed, profiles) -> None:
 
 def _report(a, path, rows, fixed, profiles) -> None:
     L = max(fixed)
-    print(f"\nfixed depth, ms/token: " + ", ".join(f"L={d} {v:.4f}" for d, v in fixed.items()))
+    print("\nfixed depth, ms/token: " + ", ".join(f"L={d} {v:.4f}" for d, v in fixed.items()))
     per_iter = (fixed[L] - fixed[1]) / (L - 1) if L > 1 else 0.0
     print(f"one loop iteration: {1000 * per_iter:.1f} us; outside the loop: {1000 * (fixed[1] - per_iter):.1f} us")
     print(f"\n{'layout':<7}{'config':<34}{'ms/token':>10}{'depth':>8}{'over fixed line us':>20}")

@@ -559,7 +559,7 @@ class Session:
         """Forward tokens[start:stop] in chunks; the last row's logits (and their argmax, started on
         the device) are pending in ws.logits[0]. A one-token step is a fixed op sequence that the
         backend may capture once and replay (positions and ids live in backend buffers)."""
-        be, fwd, ws = self.model.backend, self.model.fwd, self.model.ws
+        be, ws = self.model.backend, self.model.ws
         rows = self.launch_rows
         # early exit: prompt positions run at full depth, generated ones through the exit step
         plain = stop if self._exit is None else min(stop, max(start, self._prompt_len))

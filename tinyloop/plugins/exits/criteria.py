@@ -30,8 +30,6 @@ defaults are where the demo model keeps its perplexity within about 1 % at its d
 
 from __future__ import annotations
 
-import numpy as np
-
 from ...errors import ConfigError, IncompatibleModesError
 from ...runtime.early_exit import GATE_CDF, ExitCriterion, gate_cdf, gate_log_survival
 from ...runtime.hookspecs import hookimpl
