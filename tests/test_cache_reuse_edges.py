@@ -6,15 +6,13 @@ quantized windows against the masked quantizing oracle, prompts at max_seq_len).
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
 
 import tinyloop as tl
-from tinyloop.runtime.compat import CompatWarning
 
 from conftest import logical_weights, write_tiny
+from reuse_suite import _no_cap  # noqa: F401  (autouse: no handle-bytes cap, CompatWarning quiet)
 
 G = tl.GenerateConfig
 
@@ -26,13 +24,6 @@ def m():
     tl.free_model(model)
 
 
-@pytest.fixture(autouse=True)
-def _no_cap():
-    tl.set_handle_bytes_cap(None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", CompatWarning)
-        yield
-    tl.set_handle_bytes_cap(None)
 
 
 def _prompt(n, seed=0):

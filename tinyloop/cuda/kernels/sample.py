@@ -358,6 +358,29 @@ def _select_exact(logits, V, kc, comp, hist, segi, bc, scr, tid):
     _pad_sort(comp, kc, scr, tid)
 
 
+@cuda.jit(device=True)
+def _last_to_arrive(counter, slot, flag, fslot, tid):
+    """The "last block" pattern: the block's arrival is counted on counter[slot] after every
+    thread's global writes (release fence); True, in every thread, for the block that arrives
+    last, which then sees the other blocks' writes (acquire fence). flag[fslot] is a shared slot
+    carrying thread 0's answer to the block. Every thread of the block calls it."""
+    # Release: this thread's writes are visible device-wide before the block's arrival is counted.
+    cuda.threadfence()
+    # Every thread's writes must be fenced before thread 0 counts the arrival.
+    cuda.syncthreads()
+    if tid == 0:
+        last = cuda.atomic.add(counter, slot, 1) == cuda.gridDim.x - 1
+        if last:
+            cuda.threadfence()   # acquire: the other blocks' writes after their arrivals
+        flag[fslot] = 1 if last else 0
+    # The flag must be stored before the block reads it.
+    cuda.syncthreads()
+    last = flag[fslot] != 0
+    if last:
+        cuda.threadfence()
+    return last
+
+
 # ----------------------------------------------------------------------------- kernels
 @jit_kernel
 def _hist_kernel(logits, iparams, hist, ticket, plan):
@@ -390,20 +413,8 @@ def _hist_kernel(logits, iparams, hist, ticket, plan):
         c = sh[j]
         if c != 0:
             cuda.atomic.add(hist, j, c)
-    # Release: this thread's bins are visible device-wide before the block's arrival is counted.
-    cuda.threadfence()
-    # Every thread's bins must be added (and fenced) before thread 0 counts the arrival.
-    cuda.syncthreads()
-    if tid == 0:
-        last = cuda.atomic.add(ticket, 0, 1) == cuda.gridDim.x - 1
-        if last:
-            cuda.threadfence()   # acquire: the other blocks' bins after their arrivals
-        flag[0] = 1 if last else 0
-    # flag must be stored before the block reads it.
-    cuda.syncthreads()
-    if flag[0] == 0:
+    if not _last_to_arrive(ticket, 0, flag, 0, tid):
         return
-    cuda.threadfence()
     kc = min(max(iparams[0], 1), V)
     per = BINS // HIST_NT
     # the global totals of this thread's bins copied into the block's (no longer needed) shared
@@ -476,20 +487,8 @@ def _pick_kernel(out, logits, params, iparams, utab, pos, T, plan, cnt, ckey, ci
         else:
             for i in range(lo + tid, hi, NT):
                 _gather(cnt, ckey, cidx, bstar, logits[i], i)
-    # Release: this thread's candidates are visible device-wide before the block's arrival counts.
-    cuda.threadfence()
-    # Every thread's candidates must be written (and fenced) before thread 0 counts the arrival.
-    cuda.syncthreads()
-    if tid == 0:
-        last = cuda.atomic.add(cnt, 1, 1) == cuda.gridDim.x - 1
-        if last:
-            cuda.threadfence()   # acquire: the other blocks' candidates after their arrivals
-        bc[2] = 1 if last else 0
-    # The flag must be stored before the block reads it.
-    cuda.syncthreads()
-    if bc[2] == 0:
+    if not _last_to_arrive(cnt, 1, bc, 2, tid):
         return
-    cuda.threadfence()
     if n_ge <= CAP:
         # the candidates the histogram counted (plan[2] of them), in arrival order: the sort orders them
         for j in range(tid, n_ge, NT):
