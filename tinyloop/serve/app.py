@@ -174,9 +174,20 @@ def _chat_prompt(served: Served, body) -> List[Tuple[Optional[str], List[int]]]:
     """The one prompt of a chat request: its messages rendered by the model's chat template."""
     from ..api import apply_chat_template
     messages = []
-    for m in body.messages:
-        d = m.model_dump(exclude_none=True)
+    for i, m in enumerate(body.messages):
+        if m.audio is not None:
+            raise FieldError(f"messages.{i}.audio", "audio is not supported (a text model)")
+        d = m.model_dump(exclude_none=True, exclude={"annotations"})
         d["content"] = m.content
+        if isinstance(m.content, list):       # OpenAI's content parts: text only, joined by newlines
+            texts = []
+            for j, part in enumerate(m.content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise FieldError(f"messages.{i}.content.{j}", f"content part of type {part.get('type')!r}: "
+                                                                   f"only {{'type': 'text', 'text': ...}} parts are "
+                                                                   f"supported (a text model)")
+                texts.append(part["text"])
+            d["content"] = "\n".join(texts)
         messages.append(d)
     extra = {"tools": body.tools} if body.tools else {}
     ids = apply_chat_template(served.model, messages, add_generation_prompt=True, **extra)
@@ -330,7 +341,8 @@ SSE_EVENT_SCHEMA = {
     },
 }
 
-#: Routes counted by name in tinyloop_requests_total; any other path counts as "other".
+#: Routes counted by name in tinyloop_requests_total (/v1/models/NAME as "/v1/models/{model}"); any other
+#: path counts as "other".
 ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/", "/openapi.json", "/docs"})
 
 
@@ -344,7 +356,8 @@ class _CountResponses:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        route = scope["path"] if scope["path"] in ROUTES else "other"
+        path = scope["path"]
+        route = path if path in ROUTES else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
         started = False
 
         async def counted(message):
@@ -368,6 +381,7 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
     ``app.state.served.close()`` stops its worker and frees what it loaded (not a `model` it was
     given)."""
     from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
     from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -400,6 +414,11 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
                         for e in exc.errors()[:5])
         return _error(400, msg or "malformed request", "invalid_request_error", ".".join(loc) or None)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc):
+        """Starlette's own answers (an unknown route 404, a wrong method 405) as OpenAI error objects."""
+        return _error(exc.status_code, str(exc.detail), "invalid_request_error", headers=exc.headers)
+
     @app.exception_handler(TinyLoopError)
     async def tinyloop_error(request, exc):
         return _tinyloop_error(exc, cfg.retry_after_s)
@@ -409,12 +428,21 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
         return {"status": "ok", "model": served.name, "backend": served.model.backend_name,
                 "queue_depth": served.worker.depth, "pid": os.getpid()}
 
+    def card() -> ModelCard:
+        c = served.model.cfg
+        return ModelCard(id=served.name, created=served.created, max_seq_len=served.model.max_seq_len,
+                         max_loops=c.max_loops, default_loops=c.default_loops, backend=served.model.backend_name)
+
     @app.get("/v1/models", response_model=ModelList)
     async def models():
-        c = served.model.cfg
-        return ModelList(data=[ModelCard(id=served.name, created=served.created, max_seq_len=served.model.max_seq_len,
-                                         max_loops=c.max_loops, default_loops=c.default_loops,
-                                         backend=served.model.backend_name)])
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
+    async def model_card(model: str):
+        if model != served.name:
+            return _error(404, f"model {model!r} is not served here (this server serves {served.name!r})",
+                          "model_not_found", "model")
+        return card()
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():

@@ -27,10 +27,13 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: bool = True
+    """OpenAI's padding of stream chunks against length side channels: accepted, without effect
+    (TinyLoop's chunks carry no obfuscation field either way)."""
 
 
 class ResponseFormat(_Strict):
-    """``{"type": "text"}``; ``{"type": "json_object"}`` (any JSON); ``{"type": "json_schema",
+    """``{"type": "text"}``; ``{"type": "json_object"}`` (a JSON object); ``{"type": "json_schema",
     "json_schema": {"name": ..., "schema": {...}}}``; TinyLoop's ``{"type": "regex", "regex": ...}``
     and ``{"type": "lark", "lark": ...}``."""
 
@@ -49,9 +52,9 @@ class _Generation(_Strict):
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     stop: Optional[Union[str, List[str]]] = None
     seed: Optional[int] = Field(default=None, ge=0, le=2 ** 64 - 1)
-    stream: bool = False
+    stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
-    n: int = 1
+    n: Optional[int] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[Dict[str, float]] = None
@@ -80,20 +83,28 @@ class _Generation(_Strict):
 
 class CompletionRequest(_Generation):
     prompt: Union[str, List[int], List[str], List[List[int]]]
-    echo: bool = False
+    echo: Optional[bool] = False
     best_of: Optional[int] = None
     logprobs: Optional[int] = None
     suffix: Optional[str] = None
 
 
 class ChatMessage(_Strict):
-    """One message of a conversation (content None: a message that only carries tool calls)."""
+    """One message of a conversation (content None: a message that only carries tool calls).
+    ``content`` may be a list of text parts (``{"type": "text", "text": ...}``, joined by newlines);
+    an assistant reply sent back as the SDK dumps it carries ``refusal``, ``function_call``
+    (passed to the template like the rest), ``annotations`` (dropped: citations of the reply)
+    and ``audio`` (null only)."""
 
     role: str = Field(min_length=1)
-    content: Optional[str] = None
+    content: Optional[Union[str, List[Dict[str, Any]]]] = None
     name: Optional[str] = None
     tool_calls: Optional[List[Dict[str, Any]]] = None
     tool_call_id: Optional[str] = None
+    refusal: Optional[str] = None
+    function_call: Optional[Dict[str, Any]] = None
+    annotations: Optional[List[Dict[str, Any]]] = None
+    audio: Optional[Dict[str, Any]] = None
 
 
 class ChatCompletionRequest(_Generation):
@@ -206,7 +217,7 @@ class FieldError(ConfigError):
 
 def _unsupported(req: _Generation) -> None:
     chat = isinstance(req, ChatCompletionRequest)
-    checks = [("n", req.n != 1, "n must be 1 (one completion per prompt)"),
+    checks = [("n", req.n not in (None, 1), "n must be 1 (one completion per prompt)"),
               ("best_of", getattr(req, "best_of", None) not in (None, 1), "best_of must be 1 or absent"),
               ("logprobs", req.logprobs not in ((None, False) if chat else (None,)), "logprobs are not supported"),
               ("top_logprobs", getattr(req, "top_logprobs", None) not in (None, 0), "logprobs are not supported"),
@@ -243,7 +254,7 @@ def grammar_of(fmt: Optional[ResponseFormat]) -> Any:
     if fmt.type == "text":
         return None
     if fmt.type == "json_object":
-        return {"json": {}}
+        return {"json_schema": {"type": "object"}}       # OpenAI's JSON mode: an object, not any JSON value
     if fmt.type == "json_schema":
         spec = fmt.json_schema or {}
         wrapper = isinstance(spec, dict) and any(k in spec for k in _WRAPPER_KEYS)
