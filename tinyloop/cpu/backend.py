@@ -16,8 +16,8 @@ import numpy as np
 
 from ..model.arch import required_tensors, rope_inv_freq
 from ..model.init_state import random_state
-from ..runtime.backend import (Backend, CacheReuse, GuardedSteps, KVLayerCopy, LaneOps, ModelWeights, TokenMasks,
-                               TreeOps, TreeRows, Workspace, fill_lane_paths, lane_tables)
+from ..runtime.backend import (Backend, BlockWeights, CacheReuse, GuardedSteps, KVLayerCopy, LaneOps, ModelWeights,
+                               TokenMasks, TreeOps, TreeRows, Workspace, fill_lane_paths, lane_tables)
 from ..runtime.early_exit import GATE_CDF, STABLE_BELOW, STATISTICS, gate_cdf, gate_log_survival, is_stable
 from ..runtime.cache import shared_layers
 from ..errors import BackendError, OutOfMemoryError
@@ -103,6 +103,25 @@ class CPUCache:
             impl = codec.impl("cpu")
             self.groups.append((codec, impl, impl.alloc(codec, g.n_layers, spec.n_slots, n_kv, D),
                                 impl.alloc(codec, g.n_layers, spec.n_slots, n_kv, D)))
+        #: per global layer, what the one-row path (CPUBackend.attn_half) reads: made on first use
+        self._layer_kv = [None] * self.n_layers
+        self._n_kv, self._head_dim = n_kv, D
+
+    def layer_kv(self, layer: int):
+        """(write K rows, write V rows, attention kernel, the group's K and V arrays (codes,
+        scales, zeros), layer within the group, the codec's table) of global layer `layer`, made
+        once; None for a ring cache (its slots wrap: the generic ops handle it)."""
+        kv = self._layer_kv[layer]
+        if kv is None:
+            if self.spec.slots.ring:
+                return None
+            gi, local = self.spec.group_of(layer)
+            codec, impl, kst, vst = self.groups[gi]
+            kv = self._layer_kv[layer] = (
+                impl.row_writer(codec, kst, local, self._n_kv, self._head_dim),
+                impl.row_writer(codec, vst, local, self._n_kv, self._head_dim),
+                impl.attention_kernel(), kst.arrays + vst.arrays, local, impl.lut)
+        return kv
 
     def storages(self):
         for _, _, k, v in self.groups:
@@ -112,6 +131,12 @@ class CPUCache:
     @property
     def nbytes(self) -> int:
         return sum(st.nbytes for st in self.storages())
+
+
+#: The primitives the CPU backend's composites (attn_half, mlp_half, final_logits) stand for when
+#: they call the kernels directly.
+_DIRECT_PRIMITIVES = ("rmsnorm", "matmul", "rope_kv_append", "attention", "swiglu", "qkv_project",
+                      "sublayer_out", "rows")
 
 
 class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedSteps, LaneOps):
@@ -137,6 +162,14 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
         #: threads of the parallel kernels (TINYLOOP_CPU_THREADS; tinyloop/cpu/threads.py)
         self.threads = threads.configure()
         self._par = threads.Region(self.threads)
+        #: the composites below call the kernels themselves (the same kernels, arguments and order
+        #: as the generic composites over this class's primitives) unless a subclass overrides one
+        #: of those primitives, or the model needs what only the generic ones do (biases, other
+        #: block norms)
+        cls = type(self)
+        self._direct = (cfg.block_norm == "pre" and not cfg.qkv_bias
+                        and all(getattr(cls, n) is getattr(CPUBackend, n) for n in _DIRECT_PRIMITIVES))
+        self._blocks = {}               # id(BlockWeights) -> its kernel arguments (_block_args)
 
     # ------------------------------------------------------------------ memory
     @classmethod
@@ -280,6 +313,7 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
 
     def free(self) -> None:
         self._scores = None
+        self._blocks.clear()
         self._held = 0
 
     # ------------------------------------------------------------------ positions / transfer
@@ -359,6 +393,74 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
         with self._par:
             kernel(q, *kst.arrays, *vst.arrays, local, p0, T, c.n_heads, c.n_kv_heads, c.head_dim,
                    out, self._scores, impl.lut, depth, path, cache.spec.slots.window, cache.n_slots)
+
+    # ------------------------------------------------------------------ composites
+    # The generic composites (tinyloop.runtime.backend) cost ~10 us of Python per block (a dozen
+    # method calls, position-handle and slot-map checks, group lookups, a Region per matmul) on top
+    # of the kernels; these make the same kernel calls with the same arguments in the same order
+    # for the common case (a position int, a linear cache, row-blocked weights, "pre" blocks
+    # without biases), with the per-layer and per-block lookups made once. Anything else takes the
+    # generic composites.
+
+    def _block_args(self, b: BlockWeights):
+        """(b, its matrices' blocks and row counts, its norms) for the direct composites, kept per
+        block; (b, None) when a matrix is not row-blocked (the generic composites then run)."""
+        ent = self._blocks.get(id(b))
+        if ent is None or ent[0] is not b:
+            mats = (b.wq, b.wk, b.wv, b.wo, b.w_gate, b.w_up, b.w_down)
+            if all(type(W) is RowBlocks for W in mats):
+                ent = (b, tuple(a for W in mats for a in (W.blocks, W.shape[0])), b.attn_norm, b.mlp_norm)
+            else:
+                ent = (b, None)
+            self._blocks[id(b)] = ent
+        return ent
+
+    def attn_half(self, ws: Workspace, b: BlockWeights, cache, layer: int, pos, T: int) -> None:
+        kv = cache.layer_kv(layer) if self._direct and type(pos) is int else None
+        ent = self._block_args(b) if kv is not None else None
+        if ent is None or ent[1] is None:
+            return super().attn_half(ws, b, cache, layer, pos, T)
+        if pos + T - 1 >= cache.n_slots:
+            raise BackendError(f"cache slot {pos + T - 1} is past the cache's {cache.n_slots} slots")
+        wq, nq, wk, nk, wv, nv, wo, no = ent[1][:8]
+        write_k, write_v, kernel, (kd, ks, kz, vd, vs, vz), local, lut = kv
+        c, mm = self.cfg, ops.matmul
+        x, h, q, k, v, att = ws.x, ws.h, ws.q, ws.k, ws.v, ws.att
+        ops.rmsnorm(x, ent[2], h, T, c.norm_eps)
+        with self._par:
+            mm(h, wq, nq, q, T, False)
+            mm(h, wk, nk, k, T, False)
+            mm(h, wv, nv, v, T, False)
+            ops.rope(q, pos, T, c.n_heads, c.head_dim, self.cos, self.sin, _NO_DEPTH)
+            ops.rope(k, pos, T, c.n_kv_heads, c.head_dim, self.cos, self.sin, _NO_DEPTH)
+            slots = slice(pos, pos + T)
+            write_k(slots, k[:T])
+            write_v(slots, v[:T])
+            kernel(q, kd, ks, kz, vd, vs, vz, local, pos, T, c.n_heads, c.n_kv_heads, c.head_dim, att,
+                   self._scores, lut, _NO_DEPTH, _NO_PATH, cache.spec.slots.window, cache.n_slots)
+            mm(att, wo, no, x, T, True)
+
+    def mlp_half(self, ws: Workspace, b: BlockWeights, T: int) -> None:
+        ent = self._block_args(b) if self._direct else None
+        if ent is None or ent[1] is None:
+            return super().mlp_half(ws, b, T)
+        wg, ng, wu, nu, wd, nd = ent[1][8:]
+        mm = ops.matmul
+        x, h, g, u = ws.x, ws.h, ws.g, ws.u
+        ops.rmsnorm(x, ent[3], h, T, self.cfg.norm_eps)
+        with self._par:
+            mm(h, wg, ng, g, T, False)
+            mm(h, wu, nu, u, T, False)
+            ops.swiglu(g, u, g, T)
+            mm(g, wd, nd, x, T, True)
+
+    def final_logits(self, ws: Workspace, w: ModelWeights, row0: int, T: int) -> None:
+        head = w.head
+        if not (self._direct and w.final_norm is not None and type(head) is RowBlocks):
+            return super().final_logits(ws, w, row0, T)
+        ops.rmsnorm(ws.x[row0:], w.final_norm, ws.h, T, self.cfg.norm_eps)
+        with self._par:
+            ops.matmul(ws.h, head.blocks, head.shape[0], ws.logits, T, False)
 
     def move_cache_slots(self, cache: CPUCache, moves) -> None:
         for st in cache.storages():

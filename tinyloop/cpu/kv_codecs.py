@@ -79,6 +79,23 @@ class CPUCodec:
         if zero is not None:
             st.zero[layer, slots] = zero
 
+    def row_writer(self, codec, st: CPUStorage, layer: int, n_kv: int, head_dim: int):
+        """``write(slots, rows)``: what ``store(codec, st, layer, slots, rows)`` does for rows
+        given flat, (T, n_kv * head_dim) float32, made once per cache layer (the CPU backend's
+        one-row path calls it for every block of every step)."""
+        store = self.store
+
+        def write(slots, rows):
+            store(codec, st, layer, slots, rows.reshape(rows.shape[0], n_kv, head_dim))
+        return write
+
+
+def _flat_layer(a: np.ndarray, layer: int) -> np.ndarray:
+    """Layer `layer` of codes (layers, slots, Hkv, cols) as a (slots, Hkv * cols) view."""
+    out = a[layer].view()
+    out.shape = (a.shape[1], -1)            # a view or an error, never a copy
+    return out
+
 
 class _FP32(CPUCodec):
     load = staticmethod(ops.load_fp32)
@@ -86,6 +103,11 @@ class _FP32(CPUCodec):
 
     def store(self, codec, st, layer, slots, rows):
         st.data[layer, slots] = rows
+
+    def row_writer(self, codec, st, layer, n_kv, head_dim):
+        if type(self).store is not _FP32.store:         # a subclass with a store of its own
+            return super().row_writer(codec, st, layer, n_kv, head_dim)
+        return _flat_layer(st.data, layer).__setitem__
 
 
 class _FP16(CPUCodec):
@@ -97,6 +119,12 @@ class _FP16(CPUCodec):
     def store(self, codec, st, layer, slots, rows):
         # the cast of the float32 rows to half, written through a float16 view of the bits
         st.data.view(np.float16)[layer, slots] = rows
+
+    def row_writer(self, codec, st, layer, n_kv, head_dim):
+        if type(self).store is not _FP16.store:
+            return super().row_writer(codec, st, layer, n_kv, head_dim)
+        # the same cast, through a float16 view of the layer made once
+        return _flat_layer(st.data.view(np.float16), layer).__setitem__
 
 
 class _INT8(CPUCodec):

@@ -464,6 +464,12 @@ class Session:
         # greedy(ahead=True): the token returned whose decode step already runs (None: none)
         self._ahead: Optional[int] = None
         self._lookahead = env_switch("TINYLOOP_LOOKAHEAD")
+        # what does not change during a request, asked once instead of at every token: may a
+        # greedy(ahead=True) step be queued before its token is read (device chaining), may a
+        # draw run on the device (None: not asked yet)
+        self._chains_ahead = (self._lookahead and model.backend.supports("device_chaining")
+                              and not self.uncached)
+        self._draws_on_device: Optional[bool] = None
         # sample(): the request's uniform numbers (made at the first draw), and whether the token
         # slot behind each forward holds the device's draw instead of the argmax
         self._uniforms: Optional[np.ndarray] = None
@@ -726,7 +732,9 @@ class Session:
 
     def _device_draw_ok(self, lane: int) -> bool:
         be, c = self.model.backend, self.config
-        return (be.supports("device_sampling") and env_switch("TINYLOOP_DEVICE_SAMPLING") and len(self.chain) == 0
+        if self._draws_on_device is None:
+            self._draws_on_device = be.supports("device_sampling") and env_switch("TINYLOOP_DEVICE_SAMPLING")
+        return (self._draws_on_device and len(self.chain) == 0
                 and self._exit is None and self.lanes == 1 and lane == self._lane
                 and min(c.top_k, self.vocab_size) <= be.sample_kmax and 0.0 < c.temperature <= 1e200)
 
@@ -736,7 +744,7 @@ class Session:
         be, ws = self.model.backend, self.model.ws
         generated = len(self.tokens) - self._prompt_len + 1      # counting the token read now
         exit_ = self._exit
-        if not (ahead and self._lookahead and be.supports("device_chaining") and not self.uncached
+        if not (ahead and self._chains_ahead
                 and (exit_ is None or exit_.guarded()) and lane == self._lane
                 and generated < self.config.max_tokens):
             self._resolve_depth()
