@@ -14,7 +14,8 @@ the 32-wide test model: ~85 s):
 * ``cuda.shared.array`` finds a block's array by its call site through
   ``traceback.extract_stack``, which formats the whole stack (source lines included) on every
   call in every thread. The replacement reads the same key, (file, line) of the caller, from the
-  caller's frame.
+  caller's frame, and creates it atomically (``dict.setdefault``): the simulator's own
+  get-then-set lets two threads of a block that arrive together each make an array of their own.
 
 Nothing of the kernels changes: the code under test and its results are the same, only the
 waiting and the bookkeeping are cheaper.
@@ -129,7 +130,10 @@ def _install_shared_lookup():
         caller = (f.f_code.co_filename, f.f_lineno)        # extract_stack()[-2][0:2]
         res = self._allocations.get(caller)
         if res is None:
-            res = self._allocations[caller] = np.empty(shape, dtype)
+            # setdefault, not get-then-set: the block's threads reach their first shared.array
+            # call together, and a thread switch between a get and a set gave two threads two
+            # different "shared" arrays (numba's own lookup has the same race)
+            res = self._allocations.setdefault(caller, np.empty(shape, dtype))
         return res
 
     array._tinyloop = True

@@ -2084,3 +2084,39 @@ def test_kv_layer_copy(ring):
     np.testing.assert_array_equal(a.copy_to_host(), want)
     with pytest.raises(BackendError, match="outside"):
         kv_layer_copy.copy_layers_at(a, pos, ring, 0, range(5, 9))
+
+
+@pytest.mark.skipif(not numba.config.ENABLE_CUDASIM, reason="a property of the simulator's shared arrays")
+def test_simulator_threads_of_a_block_share_one_array():
+    """Every thread of a block gets the same shared array, even when the interpreter switches
+    threads between the lookup and the creation of the array (tests/sim_fast.py creates it with
+    one atomic setdefault; a get-then-set gave two early threads two arrays now and then, which
+    made a row-tail test fail once in a CI run). With a tiny switch interval about every second
+    run of this test failed with the old lookup."""
+    import sys
+
+    @cuda.jit
+    def kernel(out):
+        a = cuda.shared.array(128, numba.int32)
+        b = cuda.shared.array(128, numba.int32)
+        c = cuda.shared.array(128, numba.int32)
+        d = cuda.shared.array(128, numba.int32)
+        t = cuda.threadIdx.x
+        a[t] = t + 1
+        b[t] = t + 2
+        c[t] = t + 3
+        d[t] = t + 4
+        cuda.syncthreads()
+        u = (t + 1) % 128
+        out[cuda.blockIdx.x, t] = a[u] + b[u] + c[u] + d[u]
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    want = np.tile(4 * ((np.arange(128) + 1) % 128) + 10, (16, 1))
+    try:
+        for _ in range(12):
+            out = cuda.to_device(np.zeros((16, 128), np.int32))
+            kernel[16, 128](out)
+            assert np.array_equal(out.copy_to_host(), want)
+    finally:
+        sys.setswitchinterval(before)
