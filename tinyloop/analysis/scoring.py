@@ -25,7 +25,8 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..runtime.config import GenerateConfig, GenerateStats, plain_number
-from ..runtime.engine import Model, Plan, Session, _locked, check_call, resolve_loops, validate_request
+from ..runtime.engine import (Model, Plan, Session, _locked, check_call, resolve_loops, score_window_hint,
+                              validate_request)
 from ..runtime.processors import ProcessorChain
 from ..runtime import reuse
 
@@ -51,7 +52,9 @@ def _depths(loops: int, depths) -> List[int]:
         raise ConfigError(f"depths={depths!r} must be a non-empty list of loop depths in [1, {loops}] (or None: all)")
     out = []
     for d in depths:
-        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or not 1 <= d <= loops:
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)):
+            raise ConfigError(f"depths holds {d!r}, not a loop depth (an integer in [1, {loops}])")
+        if not 1 <= d <= loops:
             raise ConfigError(f"depths holds {d!r}, outside the allowed range [1, {loops}] (loops={loops})")
         if int(d) in out:
             raise ConfigError(f"depths holds {int(d)} twice")
@@ -72,7 +75,8 @@ def depth_pass(model: Model, tokens, loops: Optional[int], depths, cache_mode: s
     ds = _depths(L, depths)
     config = GenerateConfig(max_tokens=0, loops=L, cache_mode=cache_mode)
     plan = Plan(model, config, "single")
-    ids = validate_request(model, tokens, config, what="tokens")
+    ids = validate_request(model, tokens, config, what="tokens",
+                           window_hint=score_window_hint(model))
     # the post blocks of each requested depth write their own layer group (depth L: the post group)
     parts = {d: ("post" if d == L else f"post@{d}") for d in ds}
     lock = _locked(model)
@@ -138,7 +142,8 @@ def score_logit_lens(model: Model, tokens: Sequence[int], loops: Optional[int] =
         raise ConfigError(f"top_k={top_k!r} is outside the allowed range [1, {V}] (the vocabulary), or None")
     L = resolve_loops(model, loops)
     ds = _depths(L, depths)
-    T = len(validate_request(model, tokens, GenerateConfig(max_tokens=0, loops=L), what="tokens"))
+    T = len(validate_request(model, tokens, GenerateConfig(max_tokens=0, loops=L), what="tokens",
+                             window_hint=score_window_hint(model)))
     index = {d: i for i, d in enumerate(ds)}
     if top_k is None:
         out = np.empty((len(ds), T, V), np.float32)
@@ -195,7 +200,8 @@ def score_with_uncertainty(model: Model, tokens: Sequence[int], loops: Optional[
     pass of the loop. Host memory: the final logits plus one chunk's logits at every depth."""
     check_call(model)
     L = resolve_loops(model, loops)
-    T = len(validate_request(model, tokens, GenerateConfig(max_tokens=0, loops=L), what="tokens"))
+    T = len(validate_request(model, tokens, GenerateConfig(max_tokens=0, loops=L), what="tokens",
+                             window_hint=score_window_hint(model)))
     V = model.cfg.vocab_size
     logits = np.empty((T, V), np.float32)
     argmax = np.empty((L, T), np.int64)
@@ -270,11 +276,14 @@ def score_with_consistency_escalation(model: Model, tokens: Sequence[int], loops
         if threshold < 0:
             raise ConfigError(f"threshold={threshold!r} must be >= 0 ({criterion} is never negative)")
     config = GenerateConfig(max_tokens=0, loops=hi, cache_mode=cache_mode)
-    ids = validate_request(model, tokens, config, what="tokens")
+    ids = validate_request(model, tokens, config, what="tokens",
+                           window_hint=score_window_hint(model))
     Plan(model, config, "single", reuse="warm_start")           # compat and backend capability
     P = len(ids)
     first = lo - 1 if criterion == "disagreement" else lo
-    h = reuse.build_resume_handle(model, ids, first, GenerateConfig(max_tokens=0, cache_mode=cache_mode))
+    # the call's working state, not kept state: outside the live handle cap (it evicts nothing)
+    h = reuse._build_resume_handle(model, ids, first, GenerateConfig(max_tokens=0, cache_mode=cache_mode),
+                                   kept=False)
     try:
         lock = _locked(model)
         try:

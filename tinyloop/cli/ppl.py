@@ -7,7 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from ..runtime.engine import free_model, load_model
+from ..runtime.config import GenerateConfig
+from ..runtime.engine import Plan, free_model, load_model, resolve_loops
 from ..errors import ConfigError
 from ..runtime.config import read_text
 from ..runtime.plugins import get_plugin_manager
@@ -55,6 +56,9 @@ def run(args) -> int:
         modes = [m.strip() for m in args.cache_mode.split(",") if m.strip()]
         if not modes:
             raise ConfigError(f"--cache-mode={args.cache_mode!r} names no cache mode")
+        for L in loops or [None]:       # every depth and cache mode is checked before the first window
+            for mode in modes:
+                Plan(model, GenerateConfig(max_tokens=0, loops=resolve_loops(model, L), cache_mode=mode), "single")
         print(f"{'loops':>5} {'cache':>6} {'ppl':>10} {'nll':>8} {'tokens':>8}")
         for L in loops or [None]:
             for mode in modes:

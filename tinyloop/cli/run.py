@@ -20,7 +20,7 @@ from ..runtime.config import GenerateStats, RunConfig, load_run_config, read_tex
 from ..runtime.engine import (Plan, encode_text, free_model, generate_batch, generate_iter, load_model,
                               resolve_loops)
 from ..runtime import reuse
-from ..errors import ConfigError
+from ..errors import ConfigError, ModelFormatError
 from ..runtime.plugins import get_plugin_manager
 from ..models import SHIPPED, demo_model_path
 from ..models import model_path as shipped_model_path
@@ -40,6 +40,8 @@ def read_prompts(cfg: RunConfig, base: Path) -> List[str]:
     if cfg.prompts_file:
         path = _resolve(base, cfg.prompts_file)
         text = read_text(path, "prompts_file")
+        if text.startswith("\ufeff"):       # a UTF-8 byte order mark (Windows editors) is not prompt text
+            text = text[1:]
         # lines end at "\n" (or "\r\n") only: str.splitlines would also split at form feeds,
         # U+2028, NEL, ..., which are characters of a prompt (and raw inside JSONL strings)
         for n, line in enumerate(text.split("\n"), 1):
@@ -148,7 +150,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-stream", action="store_true", help="print each completion when it is done")
     p.add_argument("--output-jsonl", help="override the config's output_jsonl")
     p.add_argument("--tokenizer", metavar="DIR",
-                   help="tokenizer directory (vocab.json + merges.txt); overrides the config's tokenizer")
+                   help="tokenizer directory (tokenizer.json, or vocab.json + merges.txt); overrides the "
+                        "config's tokenizer")
     return p
 
 
@@ -172,8 +175,13 @@ def run(args) -> int:
     model_path = (shipped_model_path(cfg.model) if cfg.model in SHIPPED else
                   _resolve(base, cfg.model) if cfg.model else demo_model_path())
     tokenizer_dir = args.tokenizer or _resolve(base, cfg.tokenizer)
-    model = load_model(model_path, max_seq_len=cfg.max_seq_len, backend=cfg.backend,
-                       prefill_chunk=cfg.prefill_chunk, tokenizer=tokenizer_dir or None)
+    try:
+        model = load_model(model_path, max_seq_len=cfg.max_seq_len, backend=cfg.backend,
+                           prefill_chunk=cfg.prefill_chunk, tokenizer=tokenizer_dir or None)
+    except ModelFormatError as exc:     # the format's own words do not say which file they are about
+        if model_path in str(exc):
+            raise
+        raise ModelFormatError(f"model {model_path!r}: {exc}") from None
     try:
         tok = model.tokenizer
         head = encode_text(model, cfg.prefix or "")         # BOS, then the shared scaffold

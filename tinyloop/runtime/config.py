@@ -499,7 +499,9 @@ class GenerateStats:
     drafted_tokens: int = 0
     """Speculative: tokens drafted at draft_loops."""
     accepted_tokens: int = 0
-    """Speculative: drafted tokens the verify pass accepted."""
+    """Speculative: drafted tokens the verify pass accepted, counted per cycle (a stop or max_tokens
+    that ends the request inside a cycle's accepted drafts does not take them back: tokens_emitted
+    counts what the caller got)."""
     verify_forwards: int = 0
     """Speculative: verify passes (one per draft cycle)."""
     acceptance_rate: float = 0.0
@@ -586,13 +588,14 @@ class RunConfig:
     prefill_chunk: int = 0
     """Rows per prefill launch (bounds activation memory); 0 = min(max_seq_len, 512)."""
     tokenizer: Optional[str] = None
-    """Directory with vocab.json + merges.txt; None uses TINYLOOP_TOKENIZER_DIR, then the model's
+    """Directory with tokenizer.json, or vocab.json + merges.txt; None uses TINYLOOP_TOKENIZER_DIR, then the model's
     embedded tokenizer, then raw bytes."""
     prompts: Tuple[str, ...] = ()
     """Prompts given inline."""
     prompts_file: Optional[str] = None
-    """A text file with one prompt per line (blank lines skipped), or a .jsonl file of
-    {"prompt": ...} objects."""
+    """A text file with one prompt per line (blank lines skipped; the two characters \\n in a line
+    stand for a newline, so a line can hold a multi-line prompt), or a .jsonl file of
+    {"prompt": ...} objects (any text, as JSON writes it)."""
     mode: str = "generate"
     """generate (one prompt after another), batch (generate_batch over all prompts), speculative
     (generate_speculative per prompt, with the `speculative` section) or tree_speculative
@@ -619,6 +622,12 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str):
             raise ConfigError(f"model must be a file path, got {self.model!r}")
+        for name in ("model", "tokenizer", "prompts_file", "output_jsonl"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise ConfigError(f"{name} must be a path (text), got {v!r}")
+            if v is not None and "\0" in v:
+                raise ConfigError(f"{name}={v!r} holds a NUL byte, which no path can contain")
         from .plugins import get_plugin_manager
         get_plugin_manager().check_backend_name(self.backend)
         _int("max_seq_len", self.max_seq_len, 1, 1 << 20)
@@ -690,6 +699,8 @@ def read_text(path: str, what: str) -> str:
         raise ConfigError(f"cannot read {what} {path!r}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{what} {path!r} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    except ValueError as exc:           # a NUL byte in the path
+        raise ConfigError(f"cannot read {what} {path!r}: {exc}") from None
 
 
 def load_run_config(path: str) -> RunConfig:
@@ -702,6 +713,8 @@ def load_run_config(path: str) -> RunConfig:
     except yaml.YAMLError as exc:
         what = " ".join(str(exc).split())           # one line
         raise ConfigError(f"{path} is not valid YAML: {what}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: the YAML is nested too deeply to read") from None
     try:
         _grammar_files(data, os.path.dirname(os.path.abspath(path)))
         return from_mapping(RunConfig, data, "run config")

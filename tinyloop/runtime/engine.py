@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import os
 import threading
 import time
@@ -227,6 +228,18 @@ def _as_ids(tokens: Any, what: str, model: Optional[Model] = None, start: bool =
         arr = np.asarray(tokens)
     except Exception:
         raise InvalidInputError(f"{what} must be a sequence of integer token ids") from None
+    if arr.ndim == 1 and arr.size and arr.dtype.kind not in "iu" and not isinstance(tokens, np.ndarray):
+        # name the element that is not a token id (numpy made the whole list float or object)
+        for i, t in enumerate(tokens):
+            if isinstance(t, (bool, np.bool_)):
+                raise InvalidInputError(f"{what}[{i}]={t!r} is a bool, not a token id (an integer)")
+            if not isinstance(t, (int, np.integer)):
+                raise InvalidInputError(f"{what}[{i}]={t!r} is not a token id: {what} must be a flat sequence "
+                                        f"of integer token ids")
+            if not -(1 << 63) <= t < (1 << 63):                 # beyond int64: beyond any vocabulary
+                V = f"[0, {model.cfg.vocab_size})" if model is not None else "of the model"
+                raise InvalidInputError(f"{what}[{i}]={t} is outside the vocabulary {V}")
+        return [int(t) for t in tokens]                 # integers numpy mixed into floats (uint64, int)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise InvalidInputError(f"{what} must be a flat sequence of integer token ids, got dtype "
                                 f"{arr.dtype} with shape {arr.shape}")
@@ -273,8 +286,8 @@ def validate_request(model: Model, prompt: Any, config: GenerateConfig, what: st
         raise InvalidInputError(
             f"{what}_len ({len(ids)}) + max_tokens ({config.max_tokens}) = {len(ids) + config.max_tokens} "
             f"exceeds max_seq_len={model.max_seq_len}")
-    check_model_window(model, len(ids) + config.max_tokens, config.cache_window, f"{what} + max_tokens",
-                       window_hint)
+    check_model_window(model, len(ids) + config.max_tokens, config.cache_window,
+                       f"{what} + max_tokens" if config.max_tokens else what, window_hint)
     resolve_loops(model, config.loops)
     for i, seq in enumerate(config.stop_sequences):
         for t in seq:
@@ -912,6 +925,19 @@ def check_call(model: Any, config: Any = None, stats: Any = None, on_token: Any 
     if on_token is not None and not callable(on_token):
         raise InvalidInputError(f"on_token must be a callable on_token(token, position) -> bool (or None), "
                                 f"got {type(on_token).__name__}")
+    if on_token is not None:
+        # a callable that cannot take (token, position) would fail after the prefill, inside the loop
+        try:
+            sig = inspect.signature(on_token)
+        except (TypeError, ValueError):     # no signature to read (some builtins): it is called as given
+            sig = None
+        if sig is not None:
+            try:
+                sig.bind(0, 0)
+            except TypeError as exc:
+                name = getattr(on_token, "__qualname__", type(on_token).__name__)
+                raise InvalidInputError(f"on_token must be callable as on_token(token, position), but "
+                                        f"{name}{sig} cannot take those two arguments ({exc})") from None
 
 
 def _prepare(model: Model, prompt: Sequence[int], config: Optional[GenerateConfig], context: str,
@@ -1150,14 +1176,23 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], config=None,
 
 
 # --------------------------------------------------------------------------- scoring
+def score_window_hint(model: Model) -> str:
+    """check_model_window's advice for the scoring calls, which keep no window cache (and take no
+    cache_window): what they can do instead past the model's sliding_window."""
+    W = model.cfg.sliding_window
+    return (f"scoring keeps no window cache: score at most {W} tokens per call, or use score_decoded with "
+            f"GenerateConfig(cache_window={W}) (the logits as windowed decoding computes them)")
+
+
 @contextlib.contextmanager
 def _scoring(model: Model, tokens: Sequence[int], loops: Optional[int], cache_mode: str):
     """Validated ids and a live session (cache allocated, model locked) for a scoring call."""
     check_call(model)
     model._check_live()
+    loops = resolve_loops(model, loops)              # errors name the model's range, as the family's do
     cfg = GenerateConfig(max_tokens=0, loops=loops, cache_mode=cache_mode)
     plan = Plan(model, cfg, "single")
-    ids = validate_request(model, tokens, cfg, what="tokens")
+    ids = validate_request(model, tokens, cfg, what="tokens", window_hint=score_window_hint(model))
     lock = _locked(model)
     try:
         s = Session(model, ids, plan, ProcessorChain([]), GenerateStats())

@@ -204,6 +204,10 @@ class _Kept:
     kind = "handle"
     #: the function that builds this kind of state (named when an object made otherwise is used)
     builder = "its builder"
+    #: False for a call's working state (score_with_consistency_escalation's low pass), freed before
+    #: that call returns: its bytes count in vram_usage_bytes, but it is not under the live handle
+    #: cap (admitting it evicts nothing, it is never evicted) and live_handles does not list it
+    kept = True
 
     def __init__(self, model: Model) -> None:
         check_call(model)
@@ -221,7 +225,8 @@ class _Kept:
     def _register(self) -> None:
         self._gone = None
         self.model._handles.add(self)
-        _BUDGET.add(self)
+        if self.kept:
+            _BUDGET.add(self)
 
     def _unbuilt(self, what: str = "") -> InvalidInputError:
         return InvalidInputError(f"{what}{': ' if what else ''}this {self.kind} was made by calling the class, "
@@ -757,8 +762,9 @@ class ResumeHandle(_Kept):
         if loops <= old.spec.loops:
             return
         spec = old.spec.with_loops(loops)
-        _BUDGET.admit(_cache_bytes(self.model, spec), f"growing a resume handle to loops={loops}", self.model,
-                      keep=(self,))
+        if self.kept:
+            _BUDGET.admit(_cache_bytes(self.model, spec), f"growing a resume handle to loops={loops}", self.model,
+                          keep=(self,))
         new = be.alloc_kept_cache(spec)
         be.copy_cache_layers(new, old, len(self.prompt_ids))
         self.cache = new
@@ -838,6 +844,12 @@ def build_resume_handle(model: Model, ids: Sequence[int], loops_used: int,
     warm_start; its loops, when set, must equal loops_used): its cache_mode shapes the kept cache,
     and it is the config of every resume_generate that passes none (its max_tokens is checked
     against the prompt now)."""
+    return _build_resume_handle(model, ids, loops_used, config)
+
+
+def _build_resume_handle(model: Model, ids: Sequence[int], loops_used: int, config: Optional[GenerateConfig],
+                         kept: bool = True) -> ResumeHandle:
+    """build_resume_handle; ``kept=False`` builds a call's working state instead (_Kept.kept)."""
     check_call(model, config)
     given = config is not None
     config = config or GenerateConfig()
@@ -860,8 +872,10 @@ def build_resume_handle(model: Model, ids: Sequence[int], loops_used: int,
     need = _cache_bytes(model, spec) + rows_bytes
     lock = _locked(model)
     try:
-        _BUDGET.admit(need, f"a resume handle of {P} tokens", model)
+        if kept:
+            _BUDGET.admit(need, f"a resume handle of {P} tokens", model)
         h = ResumeHandle(model, prompt, L, config.cache_mode)
+        h.kept = kept
         h.config = dataclasses.replace(config, loops=None)
         be = model.backend
         cache = be.alloc_kept_cache(spec)

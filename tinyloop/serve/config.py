@@ -121,6 +121,8 @@ def load_serve_config(path: str) -> ServeConfig:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {' '.join(str(exc).split())}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: the YAML is nested too deeply to read") from None
     try:
         return from_mapping(ServeConfig, data, "serve config")
     except ConfigError as exc:

@@ -22,7 +22,8 @@ Output. The finished beam with the best score (among equal scores, the one that 
 yielded token by token after the search, so the engine's stop rules (the same ones, and the
 consumer's callback) end the stream exactly at its last token.
 
-Lanes. One lane (KV cache) per live beam, allocated up front with ``fork_pool(beam_size)``. A
+Lanes. One lane (KV cache) per live beam, allocated up front with ``fork_pool``: beam_size
+lanes, or fewer when the vocabulary allows fewer live beams (at most V ** (max_tokens - 1)). A
 parent's first child advances in the parent's lane; further children are copied into lanes whose
 beams died (``copy_state``), all copies before any advance.
 """
@@ -103,7 +104,14 @@ class BeamSearchDecoder(Decoder):
         # (every token when a stop rule gives no bound on how many tokens can end a sequence)
         bound = stops.ending_tokens
         m = session.vocab_size if bound is None else K + bound
-        session.fork_pool(K if N > 1 else 1)
+        # a lane per beam that can be live: after step n at most min(K, V ** n), and beams live
+        # after steps 1 .. N - 1 only (beam_size beyond what the vocabulary allows holds no cache)
+        lanes = 1
+        for _ in range(N - 1):
+            lanes = min(K, lanes * session.vocab_size)
+            if lanes == K:
+                break
+        session.fork_pool(lanes)
         session.start()
         live: List[_Beam] = [_Beam((), 0.0, 0, stops.clone())]
         rows = [log_softmax(session.logits(0))]
