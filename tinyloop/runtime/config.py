@@ -224,7 +224,8 @@ class GenerateConfig:
     sampling knob (an error on greedy and beam requests)."""
     grammar: Any = None
     """Constrained decoding: a tinyloop.Grammar (Grammar.lark / regex / json_schema / json), or a
-    one-key mapping {lark: text | regex: pattern | json_schema: schema | json: {}} turned into one;
+    one-key mapping {lark: text | regex: pattern | json_schema: schema | json: {}} turned into one
+    (the JSON kinds with an optional whitespace: flexible | compact | spaced beside the key);
     None: unconstrained. Needs the llguidance extra (pip install tinyloop[grammar])."""
     cache_mode: str = "fp16"
     """KV-cache storage mode: the name of a registered cache-mode plugin (fp16, fp32, ...)."""
@@ -728,9 +729,13 @@ def _grammar_files(data: Any, base: str) -> None:
     as a mapping; ``regex`` is always inline)."""
     gen = data.get("generate") if isinstance(data, Mapping) else None
     g = gen.get("grammar") if isinstance(gen, Mapping) else None
-    if not isinstance(g, Mapping) or len(g) != 1:
+    if not isinstance(g, Mapping):
         return
-    kind, value = next(iter(g.items()))
+    kinds = [k for k in g if k in ("lark", "regex", "json_schema", "json")]
+    if len(kinds) != 1:
+        return                              # Grammar.from_mapping says what is wrong
+    kind = kinds[0]
+    value = g[kind]
     if kind not in ("lark", "json_schema") or not isinstance(value, str):
         return
     path = value if os.path.isabs(value) else os.path.join(base, value)
@@ -743,5 +748,5 @@ def _grammar_files(data: Any, base: str) -> None:
     else:
         value = text
     gen = dict(gen)
-    gen["grammar"] = {kind: value}
+    gen["grammar"] = {**g, kind: value}                 # an optional whitespace key stays beside it
     data["generate"] = gen

@@ -30,6 +30,13 @@ def _one_line(msg: Any) -> str:
     """llguidance's (multi-line, caret-annotated) message on one line."""
     return " ".join(str(msg).split())
 KINDS = ("lark", "regex", "json_schema", "json")
+#: The JSON kinds' whitespace between tokens (llguidance's JSON options): "flexible" any JSON
+#: whitespace, as the JSON grammar allows (llguidance's default; runs of spaces and newlines
+#: included, which a small model can fill until max_tokens); "compact" none at all
+#: (``{"a":1,"b":[1,2]}``); "spaced" exactly Python's json.dumps separators (``{"a": 1, "b": [1, 2]}``).
+WHITESPACE = {"flexible": None,
+              "compact": {"whitespace_flexible": False},
+              "spaced": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
 
 
 def llguidance():
@@ -103,16 +110,20 @@ class Grammar:
     """A constraint on the generated text (GenerateConfig.grammar). Build with the class methods;
     ``kind`` and ``source`` say what it was built from."""
 
-    __slots__ = ("kind", "source", "_ll", "_templates", "_lock", "__weakref__")
+    __slots__ = ("kind", "source", "whitespace", "_ll", "_templates", "_lock", "__weakref__")
 
-    def __init__(self, kind: str, source: Any, ll_grammar: str) -> None:
+    def __init__(self, kind: str, source: Any, ll_grammar: str, whitespace: Optional[str] = None) -> None:
         self.kind, self.source, self._ll = kind, source, ll_grammar
+        self.whitespace = whitespace            # the JSON kinds' WHITESPACE style; None for the others
         self._templates: Dict[int, Any] = {}
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         src = self.source if isinstance(self.source, str) else json.dumps(self.source, sort_keys=True)
-        return f"Grammar.{self.kind}({src[:60]!r}{'...' if len(src) > 60 else ''})"
+        ws = f", whitespace={self.whitespace!r}" if self.whitespace not in (None, "flexible") else ""
+        if self.kind == "json":
+            return f"Grammar.json({ws[2:]})"
+        return f"Grammar.{self.kind}({src[:60]!r}{'...' if len(src) > 60 else ''}{ws})"
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Grammar) and (self.kind, self._ll) == (other.kind, other._ll)
@@ -121,11 +132,18 @@ class Grammar:
         return hash((self.kind, self._ll))
 
     def __reduce__(self):
-        return (_rebuild, (self.kind, self.source))
+        return (_rebuild, (self.kind, self.source, self.whitespace))
 
     # ------------------------------------------------------------------ construction
+    @staticmethod
+    def _json_options(whitespace: Any) -> Optional[dict]:
+        """llguidance's JSON options for a WHITESPACE style (ConfigError naming the allowed ones)."""
+        if not isinstance(whitespace, str) or whitespace not in WHITESPACE:
+            raise ConfigError(f"whitespace={whitespace!r} is not one of {', '.join(WHITESPACE)}")
+        return WHITESPACE[whitespace]
+
     @classmethod
-    def _make(cls, kind: str, source: Any, ll_grammar: str) -> "Grammar":
+    def _make(cls, kind: str, source: Any, ll_grammar: str, whitespace: Optional[str] = None) -> "Grammar":
         llg = llguidance()
         try:
             is_error, msgs = llg.LLMatcher.validate_grammar_with_warnings(ll_grammar)
@@ -133,7 +151,7 @@ class Grammar:
             raise ConfigError(f"invalid {kind} grammar: {_one_line(exc)}") from None
         if is_error:
             raise ConfigError(f"invalid {kind} grammar: {_one_line(msgs[0]) if msgs else 'rejected by llguidance'}")
-        return cls(kind, source, ll_grammar)
+        return cls(kind, source, ll_grammar, whitespace)
 
     @classmethod
     def lark(cls, text: str) -> "Grammar":
@@ -150,8 +168,10 @@ class Grammar:
         return cls._make("regex", pattern, llguidance().LLMatcher.grammar_from_regex(pattern))
 
     @classmethod
-    def json_schema(cls, schema: Any) -> "Grammar":
-        """The output must be JSON valid under `schema` (a dict, or its JSON text)."""
+    def json_schema(cls, schema: Any, whitespace: str = "flexible") -> "Grammar":
+        """The output must be JSON valid under `schema` (a dict, or its JSON text), with the
+        `whitespace` style between its tokens (WHITESPACE: flexible, compact or spaced)."""
+        options = cls._json_options(whitespace)
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -161,23 +181,35 @@ class Grammar:
             raise ConfigError(f"a JSON schema must be an object (a dict or its JSON text), got "
                               f"{type(schema).__name__}")
         try:
-            ll = llguidance().LLMatcher.grammar_from_json_schema(schema)
+            ll = llguidance().LLMatcher.grammar_from_json_schema(schema, defaults=options)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"invalid JSON schema: {_one_line(exc)}") from None
-        return cls._make("json_schema", schema, ll)
+        return cls._make("json_schema", schema, ll, whitespace)
 
     @classmethod
-    def json(cls) -> "Grammar":
-        """Any JSON value."""
-        return cls._make("json", {}, llguidance().LLMatcher.grammar_from_json_schema({}))
+    def json(cls, whitespace: str = "flexible") -> "Grammar":
+        """Any JSON value, with the `whitespace` style between its tokens (as json_schema)."""
+        options = cls._json_options(whitespace)
+        return cls._make("json", {}, llguidance().LLMatcher.grammar_from_json_schema({}, defaults=options),
+                         whitespace)
 
     @classmethod
     def from_mapping(cls, data: Any, where: str = "grammar") -> "Grammar":
-        """A Grammar from a one-key mapping {lark: text | regex: pattern | json_schema: schema |
-        json: anything} (run configs; file paths are resolved by the config loader)."""
-        if not isinstance(data, dict) or len(data) != 1 or next(iter(data)) not in KINDS:
-            raise ConfigError(f"{where} must be a mapping with exactly one of {', '.join(KINDS)}, got {data!r:.80}")
-        kind, value = next(iter(data.items()))
+        """A Grammar from a mapping with one kind key {lark: text | regex: pattern | json_schema:
+        schema | json: anything}, and for the JSON kinds an optional ``whitespace: flexible |
+        compact | spaced`` beside it (run configs; file paths are resolved by the config loader)."""
+        kinds = [k for k in data if k in KINDS] if isinstance(data, dict) else []
+        others = [k for k in data if k not in KINDS] if isinstance(data, dict) else []
+        if len(kinds) != 1 or others not in ([], ["whitespace"]):
+            raise ConfigError(f"{where} must be a mapping with exactly one of {', '.join(KINDS)} (and for "
+                              f"json_schema / json an optional whitespace), got {data!r:.80}")
+        kind = kinds[0]
+        value = data[kind]
+        if others:
+            if kind not in ("json_schema", "json"):
+                raise ConfigError(f"{where}: whitespace applies to json_schema and json grammars, not {kind}")
+            ws = data["whitespace"]
+            return cls.json(ws) if kind == "json" else cls.json_schema(value, ws)
         return cls.json() if kind == "json" else getattr(cls, kind)(value)
 
     # ------------------------------------------------------------------ per tokenizer
@@ -200,5 +232,9 @@ class Grammar:
         return tpl.deep_copy()
 
 
-def _rebuild(kind: str, source: Any) -> Grammar:
-    return Grammar.json() if kind == "json" else getattr(Grammar, kind)(source)
+def _rebuild(kind: str, source: Any, whitespace: Optional[str] = None) -> Grammar:
+    if kind == "json":
+        return Grammar.json(whitespace or "flexible")
+    if kind == "json_schema":
+        return Grammar.json_schema(source, whitespace or "flexible")
+    return getattr(Grammar, kind)(source)

@@ -35,12 +35,14 @@ class StreamOptions(_Strict):
 class ResponseFormat(_Strict):
     """``{"type": "text"}``; ``{"type": "json_object"}`` (a JSON object); ``{"type": "json_schema",
     "json_schema": {"name": ..., "schema": {...}}}``; TinyLoop's ``{"type": "regex", "regex": ...}``
-    and ``{"type": "lark", "lark": ...}``."""
+    and ``{"type": "lark", "lark": ...}``; for the JSON types TinyLoop's ``"whitespace"``:
+    flexible (default: any JSON whitespace), compact (none) or spaced (``", "`` and ``": "``)."""
 
     type: Literal["text", "json_object", "json_schema", "regex", "lark"]
     json_schema: Optional[Dict[str, Any]] = None
     regex: Optional[str] = None
     lark: Optional[str] = None
+    whitespace: Optional[Literal["flexible", "compact", "spaced"]] = None
 
 
 class _Generation(_Strict):
@@ -251,10 +253,14 @@ def grammar_of(fmt: Optional[ResponseFormat]) -> Any:
         if getattr(fmt, other) is not None and other != fmt.type:
             raise FieldError("response_format", f"response_format type {fmt.type!r} does not use the {other!r} "
                                                 f"field (it would be ignored); use type {other!r} for it")
+    if fmt.whitespace is not None and fmt.type not in ("json_object", "json_schema"):
+        raise FieldError("response_format", f"response_format whitespace applies to the JSON types "
+                                            f"(json_object, json_schema), not {fmt.type!r}")
+    ws = {} if fmt.whitespace is None else {"whitespace": fmt.whitespace}
     if fmt.type == "text":
         return None
     if fmt.type == "json_object":
-        return {"json_schema": {"type": "object"}}       # OpenAI's JSON mode: an object, not any JSON value
+        return {"json_schema": {"type": "object"}, **ws}   # OpenAI's JSON mode: an object, not any JSON value
     if fmt.type == "json_schema":
         spec = fmt.json_schema or {}
         wrapper = isinstance(spec, dict) and any(k in spec for k in _WRAPPER_KEYS)
@@ -262,7 +268,7 @@ def grammar_of(fmt: Optional[ResponseFormat]) -> Any:
         if not isinstance(schema, dict) or not schema:
             raise FieldError("response_format", "response_format json_schema needs {'schema': {...}} (a JSON "
                                                 "schema object beside 'name' and 'strict')")
-        return {"json_schema": schema}
+        return {"json_schema": schema, **ws}
     value = getattr(fmt, fmt.type)
     if not isinstance(value, str) or not value:
         raise FieldError("response_format", f"response_format type {fmt.type!r} needs a non-empty "
