@@ -82,12 +82,13 @@ def apply_chat_template(model: Model, messages: Sequence[Mapping[str, Any]], add
     to generate (the template writes the model's BOS text itself, so no BOS id is added, as
     transformers' apply_chat_template does); ``tokenize=False`` the text. A model without a
     template is a TokenizerError, before any work."""
-    from .model.chat import render
+    from .model.chat import check_arguments, render
     from .runtime.engine import check_call
     check_call(model)
     model._check_live()
     if not isinstance(tokenize, bool):
         raise InvalidInputError(f"tokenize must be True or False, got {tokenize!r:.40}")
+    messages = check_arguments(messages, add_generation_prompt, template_kwargs)   # the arguments first
     tok = model.tokenizer
     if tok.chat_template is None:
         raise TokenizerError(f"the model's tokenizer ({tok.name}) has no chat template: convert from a Hugging "

@@ -255,7 +255,10 @@ def score_with_consistency_escalation(model: Model, tokens: Sequence[int], loops
     first loops_low iterations are never recomputed and positions after the last failing one never
     run the deep iterations. Every position's logits equal ``score(model, tokens,
     loops=depth[t])[t]`` bit for bit (an escalated position attends to the loops_high state of
-    every earlier position, which is why the deep iterations run over all of them)."""
+    every earlier position, which is why the deep iterations run over all of them).
+
+    `threshold` has no default value: criteria "entropy" (nats) and "margin" (a probability) need
+    one (None is a ConfigError saying so); "disagreement" takes none (it must stay None)."""
     check_call(model)
     lo, hi = resolve_loops(model, loops_low), resolve_loops(model, loops_high)
     if lo >= hi:
@@ -270,6 +273,11 @@ def score_with_consistency_escalation(model: Model, tokens: Sequence[int], loops
             raise ConfigError(f"criterion 'disagreement' needs loops_low >= 2 (it compares depths loops_low - 1 "
                               f"and loops_low), got {lo}")
     else:
+        if threshold is None:       # no default: what counts as uncertain depends on the model and the task
+            unit = "nats: a position fails when its entropy exceeds it" if criterion == "entropy" else \
+                   "a probability: a position fails when its top-1 minus top-2 probability is below it"
+            raise ConfigError(f"threshold=None: criterion {criterion!r} needs a threshold (a number >= 0, {unit}); "
+                              f"pass threshold=..., or criterion='disagreement', which takes none")
         threshold = plain_number(threshold)          # np.float32(0.5) is 0.5
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold):
             raise ConfigError(f"threshold={threshold!r} must be a finite number for criterion {criterion!r}")
@@ -281,11 +289,13 @@ def score_with_consistency_escalation(model: Model, tokens: Sequence[int], loops
     Plan(model, config, "single", reuse="warm_start")           # compat and backend capability
     P = len(ids)
     first = lo - 1 if criterion == "disagreement" else lo
-    # the call's working state, not kept state: outside the live handle cap (it evicts nothing)
-    h = reuse._build_resume_handle(model, ids, first, GenerateConfig(max_tokens=0, cache_mode=cache_mode),
-                                   kept=False)
+    # the model is held from before the handle is built until after it is freed: no other request
+    # can take it in between, so the cleanup cannot fail (ModelBusyError) and hide the first error
+    lock = _locked(model)
     try:
-        lock = _locked(model)
+        # the call's working state, not kept state: outside the live handle cap (it evicts nothing)
+        h = reuse._build_resume_handle(model, ids, first, GenerateConfig(max_tokens=0, cache_mode=cache_mode),
+                                       kept=False, held=lock)
         try:
             prev = _handle_logits(model, h, first, P) if criterion == "disagreement" else None
             if first < lo:
@@ -306,9 +316,9 @@ def score_with_consistency_escalation(model: Model, tokens: Sequence[int], loops
                 logits[:last][fail[:last]] = high[fail[:last]]
                 work += (hi - lo) * last
         finally:
-            lock.release()
+            h._drop("freed")                          # (free_resume_handle, under the lock this call holds)
     finally:
-        reuse.free_resume_handle(h)
+        lock.release()
     depth = np.where(fail, hi, lo).astype(np.int64)
     return Escalation(lo, hi, logits, depth, fail, int(work), 1.0 - work / (hi * P))
 

@@ -20,7 +20,7 @@ from ..runtime.config import GenerateStats, RunConfig, load_run_config, read_tex
 from ..runtime.engine import (Plan, encode_text, free_model, generate_batch, generate_iter, load_model,
                               resolve_loops)
 from ..runtime import reuse
-from ..errors import ConfigError, ModelFormatError
+from ..errors import ConfigError
 from ..runtime.plugins import get_plugin_manager
 from ..models import SHIPPED, demo_model_path
 from ..models import model_path as shipped_model_path
@@ -162,7 +162,10 @@ def run(args) -> int:
         over["backend"] = args.backend
     if args.no_stream:
         over["stream"] = False
-    if args.output_jsonl:
+    if args.output_jsonl is not None:
+        if not args.output_jsonl:
+            raise ConfigError("--output-jsonl '' is empty: give a file path (or leave the option out to use "
+                              "the config's output_jsonl)")
         over["output_jsonl"] = args.output_jsonl
     cfg = dataclasses.replace(cfg, **over)
     base = Path(args.config).resolve().parent
@@ -175,13 +178,9 @@ def run(args) -> int:
     model_path = (shipped_model_path(cfg.model) if cfg.model in SHIPPED else
                   _resolve(base, cfg.model) if cfg.model else demo_model_path())
     tokenizer_dir = args.tokenizer or _resolve(base, cfg.tokenizer)
-    try:
-        model = load_model(model_path, max_seq_len=cfg.max_seq_len, backend=cfg.backend,
-                           prefill_chunk=cfg.prefill_chunk, tokenizer=tokenizer_dir or None)
-    except ModelFormatError as exc:     # the format's own words do not say which file they are about
-        if model_path in str(exc):
-            raise
-        raise ModelFormatError(f"model {model_path!r}: {exc}") from None
+    # (a malformed file's ModelFormatError names the file itself: tinyloop.model.format.open_model)
+    model = load_model(model_path, max_seq_len=cfg.max_seq_len, backend=cfg.backend,
+                       prefill_chunk=cfg.prefill_chunk, tokenizer=tokenizer_dir or None)
     try:
         tok = model.tokenizer
         head = encode_text(model, cfg.prefix or "")         # BOS, then the shared scaffold

@@ -87,7 +87,7 @@ def synth_model(preset: str, path, seed: int = 0, *, quant: Optional[str] = None
     check_quant_shapes(cfg, tq)
     meta = {"generator": "tinyloop synth", "preset": preset, "seed": str(seed)}
     meta.update(metadata or {})
-    write_model(os.fspath(path), cfg, RandomWeights(cfg, seed), quant=tq,
+    write_model(path, cfg, RandomWeights(cfg, seed), quant=tq,
                 tokenizer=tokenizer, metadata=meta)
     return cfg
 

@@ -85,18 +85,25 @@ def _environment():
     return env, jinja2.exceptions.TemplateError
 
 
-def render(template: str, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, bos_token: str,
-           eos_token: str, extra: Mapping[str, Any]) -> str:
-    """The prompt text of `messages` under `template` (module docstring), `extra` the caller's
-    further template variables. A template that fails to
-    parse or raises (``raise_exception``, a sandbox violation, an undefined call) is a
-    TokenizerError naming the cause."""
+def check_arguments(messages: Any, add_generation_prompt: Any, extra: Mapping[str, Any]) -> List[Dict[str, Any]]:
+    """The caller's side of a rendering (InvalidInputError naming the value): add_generation_prompt
+    a bool, no extra keyword the renderer sets itself, and `messages` a conversation
+    (:func:`check_messages`, whose result this returns)."""
     if not isinstance(add_generation_prompt, bool):
         raise InvalidInputError(f"add_generation_prompt must be True or False, got {add_generation_prompt!r:.40}")
     clash = sorted(set(extra) & set(RESERVED))
     if clash:
         raise InvalidInputError(f"template keyword(s) {clash} are set by the renderer itself")
-    messages = check_messages(messages)
+    return check_messages(messages)
+
+
+def render(template: str, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, bos_token: str,
+           eos_token: str, extra: Mapping[str, Any]) -> str:
+    """The prompt text of `messages` under `template` (module docstring), `extra` the caller's
+    further template variables. A template that fails to
+    parse or raises (``raise_exception``, a sandbox violation, an undefined call, any exception
+    of the rendering itself: a division by zero, an overflow) is a TokenizerError naming the cause."""
+    messages = check_arguments(messages, add_generation_prompt, extra)
     env, TemplateError = _environment()
     try:
         compiled = env.from_string(template)
@@ -105,5 +112,5 @@ def render(template: str, messages: Sequence[Mapping[str, Any]], add_generation_
                                bos_token=bos_token, eos_token=eos_token, **variables)
     except TemplateError as e:
         raise TokenizerError(f"the model's chat template failed: {type(e).__name__}: {e}") from None
-    except (TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError) as e:
+    except Exception as e:      # anything the template's own code raised (ZeroDivisionError, OverflowError, ...)
         raise TokenizerError(f"the model's chat template failed on these messages: {type(e).__name__}: {e}") from None

@@ -389,15 +389,28 @@ def _open(path):
     return os.fdopen(fd, "rb")
 
 
+def _name_file(exc: ModelFormatError, path) -> None:
+    """Put the file's name before a reader error whose message does not name it, so that every
+    caller (load_model, inspect, the CLI) says which file is malformed."""
+    name = os.fspath(path)
+    msg = str(exc)
+    if repr(name) not in msg:
+        exc.args = (f"model file {name!r}: {msg}",)
+
+
 def read_header(path) -> ModelHeader:
     """Read and validate a model file's prefix, JSON header and tensor table (never the tensor data).
 
     Checks everything that does not need the data: magic, version, header contents, table
     entries against the config and quantization, and the placement of every tensor within the
-    file. Raises ModelFormatError describing the first problem found.
+    file. Raises ModelFormatError describing the first problem found (its message names the file).
     """
     with _open(path) as f:
-        return _read_header(f, path)
+        try:
+            return _read_header(f, path)
+        except ModelFormatError as exc:
+            _name_file(exc, path)
+            raise
 
 
 # --------------------------------------------------------------------------- data checks
@@ -548,7 +561,7 @@ def open_model(path) -> ModelFile:
     Beyond :func:`read_header`, checks the data: padding between tensors is zero, every f32/f16
     tensor (weights, norms, scales) is finite, scales are positive and zero points are below
     2**bits; :attr:`ModelFile.tensors` checks each tensor again as it reads it. Raises
-    ModelFormatError (nothing is left open when it does).
+    ModelFormatError naming the file (nothing is left open when it does).
     """
     f = _open(path)
     try:
@@ -559,8 +572,10 @@ def open_model(path) -> ModelFile:
         m = ModelFile(path, header, f)
         m.tensors.check_all()
         return m
-    except BaseException:
+    except BaseException as exc:
         f.close()
+        if isinstance(exc, ModelFormatError):
+            _name_file(exc, path)
         raise
 
 
@@ -620,8 +635,9 @@ def write_model(path, config: ModelConfig, weights: Mapping[str, np.ndarray],
     ``weights`` maps every logical tensor of :func:`required_tensors` to a float array of its
     shape. ``quant`` chooses storage per tensor; matrices not listed use ``default_quant``
     (default f16), norms not listed use f32 (norms may only be f32 or f16). Raises ConfigError
-    for bad arguments, quantization or tokenizer, and ModelFormatError for a missing, unknown,
-    misshapen or non-finite weight; all of these are checked before anything is written. A
+    for bad arguments (an empty path included), quantization or tokenizer, ModelFormatError for a
+    path that is a directory or in a missing folder (checked before any weight is read) and for a
+    missing, unknown, misshapen or non-finite weight; all of these are checked before anything is written. A
     ConfigError while quantizing (a group range too large for float16 scales, f16 overflow)
     leaves no file behind.
     """
@@ -634,6 +650,19 @@ def write_model(path, config: ModelConfig, weights: Mapping[str, np.ndarray],
     if not isinstance(metadata, dict):
         raise ConfigError(f"metadata must be a dict, got {type(metadata).__name__}")
     header = _encode_header(config, resolved, tokenizer, metadata)
+    # the destination before the weights are read (a lazy mapping generates them): no work for a
+    # path that cannot be written
+    if isinstance(path, bool) or not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"model path {path!r} must be a str or os.PathLike, not {type(path).__name__}")
+    path = os.fspath(path)
+    if not isinstance(path, str) or not path or "\0" in path:
+        raise ConfigError(f"cannot write model file {path!r}: the path must be a non-empty file path "
+                          f"without NUL bytes")
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ModelFormatError(f"cannot write model file {path!r}: it is a directory")
+    if not os.path.isdir(folder):
+        raise ModelFormatError(f"cannot write model file {path!r}: the folder {folder!r} does not exist")
     _check_weights(config, weights)
 
     table = [_U32.pack(len(layout))]
@@ -647,12 +676,6 @@ def write_model(path, config: ModelConfig, weights: Mapping[str, np.ndarray],
     head = MAGIC + _PREFIX.pack(VERSION, 0, len(header)) + header + b"".join(table)
     head += b"\0" * (_align(len(head)) - len(head))
 
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise ModelFormatError(f"cannot write model file {path!r}: it is a directory")
-    if not os.path.isdir(folder):
-        raise ModelFormatError(f"cannot write model file {path!r}: the folder {folder!r} does not exist")
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tinyloop.tmp", dir=folder)
     except OSError as exc:

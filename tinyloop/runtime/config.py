@@ -629,6 +629,9 @@ class RunConfig:
                 raise ConfigError(f"{name} must be a path (text), got {v!r}")
             if v is not None and "\0" in v:
                 raise ConfigError(f"{name}={v!r} holds a NUL byte, which no path can contain")
+        if self.output_jsonl == "":
+            raise ConfigError("output_jsonl '' is empty: give a file path, or leave output_jsonl out to write "
+                              "no results file")
         from .plugins import get_plugin_manager
         get_plugin_manager().check_backend_name(self.backend)
         _int("max_seq_len", self.max_seq_len, 1, 1 << 20)

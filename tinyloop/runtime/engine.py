@@ -240,6 +240,13 @@ def _as_ids(tokens: Any, what: str, model: Optional[Model] = None, start: bool =
                 V = f"[0, {model.cfg.vocab_size})" if model is not None else "of the model"
                 raise InvalidInputError(f"{what}[{i}]={t} is outside the vocabulary {V}")
         return [int(t) for t in tokens]                 # integers numpy mixed into floats (uint64, int)
+    if arr.ndim == 0 and not isinstance(tokens, np.ndarray):
+        # not a sequence at all (numpy wrapped it whole): a generator, iterator, set, dict, number
+        hint = ("; an iterator is read only once: pass list(...) of it" if isinstance(tokens, Iterator) else
+                "; a set has no order" if isinstance(tokens, (set, frozenset)) else "")
+        text = "text (str) or " if model is not None else ""
+        raise InvalidInputError(f"{what} must be {text}a list / tuple / numpy array of token ids, got "
+                                f"{type(tokens).__name__}{hint}")
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise InvalidInputError(f"{what} must be a flat sequence of integer token ids, got dtype "
                                 f"{arr.dtype} with shape {arr.shape}")
@@ -1226,9 +1233,26 @@ def score_decoded(model: Model, tokens: Sequence[int], config: Optional[Generate
     depth its probes choose; ``stats.token_loops`` gets the depth behind each row). Teacher
     forcing: the steps advance the given tokens, not predicted ones. `config` takes the
     GenerateConfig fields of the cache and the steps (loops, cache_mode, early_exit_*); its
-    max_tokens is ignored (every position is scored)."""
+    max_tokens is ignored (every position is scored); a decoder other than greedy, or a sampling
+    or beam setting, is an IncompatibleModesError (no token is chosen). `stats` gets the decoder
+    whose steps ran ("greedy"), stop_reason MAX_TOKENS once every position is scored, prefill_ms
+    and decode_ms (the steps), loops_used, loop_iters_run and the early-exit fields;
+    tokens_emitted stays 0 (teacher forcing emits nothing)."""
     check_call(model, config, stats)
     config = config or GenerateConfig()
+    # the steps are greedy decoding's (Session.advance) with the given tokens: a decoder choice or
+    # a knob only another decoder reads (sampling, beam search) would be ignored, so it is refused
+    # in score_decoded's own terms (not as a greedy request: the caller never chose greedy)
+    greedy = get_plugin_manager().decoders().get("greedy")       # (unregistered: Plan says so below)
+    steps = greedy.honoured(dataclasses.replace(config, decoder="greedy")) if greedy else None
+    ignored = [] if steps is None else (["decoder"] if config.decoder not in (None, "greedy") else []) + \
+        [n for n in config.requested_fields() if n not in steps or n == "options"]
+    if ignored:
+        raise IncompatibleModesError(
+            f"score_decoded scores the given tokens through the decode steps (teacher forcing: no token is "
+            f"chosen) and would ignore {', '.join(f'{n}={getattr(config, n)!r}' for n in ignored)}: it takes "
+            f"decoder None or 'greedy' (no sampling or beam search setting) and the step settings loops, "
+            f"cache_mode, cache_window and early_exit_* (these with early_exit_patience > 0)")
     ids = _as_ids(tokens, "tokens", model)
     if len(ids) < 1:
         raise InvalidInputError("tokens_len=0: scoring needs at least 1 token")
@@ -1246,16 +1270,22 @@ def score_decoded(model: Model, tokens: Sequence[int], config: Optional[Generate
     lock = _locked(model)
     try:
         _clear_stats(stats)
+        stats.decoder = plan.decoder_cls.name          # the steps that ran (as generate records them)
         s = Session(model, ids[:1], plan, ProcessorChain([]), stats)
         try:
             s.start()
+            t_steps = time.perf_counter()
             for t in range(len(ids)):
                 if t:
                     s.advance(ids[t])
                 out[t] = model.backend.logits_to_host(model.ws, 0)
                 if s._exit is not None:
                     stats.token_loops.append(s.logits_depth)
+            stats.decode_ms = (time.perf_counter() - t_steps) * 1e3
+            stats.stop_reason = StopReason.MAX_TOKENS      # every position scored (no token emitted)
         finally:
+            if stats.stop_reason is None:                  # ended by an error
+                stats.stop_reason = StopReason.CALLBACK_ABORT
             s.close()
     finally:
         lock.release()

@@ -848,8 +848,9 @@ def build_resume_handle(model: Model, ids: Sequence[int], loops_used: int,
 
 
 def _build_resume_handle(model: Model, ids: Sequence[int], loops_used: int, config: Optional[GenerateConfig],
-                         kept: bool = True) -> ResumeHandle:
-    """build_resume_handle; ``kept=False`` builds a call's working state instead (_Kept.kept)."""
+                         kept: bool = True, held=None) -> ResumeHandle:
+    """build_resume_handle; ``kept=False`` builds a call's working state instead (_Kept.kept);
+    ``held``: the model's request lock, already taken by the caller (kept taken when this returns)."""
     check_call(model, config)
     given = config is not None
     config = config or GenerateConfig()
@@ -870,7 +871,7 @@ def _build_resume_handle(model: Model, ids: Sequence[int], loops_used: int, conf
     inject = model.cfg.keeps_loop_input
     rows_bytes = _rows_bytes(model, P) * (2 if inject else 1)          # the residual (+ the inject copy)
     need = _cache_bytes(model, spec) + rows_bytes
-    lock = _locked(model)
+    lock = _locked(model) if held is None else None
     try:
         if kept:
             _BUDGET.admit(need, f"a resume handle of {P} tokens", model)
@@ -887,7 +888,8 @@ def _build_resume_handle(model: Model, ids: Sequence[int], loops_used: int, conf
         h._register()
         return h
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
 
 
 def _prepare_resume(handle, loops_new, config, stats, on_token=None):
