@@ -189,14 +189,11 @@ def free_model(model: Model) -> None:
     check_call(model)
     if model._freed:
         return
+    # marked before the lock is tried: a request that lets go of the model after a failed try
+    # sees the mark (_let_go) and releases the model, so the free is never lost in between
+    model._free_pending = True
     if model._lock.acquire(blocking=False):
-        try:
-            if not model._freed:
-                model._release()
-        finally:
-            model._lock.release()
-    else:
-        model._free_pending = True
+        _let_go(model)
 
 
 def vram_usage_bytes(model: Model) -> int:
@@ -898,12 +895,24 @@ class _RequestLock:
         self.model = model
 
     def release(self) -> None:
-        m = self.model
+        _let_go(self.model)
+
+
+def _let_go(model: Model) -> None:
+    """Release the model's lock (held by the caller), carrying out a free_model that marked the
+    model meanwhile. Looked at again once the lock is released: a free_model whose try of the lock
+    failed just before that marked the model after the first look, and nobody else would see it."""
+    try:
+        if model._free_pending and not model._freed:
+            model._release()
+    finally:
+        model._lock.release()
+    if model._free_pending and not model._freed and model._lock.acquire(blocking=False):
         try:
-            if m._free_pending and not m._freed:
-                m._release()
+            if not model._freed:
+                model._release()
         finally:
-            m._lock.release()
+            model._lock.release()
 
 
 def _locked(model: Model) -> _RequestLock:
@@ -912,7 +921,7 @@ def _locked(model: Model) -> _RequestLock:
         raise ModelBusyError(f"model {model.path!r} is already running a request; models are not "
                              f"reentrant (use one model per worker or a lock)")
     if model._freed or model._free_pending:
-        model._lock.release()
+        _let_go(model)                  # a free_model that found the lock taken by this call
         raise ModelFreedError(f"model {model.path!r} was freed; load it again")
     return _RequestLock(model)
 

@@ -29,8 +29,9 @@ backend capability ``cache_reuse`` (:class:`tinyloop.runtime.backend.CacheReuse`
 Every call validates its arguments before any work and runs under the model's lock, like every
 other call on a model. Kept bytes count in ``vram_usage_bytes`` and under a process-wide cap
 (:func:`set_handle_bytes_cap`, TINYLOOP_MAX_HANDLE_BYTES): admitting a handle beyond the cap
-evicts the least recently used handles first (never on memory pressure); a handle evicted or freed
-raises HandleFreedError when used.
+evicts the least recently used handles first (never on memory pressure; the bytes admitted for
+another model's build under way count too); a handle evicted or freed raises HandleFreedError
+when used.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import numpy as np
 from ..errors import ConfigError, HandleBudgetError, HandleFreedError, InvalidInputError
 from .cache import build_spec, linear_slots
 from .config import GenerateConfig, GenerateStats
-from .engine import (Model, Plan, _as_ids, _decode, _locked, check_call, check_model_window, check_vocab,
+from .engine import (Model, Plan, _as_ids, _decode, _let_go, _locked, check_call, check_model_window, check_vocab,
                      resolve_loops, validate_request)
 from .plugins import get_plugin_manager
 from .stopping import CallbackStopper
@@ -84,6 +85,10 @@ class _Budget:
         self.live: "OrderedDict[int, weakref.ref]" = OrderedDict()
         self.cap: Optional[int] = None
         self.cap_from_env = True
+        # id(model) -> bytes admitted for the request that holds that model and not charged yet (a
+        # build under way): they count against every other model's admissions (one model per thread
+        # builds at the same time as another); settle() ends them with the request
+        self.reserved: Dict[int, int] = {}
 
     def current_cap(self) -> Optional[int]:
         return _env_cap() if self.cap_from_env else self.cap
@@ -93,6 +98,24 @@ class _Budget:
 
     def total(self) -> int:
         return sum(h.nbytes for h in self.handles())
+
+    def used(self, model: Model) -> int:
+        """The live handles' bytes and those admitted for builds of other models under way."""
+        return self.total() + sum(n for k, n in self.reserved.items() if k != id(model))
+
+    def charged(self, model: Model, nbytes: int) -> None:
+        """`nbytes` admitted for `model` are now charged to a handle (no longer a reservation)."""
+        with self.lock:
+            left = self.reserved.get(id(model), 0) - nbytes
+            if left > 0:
+                self.reserved[id(model)] = left
+            else:
+                self.reserved.pop(id(model), None)
+
+    def settle(self, model: Model) -> None:
+        """The request that admitted bytes for `model` is over (built, or failed)."""
+        with self.lock:
+            self.reserved.pop(id(model), None)
 
     def touch(self, h: "_Kept") -> None:
         with self.lock:
@@ -130,7 +153,7 @@ class _Budget:
         with self.lock:
             self.check(nbytes, what)
             for h in self.handles():
-                if self.total() + nbytes <= cap:
+                if self.used(model) + nbytes <= cap:
                     break
                 if any(h is k for k in keep):
                     continue
@@ -140,11 +163,12 @@ class _Budget:
                     try:
                         h._evict()
                     finally:
-                        h.model._lock.release()
-            if self.total() + nbytes > cap:
+                        _let_go(h.model)        # with a free_model of that model that came meanwhile
+            if self.used(model) + nbytes > cap:
                 raise HandleBudgetError(
-                    f"{what} needs {nbytes} bytes; the live handles hold {self.total()} of the cap of {cap} "
-                    f"bytes and none of the rest can be evicted now (in use, or kept by this call)")
+                    f"{what} needs {nbytes} bytes; the live handles (and builds under way) hold {self.used(model)} "
+                    f"of the cap of {cap} bytes and none of the rest can be evicted now (in use, or kept by this call)")
+            self.reserved[id(model)] = max(self.reserved.get(id(model), 0), nbytes)
 
 
 _BUDGET = _Budget()
@@ -235,6 +259,8 @@ class _Kept:
     def _charge(self, delta: int) -> None:
         self._acct[0] += delta
         self.model._live_handle_bytes += delta
+        if delta > 0:
+            _BUDGET.charged(self.model, delta)
 
     def _check(self, model: Optional[Model] = None) -> None:
         if self._gone == _UNBUILT:
@@ -355,6 +381,7 @@ def _iter(model: Model, ids: List[int], plan: Plan, stats: Optional[GenerateStat
             before()
         yield from _decode(model, ids, plan, stats, consumer)
     finally:
+        _BUDGET.settle(model)
         lock.release()
 
 
@@ -411,7 +438,7 @@ class _PrefixSeed:
         self.pc, self.n = pc, n
 
     def fill(self, session) -> int:
-        self.pc._check()
+        self.pc._check(session.model)           # never another model's K/V
         session.model.backend.copy_cache_layers(session.cache, self.pc.cache, self.n)
         _BUDGET.touch(self.pc)
         return self.n
@@ -441,6 +468,7 @@ def build_prefix_cache(model: Model, prefix_ids: Sequence[int], loops: Optional[
     try:
         return _new_prefix_cache(model, ids, plan)
     finally:
+        _BUDGET.settle(model)
         lock.release()
 
 
@@ -496,6 +524,10 @@ class _Node:
     def __init__(self) -> None:
         self.children: Dict[int, "_Node"] = {}
         self.entries: Dict[Tuple[int, str], PrefixCache] = {}
+
+
+#: Held while a registration checks and binds a pool to its model (PrefixPool.model).
+_BIND = threading.Lock()
 
 
 class PrefixPool:
@@ -606,7 +638,11 @@ def register_prefix(pool: PrefixPool, model: Model, ids: Sequence[int], loops: O
     plan = _prefix_plan(model, loops, cache_mode)
     key = (plan.loops, cache_mode)
     lock = _locked(model)
+    bound = False
     try:
+        with _BIND:       # checked and bound at once: another model registering now finds the pool taken
+            pool._check(model)
+            bound, pool.model = pool.model is None, model
         node = pool._node(ids, create=False)
         old = node.entries.get(key) if node is not None else None
         if old is not None and old.alive:
@@ -629,7 +665,12 @@ def register_prefix(pool: PrefixPool, model: Model, ids: Sequence[int], loops: O
         pool._node(ids, create=True).entries[key] = pc
         pool._lru[id(pc)] = pc
         return pc
+    except BaseException:
+        if bound and not pool._lru:
+            pool.model = None           # a first registration that failed leaves the pool unbound
+        raise
     finally:
+        _BUDGET.settle(model)
         lock.release()
 
 
@@ -829,6 +870,7 @@ class _ResumeSeed:
         h = self.handle
         h._check()
         base = h.upgrade(self.loops)
+        _BUDGET.settle(h.model)                 # what the request was admitted for is charged now
         n = len(h.prompt_ids) - 1
         session.model.backend.copy_cache_layers(session.cache, h.cache, n)
         session.stats.warm_start_iters_saved = base * len(h.prompt_ids)
@@ -888,6 +930,7 @@ def _build_resume_handle(model: Model, ids: Sequence[int], loops_used: int, conf
         h._register()
         return h
     finally:
+        _BUDGET.settle(model)
         if lock is not None:
             lock.release()
 

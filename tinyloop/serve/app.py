@@ -23,7 +23,7 @@ from ..errors import (ConfigError, IncompatibleModesError, InvalidInputError, Mo
 from ..runtime.config import GenerateStats
 from ..runtime.engine import encode_text
 from .config import ServeConfig
-from .worker import EventBox, Job, ModelWorker, QueueFullError, ShuttingDownError
+from .worker import DEADLINE, EventBox, Job, ModelWorker, QueueFullError, ShuttingDownError
 
 try:
     import fastapi
@@ -159,7 +159,29 @@ def _prompts(served: Served, prompt) -> List[Tuple[Optional[str], List[int]]]:
 
 def _token_iter(served: Served, ids: List[int], config, stats: GenerateStats):
     """The validated token generator of one prompt: through the prefix pool when the server has
-    scaffolds and the request's mode composes with prefix reuse, else plain."""
+    scaffolds and the request's mode composes with prefix reuse, else plain.
+
+    The auto decoder calibrates (runs requests on the model) on its first request at a depth. Only
+    the worker runs requests on the model, so such a request is checked here, as auto and as the
+    plain request it may become, and resolved when the worker takes it (in the handler it would
+    race the worker's request, or be refused as busy)."""
+    from ..runtime.engine import Plan, resolve_loops
+    if config.decoder == "auto" and resolve_loops(served.model, config.loops) not in served.model.decoder_choices:
+        Plan(served.model, config, "single")
+        _start(served, ids, config.replace(decoder=None), GenerateStats()).close()
+
+        def resolved():
+            tokens = _start(served, ids, config, stats)
+            try:
+                yield from tokens
+            finally:
+                tokens.close()
+        return resolved()
+    return _start(served, ids, config, stats)
+
+
+def _start(served: Served, ids: List[int], config, stats: GenerateStats):
+    """_token_iter's generator, the request resolved now."""
     from ..runtime.engine import generate_iter
     from ..runtime.reuse import generate_with_pool_iter
     if served.pool is not None:
@@ -241,6 +263,20 @@ class Request:
                            first_token_ms=st.first_token_ms,
                            tokens_per_s=(st.tokens_emitted - 1) / secs if secs > 0 and st.tokens_emitted > 1 else 0.0)
 
+    async def events(self, i: int) -> List[tuple]:
+        """The events of choice i that have arrived (waits for at least one). A request still waiting
+        for the worker when its deadline passes ends there, with nothing generated (stop_reason
+        DEADLINE; the worker skips it), instead of when the requests ahead of it are done."""
+        job, box = self.jobs[i], self.boxes[i]
+        while True:
+            out = await box.take(None if job.started else job.deadline)
+            if out:
+                return out
+            # the clock first: a worker that takes the job after this look sees the deadline passed too
+            if time.perf_counter() >= job.deadline and not job.started:
+                job.stop_reason = DEADLINE
+                return [("done", DEADLINE)]
+
     def usage(self):
         p = sum(len(x) for x in self.prompts)
         c = sum(j.stats.tokens_emitted for j in self.jobs)
@@ -258,7 +294,7 @@ class Request:
             text = [self.echo(i)] if getattr(self.body, "echo", False) else []
             end = None
             while end is None:
-                for ev in await box.take():
+                for ev in await self.events(i):
                     if ev[0] == "text":
                         text.append(ev[1])
                     elif ev[0] == "error":
@@ -298,7 +334,8 @@ def _error(status: int, message: str, type_: str, param: Optional[str] = None, h
 def _tinyloop_error(exc: TinyLoopError, retry_after: int):
     if isinstance(exc, QueueFullError):
         return _error(429, str(exc), "rate_limit_error", headers={"Retry-After": str(retry_after)})
-    if isinstance(exc, ShuttingDownError):
+    if isinstance(exc, (ShuttingDownError, ModelFreedError)):
+        # the server stopped (Served.close() frees the model) or its model was freed: not the client's error
         return _error(503, str(exc), "service_unavailable", headers={"Retry-After": str(retry_after)})
     return _error(400, str(exc), type(exc).__name__, getattr(exc, "param", None))
 
@@ -509,7 +546,7 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
                 ended = False
                 while not ended:
                     out = []
-                    for ev in await box.take():
+                    for ev in await req.events(i):
                         if ev[0] == "text":
                             out.append(chunk(i, ev[1]))      # one chunk per token, "" while a character is incomplete
                         elif ev[0] == "error":

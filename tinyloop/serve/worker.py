@@ -54,6 +54,7 @@ class Job:
     first_token_s: Optional[float] = None
     token_gaps: List[float] = field(default_factory=list)
     stop_reason: Optional[StopReason] = None
+    started: bool = False          # the worker took it from the queue (set before it looks at the deadline)
 
 
 class StopStrings:
@@ -143,14 +144,25 @@ class ModelWorker:
             self.running = 1
             try:
                 for job in jobs:
-                    self._run(job)
+                    try:
+                        self._run(job)
+                    except Exception as exc:    # outside the decode loop: that request fails, the worker goes on
+                        try:
+                            job.tokens.close()
+                        except Exception:
+                            pass
+                        job.sink(("error", exc))
+                        self._done(job)
             finally:
                 self.running = 0
 
     def _run(self, job: Job) -> None:
+        job.started = True
         if job.cancelled.is_set() or time.perf_counter() >= job.deadline:
+            # past its deadline, the request was answered as such (Request.events) whether or not
+            # its client is still there
             job.tokens.close()
-            self._finish(job, CANCELLED if job.cancelled.is_set() else DEADLINE)
+            self._finish(job, DEADLINE if time.perf_counter() >= job.deadline else CANCELLED)
             return
         decoder = self.model.tokenizer.stream_decoder(continuation=True)
         eos = self.model.cfg.eos_ids
@@ -233,13 +245,21 @@ class EventBox:
             self._armed = False
         self.ready.set()
 
-    async def take(self) -> List[tuple]:
-        """Every event that has arrived (waits for at least one)."""
+    async def take(self, deadline: Optional[float] = None) -> List[tuple]:
+        """Every event that has arrived (waits for at least one; none when `deadline`, a
+        time.perf_counter() value, passes first)."""
         while not self.items:
             self.ready.clear()
             if self.items:
                 break
-            await self.ready.wait()
+            if deadline is None or deadline == float("inf"):
+                await self.ready.wait()
+                continue
+            try:
+                await asyncio.wait_for(self.ready.wait(), max(0.0, deadline - time.perf_counter()))
+            except asyncio.TimeoutError:
+                if not self.items:
+                    return []
         out = []
         while self.items:
             out.append(self.items.popleft())
