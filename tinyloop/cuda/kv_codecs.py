@@ -45,8 +45,18 @@ from numba import cuda, float32, int8, int32, uint8, uint32, uint64
 from .kernels._common import mul_rn, rint
 
 NEG_INF = float32(-np.inf)
+POS_INF = float32(np.inf)
+NAN = float32(np.nan)
 #: Rows whose range is below this store q = 0 (the codecs' reference: plugins/caches/codecs.py).
 TINY = float32(2.0 ** -120)
+#: The edge-of-float32 constants of the reference (plugins/caches/codecs.py, module doc): +-inf
+#: counts as +-FLT_MAX, int8's scale is capped so that 127 * scale is finite, and an int4 row
+#: spanning more than FLT_MAX keeps the widest grid, centred on it.
+FLT_MAX = float32(np.finfo(np.float32).max)
+INT8_MAX_SCALE = float32(np.nextafter(FLT_MAX / float32(127), float32(0)))
+WIDE_SCALE = float32(FLT_MAX / float32(15))
+WIDE_INV = float32(float32(15) / FLT_MAX)
+WIDE_HALF = float32(float32(7.5) * WIDE_SCALE)
 
 
 class Rows(NamedTuple):
@@ -175,21 +185,38 @@ def _load_int4(cf, o, k, lane, s, z):
 
 # --------------------------------------------------------------------------- store (kv_store)
 @cuda.jit(device=True)
+def _mag(x):
+    """|x| for the row statistic: +-inf as FLT_MAX, NaN as +inf (a NaN row's flag: the warp max
+    keeps it, where a NaN would be dropped or kept depending on the lane)."""
+    ax = abs(x)
+    if ax > FLT_MAX:
+        return FLT_MAX
+    if ax <= FLT_MAX:
+        return ax
+    return POS_INF
+
+
+@cuda.jit(device=True)
 def _stat_absmax(a, b, x0, x1):
-    return max(a, max(abs(x0), abs(x1))), b
+    return max(a, max(_mag(x0), _mag(x1))), b
 
 
 @cuda.jit(device=True)
 def _params_int8(a, b):
-    """amax = a: inv = 127 / amax (0 below TINY: all codes 0), scale = amax / 127."""
+    """amax = a: inv = 127 / amax (0 below TINY: all codes 0), scale = min(amax / 127,
+    INT8_MAX_SCALE); a NaN row (a = inf): codes 0, scale NaN."""
+    if a > FLT_MAX:
+        return float32(0.0), NAN, float32(0.0)
     inv = float32(0.0)
     if a >= TINY:
         inv = float32(127.0) / a
-    return inv, a / float32(127.0), float32(0.0)
+    return inv, min(a / float32(127.0), INT8_MAX_SCALE), float32(0.0)
 
 
 @cuda.jit(device=True)
 def _code_int8(x, inv):
+    if inv == float32(0.0):
+        return int8(0)
     r = min(max(rint(x * inv), float32(-127.0)), float32(127.0))
     return int8(int32(r))
 
@@ -201,17 +228,33 @@ def _put_int8(data, layer, slot, kvh, j, x0, x1, inv, zero):
 
 
 @cuda.jit(device=True)
+def _fold_minmax(a, b, x):
+    """Fold x into (a, b) = (-min, max), +-inf as +-FLT_MAX; a NaN sets both to +inf (the flag of
+    a NaN row)."""
+    if not (x == x):
+        return POS_INF, POS_INF
+    x = min(max(x, -FLT_MAX), FLT_MAX)
+    return max(a, -x), max(b, x)
+
+
+@cuda.jit(device=True)
 def _stat_minmax(a, b, x0, x1):
     """a = max(-x) = -min(x), b = max(x)."""
-    return max(a, max(-x0, -x1)), max(b, max(x0, x1))
+    a, b = _fold_minmax(a, b, x0)
+    return _fold_minmax(a, b, x1)
 
 
 @cuda.jit(device=True)
 def _params_int4(a, b):
     """lo = min x, range = max x - lo: inv = 15 / range (0 below TINY: all codes 0), scale =
-    range / 15, zero = lo."""
+    range / 15, zero = lo; a range past FLT_MAX: the centred widest grid (WIDE_*); a NaN row
+    (a or b = inf): codes 0, scale and zero NaN."""
+    if a > FLT_MAX or b > FLT_MAX:
+        return float32(0.0), NAN, NAN
     lo = -a
     rng = b - lo
+    if rng > FLT_MAX:
+        return WIDE_INV, WIDE_SCALE, (lo * float32(0.5) + b * float32(0.5)) - WIDE_HALF
     inv = float32(0.0)
     if rng >= TINY:
         inv = float32(15.0) / rng
@@ -220,6 +263,8 @@ def _params_int4(a, b):
 
 @cuda.jit(device=True)
 def _code_int4(x, inv, lo):
+    if inv == float32(0.0):
+        return uint32(0)
     r = min(max(rint((x - lo) * inv), float32(0.0)), float32(15.0))
     return uint32(int32(r))
 

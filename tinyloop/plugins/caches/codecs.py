@@ -11,9 +11,25 @@ int4   asymmetric, per row: ``lo = min x``, ``r = max x - lo``, ``scale = r / 15
 A row whose amax (int8) or r (int4) is below TINY = 2**-120 stores q = 0 (127 / amax would
 overflow float32 below ~3.7e-37): an all-zero row, or a constant row for int4, is exact.
 
+Rows at the edges of float32 (the formulas above are unchanged for every other row):
+
+* +-inf counts as +-FLT_MAX in amax / lo / max x, and its code saturates (int8 +-127, int4 15 or 0):
+  the row stores what it would store with +-FLT_MAX there, and reads back finite.
+* int8: ``scale = min(amax / 127, INT8_MAX_SCALE)``, the largest float32 whose product with 127 is
+  finite; it differs from amax / 127 only for amax = FLT_MAX, whose 127 * scale rounded to inf.
+* int4, a row whose ``max x - lo`` overflows float32 (it spans more than FLT_MAX, so lo < 0 < max
+  x): no grid of 16 codes whose ``q * scale + zero`` stays finite covers it, so the row keeps the
+  widest one, centred on the row: ``scale = WIDE_SCALE = FLT_MAX / 15``, ``zero = (lo * 0.5 +
+  max x * 0.5) - WIDE_HALF`` (WIDE_HALF = 7.5 * WIDE_SCALE), ``q = clip(rint((x - zero) *
+  WIDE_INV), 0, 15)`` (WIDE_INV = 15 / FLT_MAX). Values within [zero, zero + 15 * scale] read back
+  within half a step; those beyond saturate to the end codes (order and sign are kept).
+* A row holding a NaN has no finite encoding: codes 0, scale (and int4 zero) NaN, so the whole row
+  reads back NaN, as a float cache would carry the NaN on into attention.
+
 Every quantity is float32 and rint rounds half to even, so a backend that evaluates the same
-operations in float32 stores the same codes, scales and zero points bit for bit. The backends'
-store/load code lives with the backends (``backend_impls``); this module only defines the formats.
+operations in float32 stores the same codes, scales and zero points bit for bit (a NaN row: NaN,
+whatever its bits). The backends' store/load code lives with the backends (``backend_impls``);
+this module only defines the formats.
 """
 
 from __future__ import annotations
@@ -26,6 +42,15 @@ from ...runtime.hookspecs import hookimpl
 _F = np.float32
 #: Rows with a range below this store q = 0 (127 / TINY still fits a float32).
 TINY = _F(2.0 ** -120)
+#: The largest finite float32; +-inf counts as +-FLT_MAX in a row's statistics.
+FLT_MAX = _F(np.finfo(np.float32).max)
+#: int8: the largest scale whose 127 * scale is finite (amax / 127 rounds above it for amax = FLT_MAX).
+INT8_MAX_SCALE = np.nextafter(FLT_MAX / _F(127), _F(0))
+#: int4, a row spanning more than FLT_MAX: the widest grid whose 15 * scale is finite, its inverse
+#: and half its span (module doc).
+WIDE_SCALE = FLT_MAX / _F(15)
+WIDE_INV = _F(15) / FLT_MAX
+WIDE_HALF = _F(7.5) * WIDE_SCALE
 
 
 def _impls(name: str) -> dict:
@@ -69,11 +94,12 @@ class INT8Codec(KVCodec):
     @classmethod
     def encode(cls, x):
         x = np.asarray(x, _F)
-        amax = np.max(np.abs(x), axis=-1)
-        ok = amax >= TINY
-        inv = np.where(ok, _F(127) / np.where(ok, amax, _F(1)), _F(0)).astype(_F)
-        q = np.clip(np.rint(x * inv[..., None]), -127, 127).astype(np.int8)
-        return q, (amax / _F(127)).astype(_F), None
+        with np.errstate(over="ignore", invalid="ignore"):
+            amax = np.max(np.minimum(np.abs(x), FLT_MAX), axis=-1)      # inf as FLT_MAX; NaN stays
+            ok = amax >= TINY                                           # False for a NaN row
+            inv = np.where(ok, _F(127) / np.where(ok, amax, _F(1)), _F(0)).astype(_F)
+            q = np.where(ok[..., None], np.clip(np.rint(x * inv[..., None]), -127, 127), 0).astype(np.int8)
+            return q, np.minimum(amax / _F(127), INT8_MAX_SCALE).astype(_F), None
 
     @classmethod
     def decode(cls, data, scale, zero):
@@ -91,13 +117,20 @@ class INT4Codec(KVCodec):
     @classmethod
     def encode(cls, x):
         x = np.asarray(x, _F)
-        lo = np.min(x, axis=-1)
-        rng = (np.max(x, axis=-1) - lo).astype(_F)
-        ok = rng >= TINY
-        inv = np.where(ok, _F(15) / np.where(ok, rng, _F(1)), _F(0)).astype(_F)
-        q = np.clip(np.rint((x - lo[..., None]) * inv[..., None]), 0, 15).astype(np.uint8)
+        with np.errstate(over="ignore", invalid="ignore"):
+            xc = np.clip(x, -FLT_MAX, FLT_MAX)                          # inf as FLT_MAX; NaN stays
+            lo, hi = np.min(xc, axis=-1), np.max(xc, axis=-1)
+            rng = (hi - lo).astype(_F)
+            wide = np.isinf(rng)                                        # the row spans > FLT_MAX
+            ok = rng >= TINY                                            # False for a NaN row
+            inv = np.where(ok & ~wide, _F(15) / np.where(ok & ~wide, rng, _F(1)), _F(0)).astype(_F)
+            inv = np.where(wide, WIDE_INV, inv).astype(_F)
+            scale = np.where(wide, WIDE_SCALE, rng / _F(15)).astype(_F)
+            zero = np.where(wide, (lo * _F(0.5) + hi * _F(0.5)) - WIDE_HALF, lo).astype(_F)
+            q = np.where(ok[..., None], np.clip(np.rint((x - zero[..., None]) * inv[..., None]), 0, 15),
+                         0).astype(np.uint8)
         packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
-        return packed, (rng / _F(15)).astype(_F), lo.astype(_F)
+        return packed, scale, zero
 
     @classmethod
     def unpack(cls, data):

@@ -5,11 +5,15 @@ absolute positions. Memory is bounded by the ring, whatever max_tokens is.
 Ring size: a launch of n rows writes its n rows' K/V before any of them attends, so the ring holds
 W + n - 1 slots (the oldest position a row of the launch still needs is W - 1 behind it, the newest
 n - 1 ahead). Prefill chunks are capped at W rows, so the ring is at most 2W - 1 slots (plus the
-rows of a speculative verify launch)."""
+rows of a speculative verify launch).
+
+A request of at most W positions never leaves the window: it gets the linear map (every position,
+the same keys in the same order, so the same bits), not a ring of fewer slots than its window,
+which backends refuse (the CUDA kernels need window <= slots)."""
 
 from __future__ import annotations
 
-from ...runtime.cache import SlotMap, SlotMapMode
+from ...runtime.cache import SlotMap, SlotMapMode, linear_slots
 from ...errors import ConfigError
 from ...runtime.hookspecs import hookimpl
 
@@ -37,6 +41,8 @@ class RingWindow(SlotMapMode):
         return min(rows, self.window)
 
     def slot_map(self, positions: int, launch_rows: int) -> SlotMap:
+        if positions <= self.window:
+            return linear_slots(max(1, positions))
         return SlotMap(n_slots=max(1, min(positions, self.window + launch_rows - 1)), window=self.window)
 
 
