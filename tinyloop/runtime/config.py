@@ -625,6 +625,9 @@ class RunConfig:
             raise ConfigError(f"model must be a file path, got {self.model!r}")
         for name in ("model", "tokenizer", "prompts_file", "output_jsonl"):
             v = getattr(self, name)
+            if name != "model" and isinstance(v, os.PathLike):     # a pathlib.Path is a path (held as text)
+                v = os.fspath(v)
+                object.__setattr__(self, name, v)
             if v is not None and not isinstance(v, str):
                 raise ConfigError(f"{name} must be a path (text), got {v!r}")
             if v is not None and "\0" in v:

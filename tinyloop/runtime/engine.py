@@ -944,7 +944,9 @@ def check_call(model: Any, config: Any = None, stats: Any = None, on_token: Any 
     if on_token is not None:
         # a callable that cannot take (token, position) would fail after the prefill, inside the loop
         try:
-            sig = inspect.signature(on_token)
+            # the callable itself, not what a decorator wrapped (functools.wraps sets __wrapped__):
+            # it is the callable that is called
+            sig = inspect.signature(on_token, follow_wrapped=False)
         except (TypeError, ValueError):     # no signature to read (some builtins): it is called as given
             sig = None
         if sig is not None:

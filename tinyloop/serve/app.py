@@ -18,8 +18,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
-from ..errors import (ConfigError, IncompatibleModesError, InvalidInputError, ModelFreedError, PluginError,
-                      TinyLoopError, TokenizerError)
+from ..errors import (ConfigError, HandleFreedError, IncompatibleModesError, InvalidInputError, ModelFreedError,
+                      PluginError, TinyLoopError, TokenizerError)
 from ..runtime.config import GenerateStats
 from ..runtime.engine import encode_text
 from .config import ServeConfig
@@ -53,15 +53,21 @@ class Served:
 
     def close(self) -> None:
         """Stop the worker (queued requests fail with a 503), free the pool and, when the server
-        loaded it, the model. Idempotent."""
+        loaded it, the model: now, or as the running request ends when it outlasts the worker's
+        stop timeout (it is let finish; close() returns after the timeout). Idempotent."""
         from ..runtime.engine import free_model
         from ..runtime.reuse import free_prefix_pool
-        self.worker.stop()
-        if self.pool is not None:
-            free_prefix_pool(self.pool)
-            self.pool = None
-        if self.owns_model and not self.model._freed:
-            free_model(self.model)
+        pool, self.pool = self.pool, None
+        model = self.model if self.owns_model else None
+
+        def release() -> None:
+            # once no request runs: a request that outlasts the worker's stop timeout holds the
+            # model (freeing the pool then would be refused as ModelBusyError), so this runs as it ends
+            if pool is not None and not pool._freed:
+                free_prefix_pool(pool)
+            if model is not None and not model._freed:
+                free_model(model)
+        self.worker.stop(then=release)
 
 
 class Metrics:
@@ -184,11 +190,17 @@ def _start(served: Served, ids: List[int], config, stats: GenerateStats):
     """_token_iter's generator, the request resolved now."""
     from ..runtime.engine import generate_iter
     from ..runtime.reuse import generate_with_pool_iter
-    if served.pool is not None:
+    pool = served.pool
+    if pool is not None:
         try:
-            return generate_with_pool_iter(served.model, served.pool, ids, config, stats=stats)
+            return generate_with_pool_iter(served.model, pool, ids, config, stats=stats)
         except IncompatibleModesError:
             pass                      # e.g. a speculative request: prefix reuse does not compose
+        except HandleFreedError:
+            if not pool._freed:
+                raise
+            # Served.close() freed the pool meanwhile: the request goes on as a plain one and is
+            # refused as the server's (503: the worker is stopped, or the model freed)
     return generate_iter(served.model, ids, config, stats=stats)
 
 

@@ -95,6 +95,7 @@ class ModelWorker:
         self.running = 0               # requests being decoded now (0 or 1)
         self._thread = threading.Thread(target=self._loop, name="tinyloop-serve-worker", daemon=True)
         self._stopped = False
+        self._then: Optional[Callable[[], None]] = None      # stop()'s `then`, run as the thread ends
         self._thread.start()
 
     @property
@@ -118,9 +119,16 @@ class ModelWorker:
             job.tokens.close()
         raise ShuttingDownError("the server is shutting down")
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 10.0, then: Optional[Callable[[], None]] = None) -> None:
         """Fail what is queued (ShuttingDownError: those requests never ran, so they must not look
-        like finished completions), let the running request end, stop the thread."""
+        like finished completions), let the running request end, stop the thread (waiting at most
+        `timeout` seconds for it). `then` runs once no request runs any more: on the worker thread
+        as it ends (so after a running request that outlasts `timeout`), here if it has ended."""
+        if then is not None and not self._thread.is_alive():
+            then()
+        elif then is not None:
+            earlier, later = self._then, then      # an earlier stop's, not run yet: both run
+            self._then = later if earlier is None else (lambda: (earlier(), later()))
         self._stopped = True
         while True:
             try:
@@ -134,12 +142,18 @@ class ModelWorker:
                 self._done(job)
         self.queue.put(None)
         self._thread.join(timeout)
+        if not self._thread.is_alive() and self._then is not None:     # a thread that ended without it
+            pending, self._then = self._then, None
+            pending()
 
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:
         while True:
             jobs = self.queue.get()
             if jobs is None:
+                then, self._then = self._then, None
+                if then is not None:
+                    then()
                 return
             self.running = 1
             try:
@@ -159,10 +173,12 @@ class ModelWorker:
     def _run(self, job: Job) -> None:
         job.started = True
         if job.cancelled.is_set() or time.perf_counter() >= job.deadline:
-            # past its deadline, the request was answered as such (Request.events) whether or not
-            # its client is still there
+            # DEADLINE when the request was answered at its deadline (Request.events, which cancels
+            # it afterwards as every answered request) or is past it with its client still there; a
+            # client that went away first ended it (CANCELLED, counted as a 499)
             job.tokens.close()
-            self._finish(job, DEADLINE if time.perf_counter() >= job.deadline else CANCELLED)
+            expired = job.stop_reason == DEADLINE or not job.cancelled.is_set()
+            self._finish(job, DEADLINE if expired else CANCELLED)
             return
         decoder = self.model.tokenizer.stream_decoder(continuation=True)
         eos = self.model.cfg.eos_ids
