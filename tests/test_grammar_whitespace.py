@@ -194,3 +194,17 @@ def test_server_response_format_whitespace(client):
         assert r.status_code == 400 and "whitespace applies to the JSON types" in r.json()["error"]["message"], r.text
     r = client.post("/v1/completions", json={**body, "response_format": {"type": "json_object", "whitespace": "tabs"}})
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("response_format"), r.text
+
+
+def test_an_explicit_style_overrides_the_schemas_own_settings(demo):
+    """A schema's own llguidance settings ("x-guidance") keep their meaning under the default
+    (flexible) style; an explicit compact or spaced style is what the caller gets."""
+    own = {**SCHEMA, "x-guidance": {"whitespace_flexible": True}}
+    assert accepts(tl.Grammar.json_schema(own), demo, '{"name": "Al", "age": 3, "tags": []}')
+    compact = tl.Grammar.json_schema(own, "compact")
+    assert accepts(compact, demo, '{"name":"Al","age":3,"tags":[]}')
+    assert not accepts(compact, demo, '{"name": "Al", "age": 3, "tags": []}')
+    pattern = {**SCHEMA, "x-guidance": {"whitespace_pattern": "[ ]*", "item_separator": ";"}}
+    spaced = tl.Grammar.json_schema(pattern, "spaced")
+    assert accepts(spaced, demo, '{"name": "Al", "age": 3, "tags": [1, 2]}')
+    assert not accepts(spaced, demo, '{"name":  "Al", "age": 3, "tags": [1, 2]}')

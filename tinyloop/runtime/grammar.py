@@ -34,9 +34,13 @@ KINDS = ("lark", "regex", "json_schema", "json")
 #: whitespace, as the JSON grammar allows (llguidance's default; runs of spaces and newlines
 #: included, which a small model can fill until max_tokens); "compact" none at all
 #: (``{"a":1,"b":[1,2]}``); "spaced" exactly Python's json.dumps separators (``{"a": 1, "b": [1, 2]}``).
+#: A schema's own "x-guidance" whitespace settings stay under "flexible" (the default) and are
+#: overridden by an explicit "compact" or "spaced".
 WHITESPACE = {"flexible": None,
-              "compact": {"whitespace_flexible": False},
-              "spaced": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+              "compact": {"whitespace_flexible": False, "whitespace_pattern": None, "item_separator": ",",
+                          "key_separator": ":"},
+              "spaced": {"whitespace_flexible": False, "whitespace_pattern": None, "item_separator": ", ",
+                         "key_separator": ": "}}
 
 
 def llguidance():
@@ -181,7 +185,7 @@ class Grammar:
             raise ConfigError(f"a JSON schema must be an object (a dict or its JSON text), got "
                               f"{type(schema).__name__}")
         try:
-            ll = llguidance().LLMatcher.grammar_from_json_schema(schema, defaults=options)
+            ll = llguidance().LLMatcher.grammar_from_json_schema(schema, overrides=options)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"invalid JSON schema: {_one_line(exc)}") from None
         return cls._make("json_schema", schema, ll, whitespace)
@@ -190,7 +194,7 @@ class Grammar:
     def json(cls, whitespace: str = "flexible") -> "Grammar":
         """Any JSON value, with the `whitespace` style between its tokens (as json_schema)."""
         options = cls._json_options(whitespace)
-        return cls._make("json", {}, llguidance().LLMatcher.grammar_from_json_schema({}, defaults=options),
+        return cls._make("json", {}, llguidance().LLMatcher.grammar_from_json_schema({}, overrides=options),
                          whitespace)
 
     @classmethod
