@@ -28,8 +28,6 @@ import pathlib
 import re
 import shlex
 import sys
-import threading
-import time
 import types
 
 import numpy as np
@@ -183,35 +181,14 @@ def with_option(argv, flag, value):
 
 
 # ----------------------------------------------------------------------------------- the server
-class LiveServer:
-    """The demo model behind uvicorn on a free port, in a thread (as tests/test_serve.py runs it)."""
-
-    def __init__(self):
-        import uvicorn
-        from tinyloop.serve import ServeConfig, create_app
-
-        self.app = create_app(ServeConfig(backend="cpu", max_seq_len=512))
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        t0 = time.time()
-        while not self.server.started:
-            assert time.time() - t0 < 60, "server did not start"
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
-
-    def close(self):
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.app.state.served.close()
-
-
 @pytest.fixture(scope="module")
 def live_server():
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
     pytest.importorskip("httpx")
-    s = LiveServer()
+    from test_serve import Live        # the demo model behind uvicorn on a free port, in a thread
+    from tinyloop.serve import ServeConfig
+    s = Live(ServeConfig(backend="cpu", max_seq_len=512))
     yield s
     s.close()
 

@@ -174,7 +174,6 @@ def test_close_with_a_request_running_past_the_stop_timeout(monkeypatch):
     running request finishes with its full text; the pool and the model are freed as it ends."""
     httpx = _serve()
     from tinyloop.serve import ServeConfig
-    from tinyloop.serve import app as app_mod
     from tinyloop.serve.worker import ModelWorker
     from test_serve_edges import Live
     s = Live(ServeConfig(backend="cpu", max_seq_len=128, queue_size=2, scaffolds=["def "]))
@@ -182,22 +181,8 @@ def test_close_with_a_request_running_past_the_stop_timeout(monkeypatch):
     pool = served.pool
     want = tl.generate_text(s.model, "def x", tl.GenerateConfig(max_tokens=4))
     monkeypatch.setattr(served.worker, "stop", functools.partial(ModelWorker.stop, served.worker, timeout=0.3))
-    real, first, go = app_mod._token_iter, threading.Event(), threading.Event()
-
-    def token_iter(*a):
-        tokens = real(*a)
-
-        def gen():
-            try:
-                for i, t in enumerate(tokens):
-                    yield t
-                    if i == 0:
-                        first.set()
-                        assert go.wait(LIMIT)
-            finally:
-                tokens.close()
-        return gen()
-    monkeypatch.setattr(app_mod, "_token_iter", token_iter)
+    from test_concurrency_edges import _pause_after_first_token
+    first, go = _pause_after_first_token(monkeypatch)
     out = {}
     t = threading.Thread(target=lambda: out.setdefault("r", httpx.post(
         s.url + "/v1/completions", json={"model": "demo", "prompt": "def x", "max_tokens": 4, "temperature": 0},
