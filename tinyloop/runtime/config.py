@@ -737,7 +737,8 @@ def _grammar_files(data: Any, base: str) -> None:
     g = gen.get("grammar") if isinstance(gen, Mapping) else None
     if not isinstance(g, Mapping):
         return
-    kinds = [k for k in g if k in ("lark", "regex", "json_schema", "json")]
+    from .grammar import KINDS
+    kinds = [k for k in g if k in KINDS]
     if len(kinds) != 1:
         return                              # Grammar.from_mapping says what is wrong
     kind = kinds[0]

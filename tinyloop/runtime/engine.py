@@ -225,33 +225,34 @@ def _as_ids(tokens: Any, what: str, model: Optional[Model] = None, start: bool =
         arr = np.asarray(tokens)
     except Exception:
         raise InvalidInputError(f"{what} must be a sequence of integer token ids") from None
-    if arr.ndim == 1 and arr.size and arr.dtype.kind not in "iu" and not isinstance(tokens, np.ndarray):
-        # name the element that is not a token id (numpy made the whole list float or object)
-        for i, t in enumerate(tokens):
-            if isinstance(t, (bool, np.bool_)):
-                raise InvalidInputError(f"{what}[{i}]={t!r} is a bool, not a token id (an integer)")
-            if not isinstance(t, (int, np.integer)):
-                raise InvalidInputError(f"{what}[{i}]={t!r} is not a token id: {what} must be a flat sequence "
-                                        f"of integer token ids")
-            if not -(1 << 63) <= t < (1 << 63):                 # beyond int64: beyond any vocabulary
-                V = f"[0, {model.cfg.vocab_size})" if model is not None else "of the model"
-                raise InvalidInputError(f"{what}[{i}]={t} is outside the vocabulary {V}")
-        return [int(t) for t in tokens]                 # integers numpy mixed into floats (uint64, int)
-    if arr.ndim == 0 and not isinstance(tokens, np.ndarray):
+    listed = not isinstance(tokens, np.ndarray)
+    if arr.ndim == 0 and listed:
         # not a sequence at all (numpy wrapped it whole): a generator, iterator, set, dict, number
         hint = ("; an iterator is read only once: pass list(...) of it" if isinstance(tokens, Iterator) else
                 "; a set has no order" if isinstance(tokens, (set, frozenset)) else "")
         text = "text (str) or " if model is not None else ""
         raise InvalidInputError(f"{what} must be {text}a list / tuple / numpy array of token ids, got "
                                 f"{type(tokens).__name__}{hint}")
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise InvalidInputError(f"{what} must be a flat sequence of integer token ids, got dtype "
-                                f"{arr.dtype} with shape {arr.shape}")
-    if not isinstance(tokens, np.ndarray):
-        # numpy turns [5, True] into integers: a bool among ints is refused as an all-bool list is
+    mixed = arr.size and arr.dtype.kind not in "iu"     # numpy made the list float or object
+    if arr.ndim == 1 and listed:
+        # name the element that is not a token id: a bool (numpy turns [5, True] into integers, and
+        # it is refused as an all-bool list is) or what made the array float or object
         for i, t in enumerate(tokens):
             if isinstance(t, (bool, np.bool_)):
                 raise InvalidInputError(f"{what}[{i}]={t!r} is a bool, not a token id (an integer)")
+            if not mixed:
+                continue
+            if not isinstance(t, (int, np.integer)):
+                raise InvalidInputError(f"{what}[{i}]={t!r} is not a token id: {what} must be a flat sequence "
+                                        f"of integer token ids")
+            if not -(1 << 63) <= t < (1 << 63):                 # beyond int64: beyond any vocabulary
+                V = f"[0, {model.cfg.vocab_size})" if model is not None else "of the model"
+                raise InvalidInputError(f"{what}[{i}]={t} is outside the vocabulary {V}")
+        if mixed:
+            return [int(t) for t in tokens]             # integers numpy mixed into floats (uint64, int)
+    if arr.ndim != 1 or mixed:
+        raise InvalidInputError(f"{what} must be a flat sequence of integer token ids, got dtype "
+                                f"{arr.dtype} with shape {arr.shape}")
     return [int(t) for t in arr]
 
 

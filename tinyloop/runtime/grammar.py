@@ -136,7 +136,7 @@ class Grammar:
         return hash((self.kind, self._ll))
 
     def __reduce__(self):
-        return (_rebuild, (self.kind, self.source, self.whitespace))
+        return (_rebuild, (self.kind, self.source) + ((self.whitespace,) if self.whitespace is not None else ()))
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -208,13 +208,9 @@ class Grammar:
             raise ConfigError(f"{where} must be a mapping with exactly one of {', '.join(KINDS)} (and for "
                               f"json_schema / json an optional whitespace), got {data!r:.80}")
         kind = kinds[0]
-        value = data[kind]
-        if others:
-            if kind not in ("json_schema", "json"):
-                raise ConfigError(f"{where}: whitespace applies to json_schema and json grammars, not {kind}")
-            ws = data["whitespace"]
-            return cls.json(ws) if kind == "json" else cls.json_schema(value, ws)
-        return cls.json() if kind == "json" else getattr(cls, kind)(value)
+        if others and kind not in ("json_schema", "json"):
+            raise ConfigError(f"{where}: whitespace applies to json_schema and json grammars, not {kind}")
+        return _rebuild(kind, data[kind], *(data[k] for k in others))
 
     # ------------------------------------------------------------------ per tokenizer
     def matcher(self, tokenizer, vocab_size: int, eos_id: Optional[int]):
@@ -236,9 +232,7 @@ class Grammar:
         return tpl.deep_copy()
 
 
-def _rebuild(kind: str, source: Any, whitespace: Optional[str] = None) -> Grammar:
-    if kind == "json":
-        return Grammar.json(whitespace or "flexible")
-    if kind == "json_schema":
-        return Grammar.json_schema(source, whitespace or "flexible")
-    return getattr(Grammar, kind)(source)
+def _rebuild(kind: str, source: Any, *whitespace: str) -> Grammar:
+    """The Grammar of `kind` from its source (Grammar.json takes none), a JSON kind's whitespace
+    style when one is given."""
+    return Grammar.json(*whitespace) if kind == "json" else getattr(Grammar, kind)(source, *whitespace)
