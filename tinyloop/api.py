@@ -68,7 +68,9 @@ def _pieces(decoder, tokens, eos_ids=()) -> Iterator[str]:
 def generate_text(model: Model, prompt: Union[str, Sequence[int]], config: Optional[GenerateConfig] = None,
                   stats: Optional[GenerateStats] = None) -> str:
     """The completion of `prompt` (text or ids) as text, prompt excluded: generate, then the new
-    tokens decoded with ``model.tokenizer``."""
+    tokens decoded with ``model.tokenizer`` as a continuation of the prompt
+    (``decode(new, continuation=True)``: a SentencePiece-style tokenizer keeps the completion's
+    leading space), the model's EOS ids left out (``"".join(stream_text(...))``)."""
     return "".join(stream_text(model, prompt, config, stats=stats))
 
 

@@ -17,8 +17,12 @@ prompt and its completion, as the ``tokenizers`` library does; a caller streamin
 can use ``StreamDecoder(tokenizer, strip_leading_spaces=0)``.
 
 Ids that have no token (ids past a vocabulary, gaps in it, or >= 256 for :class:`ByteTokenizer`)
-decode to nothing (""), matching the ``tokenizers`` library, which skips unknown ids. Negative ids
-are an error.
+decode to nothing (""), matching the ``tokenizers`` library, which skips unknown ids (whatever their
+size: ids past 2**32 - 1 too, which the library itself cannot take). A token id is an integer >= 0
+(Python's or numpy's); a negative id, a bool, a float (even 1.0), a str, or ``decode`` of something
+that is not a sequence of ids (None, a number, a str, bytes) is a TokenizerError. ``encode`` takes
+Unicode text: a str holding a lone surrogate (U+D800..U+DFFF, e.g. a pair written as two escapes)
+is a TokenizerError naming it and its index.
 
 Embedded forms (stored in a model file's header, produced by ``to_embedded()`` and read back by
 :func:`tokenizer_from_embedded`, which dispatches on ``type``)::
@@ -63,6 +67,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import operator
 import os
 import re
 from functools import lru_cache
@@ -109,17 +114,33 @@ def unicode_to_byte() -> Dict[str, int]:
     return {c: b for b, c in byte_to_unicode().items()}
 
 
+def _check_id(i) -> int:
+    """`i` as a token id: an integer >= 0 (Python's or numpy's; not a bool, a float or a str)."""
+    try:
+        v = None if isinstance(i, bool) else operator.index(i)
+    except TypeError:
+        v = None
+    if v is None or v < 0:
+        raise TokenizerError(f"token id {i!r} is not a token id: token ids are integers >= 0")
+    return v
+
+
 def _check_ids(ids: Iterable[int]) -> List[int]:
-    out = []
-    for i in ids:
-        try:
-            v = int(i)
-        except (TypeError, ValueError):
-            raise TokenizerError(f"token id {i!r} is not an integer") from None
-        if v < 0 or v != i:
-            raise TokenizerError(f"token id {i!r} is not a non-negative integer")
-        out.append(v)
-    return out
+    if isinstance(ids, (str, bytes, bytearray)) or not hasattr(ids, "__iter__"):
+        raise TokenizerError(f"decode needs a sequence of token ids (integers >= 0), got "
+                             f"{type(ids).__name__} {ids!r:.40}")
+    return [_check_id(i) for i in ids]
+
+
+def _utf8(text: str, name: str) -> bytes:
+    """`text` as UTF-8, or TokenizerError naming the lone surrogate that makes it no Unicode text."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = text[e.start]
+        raise TokenizerError(f"{name}: encode failed: the text holds a lone surrogate {c!r} (U+{ord(c):04X}) "
+                             f"at index {e.start}; text must be Unicode without surrogate code points "
+                             f"(U+D800..U+DFFF)") from None
 
 
 def _strip_spaces(text: str, n: int) -> str:
@@ -157,7 +178,7 @@ class StreamDecoder:
         return text
 
     def push(self, token_id: int) -> str:
-        (tid,) = _check_ids([token_id])
+        tid = _check_id(token_id)
         return self._emit(self._dec.decode(self._tok.token_bytes(tid), final=False))
 
     def flush(self) -> str:
@@ -233,21 +254,23 @@ class ByteTokenizer(Tokenizer):
     def encode(self, text: str) -> List[int]:
         if not isinstance(text, str):
             raise TokenizerError(f"encode() needs a str, got {type(text).__name__}")
-        try:
-            return list(text.encode("utf-8"))
-        except UnicodeEncodeError as e:
-            raise TokenizerError(f"text is not encodable as UTF-8: {e}") from None
+        return list(_utf8(text, self.name))
 
     def token_bytes(self, token_id: int) -> bytes:
-        if token_id < 0:
-            raise TokenizerError(f"token id {token_id} is negative")
+        token_id = _check_id(token_id)
         return bytes((token_id,)) if token_id < 256 else b""
 
 
 class BPETokenizer(Tokenizer):
     """GPT-2-style byte-level BPE: ``tokenizers`` BPE model + ByteLevel pre-tokenizer
     (add_prefix_space=False) + ByteLevel decoder. Build with :meth:`from_dir`, :meth:`from_embedded`
-    or the constructor (vocab {token: id}, merges [(a, b), ...])."""
+    or the constructor (vocab {token: id}, merges [(a, b), ...]).
+
+    A vocab/merges pair has no special tokens: a token such as "<|endoftext|>" written in the text
+    is encoded as ordinary text (transformers' GPT2TokenizerFast over the same files matches
+    "<|endoftext|>" as its special token by default), and ``decode`` gives every id's text, EOS
+    included (as transformers' ``decode`` does by default, skip_special_tokens=False);
+    stream_text / generate_text leave the model's EOS out."""
 
     def __init__(self, vocab: Dict[str, int], merges: Sequence[Tuple[str, str]],
                  name: str = "bpe") -> None:
@@ -359,11 +382,8 @@ class BPETokenizer(Tokenizer):
     def encode(self, text: str) -> List[int]:
         if not isinstance(text, str):
             raise TokenizerError(f"encode() needs a str, got {type(text).__name__}")
+        raw = _utf8(text, self.name)
         if self._missing_bytes:
-            try:
-                raw = text.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise TokenizerError(f"text is not encodable as UTF-8: {e}") from None
             bad = self._missing_bytes.intersection(raw)
             if bad:
                 raise TokenizerError(
@@ -375,15 +395,16 @@ class BPETokenizer(Tokenizer):
             raise TokenizerError(f"{self.name}: encode failed: {e}") from None
 
     def decode(self, ids: Sequence[int], continuation: bool = False) -> str:
-        ids = _check_ids(ids)
+        # ids without a token decode to nothing (the library skips those it can take, and takes
+        # no id past 2**32 - 1)
+        ids = [i for i in _check_ids(ids) if i < self._vocab_size]
         try:
             return self._tok.decode(ids, skip_special_tokens=False)
         except Exception as e:
             raise TokenizerError(f"{self.name}: decode failed: {e}") from None
 
     def token_bytes(self, token_id: int) -> bytes:
-        if token_id < 0:
-            raise TokenizerError(f"token id {token_id} is negative")
+        token_id = _check_id(token_id)
         return self._token_bytes[token_id] if token_id < self._vocab_size else b""
 
 
@@ -652,7 +673,8 @@ class HFTokenizer(Tokenizer):
         return out
 
     def token_text(self, token_id: int) -> str:
-        text = self._tok.id_to_token(int(token_id)) if 0 <= token_id < self._vocab_size else None
+        token_id = _check_id(token_id)
+        text = self._tok.id_to_token(token_id) if token_id < self._vocab_size else None
         return self.token_bytes(token_id).decode("utf-8", errors="replace") if text is None else text
 
     # ------------------------------------------------------------------ protocol
@@ -663,13 +685,13 @@ class HFTokenizer(Tokenizer):
     def encode(self, text: str) -> List[int]:
         if not isinstance(text, str):
             raise TokenizerError(f"encode() needs a str, got {type(text).__name__}")
+        _utf8(text, self.name)
         enc = _library_call(self.name, "encode failed",
                             lambda: self._tok.encode(text, add_special_tokens=False))
         return list(enc.ids)
 
     def token_bytes(self, token_id: int) -> bytes:
-        if token_id < 0:
-            raise TokenizerError(f"token id {token_id} is negative")
+        token_id = _check_id(token_id)
         return self._token_bytes[token_id] if token_id < self._vocab_size else b""
 
 

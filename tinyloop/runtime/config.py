@@ -202,7 +202,7 @@ class GenerateConfig:
     early_exit_patience: int = 0
     """0 disables adaptive-depth early exit; > 0 exits after that many stable probes past min_L."""
     early_exit_min_L: int = 2
-    """First loop iteration at which early exit may probe (>= 1)."""
+    """First loop iteration at which early exit may probe (>= 1, and below the request's loops)."""
     early_exit_peek_every: int = 1
     """Probe cadence past early_exit_min_L (>= 1)."""
     early_exit_logit_margin: float = 0.0
@@ -210,7 +210,7 @@ class GenerateConfig:
     stable when the head logits' top-1 minus top-2 is at least this margin."""
     early_exit_criterion: str = ""
     """The exit-criterion plugin (tinyloop.runtime.early_exit; built in: hidden_l2, logit_margin,
-    kl, argmax). "" is the spec's choice: logit_margin when early_exit_logit_margin > 0, else
+    kl, argmax, gate). "" is the spec's choice: logit_margin when early_exit_logit_margin > 0, else
     hidden_l2."""
     early_exit_threshold: float = 0.0
     """The criterion's threshold (> 0); 0 uses the criterion's documented default. logit_margin

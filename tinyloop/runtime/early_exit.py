@@ -39,7 +39,7 @@ from typing import ClassVar, Mapping, Optional, Tuple
 
 import numpy as np
 
-from ..errors import BackendError, ConfigError, IncompatibleModesError, PluginError
+from ..errors import BackendError, ConfigError, IncompatibleModesError, PluginError, TinyLoopError
 
 
 def _log_softmax(z: np.ndarray) -> np.ndarray:
@@ -162,6 +162,29 @@ class ExitCriterion:
         if self.stat is None:
             return stat < self.threshold
         return is_stable(self.stat, stat, self.threshold)
+
+
+def _call(crit: ExitCriterion, what: str, fn, *args):
+    """A criterion's hook while decoding: what it raises (but a TinyLoopError) is a PluginError
+    naming it."""
+    try:
+        return fn(*args)
+    except TinyLoopError:
+        raise
+    except Exception as exc:
+        raise PluginError(f"exit criterion {crit.name!r}: {what} raised {type(exc).__name__}: {exc}") from exc
+
+
+def _probe_stable(crit: ExitCriterion, cur: np.ndarray, prev: Optional[np.ndarray]) -> bool:
+    """The criterion's verdict on one host probe: ``stable(statistic(cur, prev))``, each checked to
+    return a number and a bool (PluginError naming the criterion otherwise)."""
+    stat = _call(crit, "statistic(cur, prev)", crit.statistic, cur, prev)
+    if isinstance(stat, (bool, np.bool_)) or not isinstance(stat, (int, float, np.integer, np.floating)):
+        raise PluginError(f"exit criterion {crit.name!r}: statistic() returned {stat!r:.80}, not a number")
+    verdict = _call(crit, "stable(value)", crit.stable, stat)
+    if not isinstance(verdict, (bool, np.bool_)):
+        raise PluginError(f"exit criterion {crit.name!r}: stable() returned {verdict!r:.80}, not a bool")
+    return bool(verdict)
 
 
 @dataclass(frozen=True)
@@ -397,16 +420,17 @@ class ExitStep:
         L, crit = plan.loops, plan.criterion
         stops = (forced,) if forced is not None and forced < L else (() if forced is not None else self.stops)
         done, prev, run, depth = 0, None, 0, L
-        crit.begin_token()
+        started = False             # the prefix has run (a reference stop at depth 0 runs only it)
+        _call(crit, "begin_token()", crit.begin_token)
         for d in stops:
-            first = done == 0
+            first = not started
 
             def stretch(a=done, b=d, first=first):
                 if first:
                     fwd.prefix(ids, pos, 1, cache)
                 fwd.run_loop_iters_range(pos, 1, cache, a, b)
-            self._replay(("run", done, d), stretch)
-            done = d
+            self._replay(("run", done, d, first), stretch)
+            done, started = d, True
             if forced is not None:
                 depth = d
                 break
@@ -414,10 +438,10 @@ class ExitStep:
             if d not in self.probes:
                 prev = cur
                 continue
-            stat = crit.statistic(cur, prev)
+            stable = _probe_stable(crit, cur, prev if crit.needs_previous else None)
             prev = cur
             s.stats.exit_probes += 1
-            run = run + 1 if crit.stable(stat) else 0
+            run = run + 1 if stable else 0
             if run >= plan.patience:
                 depth = d
                 break

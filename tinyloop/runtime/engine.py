@@ -340,7 +340,7 @@ class Plan:
 
     def _resolve(self, config: GenerateConfig) -> None:
         model, context = self.model, self.context
-        pm = get_plugin_manager()
+        pm = get_plugin_manager().snapshot()     # the request runs with the plugins it is checked against
         dec = pm.decoder_for(config)
         check_request(dec.compat_context or context, config)
         if self.reuse is not None:
@@ -832,7 +832,7 @@ def _decode(model: Model, prompt: List[int], plan: Plan, stats: GenerateStats,
     gen = None
     try:
         gen = plan.new_decoder().decode(session)
-        for tok in _until_stop_request(gen, stats):
+        for tok in _until_stop_request(gen, stats, plan.decoder_cls.name):
             if not is_token(tok, V):
                 raise PluginError(f"decoder {plan.decoder_cls.name!r} produced {tok!r}, not a token id in "
                                   f"[0, {V})")
@@ -874,9 +874,10 @@ def _decode(model: Model, prompt: List[int], plan: Plan, stats: GenerateStats,
         model.backend.report(stats)
 
 
-def _until_stop_request(tokens: Iterator[int], stats: GenerateStats) -> Iterator[int]:
+def _until_stop_request(tokens: Iterator[int], stats: GenerateStats, decoder: str = "") -> Iterator[int]:
     """The decoder's tokens until it (or a processor it ran) raises StopRequest: that ends the
-    request with the request's reason."""
+    request with the request's reason. Anything else it raises but a TinyLoopError is a
+    PluginError naming the decoder."""
     while True:
         try:
             tok = next(tokens)
@@ -885,6 +886,10 @@ def _until_stop_request(tokens: Iterator[int], stats: GenerateStats) -> Iterator
         except StopRequest as stop:
             stats.stop_reason = stop.reason
             return
+        except TinyLoopError:
+            raise
+        except Exception as exc:
+            raise PluginError(f"decoder {decoder!r}: decode(session) raised {type(exc).__name__}: {exc}") from exc
         yield tok
 
 

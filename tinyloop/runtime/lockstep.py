@@ -39,7 +39,7 @@ import numpy as np
 
 from .cache import SlotMap, build_spec
 from .config import MAX_SEED, GenerateStats, StopReason, env_switch
-from ..errors import InvalidInputError, ModelFreedError, PluginError
+from ..errors import InvalidInputError, ModelFreedError, PluginError, TinyLoopError
 from .decoding import is_token
 from .stopping import StopRequest
 
@@ -285,6 +285,11 @@ class LockstepBatch:
             lane.stats.stop_reason = stop.reason
             lane.done, lane.end = True, time.perf_counter()
             return
+        except TinyLoopError:
+            raise
+        except Exception as exc:
+            raise PluginError(f"decoder {lane.plan.decoder_cls.name!r}: pick(lane) of lane {lane.index} raised "
+                              f"{type(exc).__name__}: {exc}") from exc
         if not is_token(tok, V):
             raise PluginError(f"decoder {lane.plan.decoder_cls.name!r} picked {tok!r} for lane {lane.index}, "
                               f"not a token id in [0, {V})")

@@ -46,11 +46,20 @@ DEFAULT_PLUGINS = (
 
 ENTRY_POINT_GROUP = "tinyloop"
 
+#: The registries one request resolves its plugins from (PluginManager.snapshot).
+REQUEST_REGISTRIES = (("tinyloop_decoders", Decoder), ("tinyloop_cache_modes", CacheMode),
+                      ("tinyloop_kv_codecs", KVCodec), ("tinyloop_slot_maps", SlotMapMode),
+                      ("tinyloop_processors", LogitProcessor), ("tinyloop_stoppers", Stopper),
+                      ("tinyloop_exit_criteria", ExitCriterion))
+
 
 class PluginManager:
     """Wraps pluggy's manager and the registries built from the hooks."""
 
     def __init__(self, load_entrypoints: bool = True):
+        # registration and registry builds exclude each other: a registry built from the hooks as
+        # they were before a register / unregister must not be cached after it
+        self._lock = threading.RLock()
         self.pm = pluggy.PluginManager("tinyloop")
         self.pm.add_hookspecs(hookspecs)
         for modname in DEFAULT_PLUGINS:
@@ -65,7 +74,21 @@ class PluginManager:
         with an anonymous error)."""
         import importlib.metadata
 
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        eps = list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+        seen = {}
+        for ep in eps:
+            # a name already taken would leave the package out silently: pluggy loads one plugin
+            # per name (a built-in module's, or the first package's)
+            if ep.name in DEFAULT_PLUGINS:
+                raise PluginError(f"entry point {ep.name!r} ({ep.name} = {ep.value} of group "
+                                  f"{ENTRY_POINT_GROUP!r}) has the name of the built-in plugin module "
+                                  f"{ep.name}; rename the entry point")
+            first = seen.setdefault(ep.name, ep)
+            if first.value != ep.value:
+                raise PluginError(f"two installed packages declare the entry point {ep.name!r} of group "
+                                  f"{ENTRY_POINT_GROUP!r} ({first.value} and {ep.value}); one of them would "
+                                  f"not be loaded: rename one")
+        for ep in eps:
             if self.pm.has_plugin(ep.name) or self.pm.is_blocked(ep.name):
                 continue
             try:
@@ -82,20 +105,29 @@ class PluginManager:
         pluggy refuses (a hook tinyloop does not define, a hook with arguments, a name already in
         use) is a PluginError naming it, and is left unregistered."""
         label = name or getattr(plugin, "__name__", None) or type(plugin).__qualname__
-        try:
-            self.pm.register(plugin, name=name)
-        except (ValueError, pluggy.PluginValidationError) as exc:
-            raise PluginError(f"plugin {label!r} cannot be registered: {exc}") from exc
-        try:
-            self.pm.check_pending()
-        except pluggy.PluginValidationError as exc:
-            self.pm.unregister(plugin)
-            raise PluginError(f"plugin {label!r} cannot be registered: {exc}") from exc
-        self._cache.clear()
+        with self._lock:
+            try:
+                self.pm.register(plugin, name=name)
+            except (ValueError, pluggy.PluginValidationError) as exc:
+                raise PluginError(f"plugin {label!r} cannot be registered: {exc}") from exc
+            try:
+                self.pm.check_pending()
+            except pluggy.PluginValidationError as exc:
+                self.pm.unregister(plugin)
+                raise PluginError(f"plugin {label!r} cannot be registered: {exc}") from exc
+            self._cache.clear()
 
     def unregister(self, plugin=None, name: Optional[str] = None) -> None:
-        self.pm.unregister(plugin=plugin, name=name)
-        self._cache.clear()
+        """Remove a registered plugin (the object, or its name); registries are rebuilt. A plugin
+        that is not registered is a PluginError."""
+        with self._lock:
+            known = self.pm.get_name(plugin) if plugin is not None else name
+            if known is None or self.pm.get_plugin(known) is None or (
+                    plugin is not None and name is not None and known != name):
+                label = name or getattr(plugin, "__name__", None) or type(plugin).__qualname__
+                raise PluginError(f"plugin {label!r} is not registered (nothing to unregister)")
+            self.pm.unregister(plugin=plugin, name=name)
+            self._cache.clear()
 
     @contextlib.contextmanager
     def registered(self, plugin, name: Optional[str] = None):
@@ -104,7 +136,16 @@ class PluginManager:
         try:
             yield self
         finally:
-            self.unregister(plugin)
+            if self.pm.is_registered(plugin):       # the block may have unregistered it itself
+                self.unregister(plugin)
+
+    def snapshot(self) -> "PluginManager":
+        """The registries one request reads, as they are now (built if need be): what the request
+        is validated against is what it runs with, whatever is registered or unregistered while
+        it is queued or decoding. Read-only."""
+        with self._lock:
+            registries = {hook: self._registry(hook, base) for hook, base in REQUEST_REGISTRIES}
+        return _Snapshot(registries)
 
     def _hook_results(self, hook: str):
         """(plugin name, result) of every implementation of `hook`, in pluggy's call order; a
@@ -125,6 +166,10 @@ class PluginManager:
         return out
 
     def _registry(self, hook: str, base: type) -> Dict[str, type]:
+        with self._lock:
+            return self._build(hook, base)
+
+    def _build(self, hook: str, base: type) -> Dict[str, type]:
         if hook not in self._cache:
             out: Dict[str, type] = {}
             source: Dict[str, Optional[str]] = {}
@@ -247,7 +292,8 @@ class PluginManager:
         return _from_config(self.processors(), config, LogitProcessor)
 
     def stoppers_for(self, config, model_config) -> List[Stopper]:
-        """The registered stop rules the request needs (not yet reset), in registration order."""
+        """The registered stop rules the request needs (not yet reset), in the registry's order
+        (pluggy's call order: the plugin registered last first)."""
         out = []
         for cls in self.stoppers().values():
             s = cls.from_config(config, model_config)
@@ -256,6 +302,24 @@ class PluginManager:
                     raise PluginError(f"{cls.__qualname__}.from_config returned {s!r}, not a Stopper")
                 out.append(s)
         return out
+
+
+class _Snapshot(PluginManager):
+    """PluginManager.snapshot(): fixed registries, the per-request lookups over them."""
+
+    def __init__(self, registries: Dict[str, Dict[str, type]]):
+        self._lock = threading.RLock()
+        self._cache = registries
+
+    def _build(self, hook: str, base: type) -> Dict[str, type]:
+        if hook not in self._cache:
+            raise PluginError(f"a request's plugin snapshot holds no {hook} registry")
+        return self._cache[hook]
+
+    def register(self, plugin, name: Optional[str] = None) -> None:
+        raise PluginError("a request's plugin snapshot is read-only: register with get_plugin_manager()")
+
+    unregister = register
 
 
 def _from_config(registry: Dict[str, type], config, base: type) -> list:
@@ -291,6 +355,11 @@ def _class_problem(cls: type) -> Optional[str]:
             return f"(exit criterion {cls.name!r}) reads {cls.reads!r}; allowed: 'hidden', 'logits'"
         if cls.stat is None and not _overrides(cls, ExitCriterion, "statistic"):
             return f"(exit criterion {cls.name!r}) declares no stat and no statistic(cur, prev)"
+        if (cls.stat is None and cls.default_threshold is None and not _overrides(cls, ExitCriterion, "stable")
+                and cls.threshold_of.__func__ is ExitCriterion.threshold_of.__func__):
+            # the default stable() compares with the threshold, which it then never has
+            return (f"(exit criterion {cls.name!r}) takes no threshold (default_threshold None) and does not "
+                    f"define stable(value), whose default compares the statistic with the threshold")
         if cls.stat is not None and cls.stat not in STABLE_BELOW:
             return (f"(exit criterion {cls.name!r}) stat={cls.stat!r} is not a backend statistic "
                     f"({', '.join(sorted(STABLE_BELOW))}); leave stat None and define statistic()")

@@ -27,6 +27,9 @@ from typing import ClassVar, List, Mapping, Optional, Sequence
 
 import numpy as np
 
+from ..errors import PluginError, TinyLoopError
+from .stopping import StopRequest as _StopRequest
+
 
 class Stage(enum.IntEnum):
     """Where a processor runs in the chain (see the module docstring)."""
@@ -83,8 +86,14 @@ class LogitProcessor:
         raise NotImplementedError(f"processor {self.name} cannot be cloned")
 
 
+def _failed(p: LogitProcessor, hook: str, exc: Exception) -> PluginError:
+    return PluginError(f"processor {p.name!r}: {hook} raised {type(exc).__name__}: {exc}")
+
+
 class ProcessorChain(LogitProcessor):
-    """The chain is itself a processor: it applies its members in stage order."""
+    """The chain is itself a processor: it applies its members in stage order. A member that
+    raises while decoding (anything but a TinyLoopError or StopRequest) or returns what its hook
+    does not is a PluginError naming it."""
 
     name = "chain"
 
@@ -106,7 +115,15 @@ class ProcessorChain(LogitProcessor):
         out = None
         for p in self.processors:
             if p.mask_only:
-                w = p.allowed_words()
+                try:
+                    w = p.allowed_words()
+                except (TinyLoopError, _StopRequest):
+                    raise
+                except Exception as exc:
+                    raise _failed(p, "allowed_words()", exc) from exc
+                if not (isinstance(w, np.ndarray) and w.ndim == 1 and w.dtype == np.int32):
+                    raise PluginError(f"processor {p.name!r}: allowed_words() returned {type(w).__name__} "
+                                      f"{getattr(w, 'dtype', '')}, not a 1-D int32 numpy array of mask words")
                 if out is None:
                     out = w
                 else:
@@ -123,15 +140,33 @@ class ProcessorChain(LogitProcessor):
 
     def reset(self, prompt: Sequence[int]) -> None:
         for p in self.processors:
-            p.reset(prompt)
+            try:
+                p.reset(prompt)
+            except TinyLoopError:
+                raise
+            except Exception as exc:
+                raise _failed(p, "reset(prompt)", exc) from exc
 
     def apply(self, logits: np.ndarray) -> None:
         for p in self.processors:
-            p.apply(logits)
+            try:
+                r = p.apply(logits)
+            except (TinyLoopError, _StopRequest):
+                raise
+            except Exception as exc:
+                raise _failed(p, "apply(logits)", exc) from exc
+            if r is not None and r is not logits:
+                raise PluginError(f"processor {p.name!r}: apply(logits) returned {type(r).__name__}, which would be "
+                                  f"dropped: it must change the row in place (and return None)")
 
     def accept(self, token: int) -> None:
         for p in self.processors:
-            p.accept(token)
+            try:
+                p.accept(token)
+            except TinyLoopError:
+                raise
+            except Exception as exc:
+                raise _failed(p, "accept(token)", exc) from exc
 
     def clone(self) -> "ProcessorChain":
         return ProcessorChain([p.clone() for p in self.processors])

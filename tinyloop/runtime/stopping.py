@@ -32,7 +32,7 @@ from typing import Any, Callable, ClassVar, List, Optional, Sequence
 import numpy as np
 
 from .config import StopReason
-from ..errors import PluginError
+from ..errors import PluginError, TinyLoopError
 
 
 class StopRequest(Exception):
@@ -118,7 +118,15 @@ class StopperChain(Stopper):
 
     def check(self, output_tokens: Sequence[int]) -> Optional[StopReason]:
         for s in self.stoppers:
-            reason = s.check(output_tokens)
+            try:
+                reason = s.check(output_tokens)
+            except (TinyLoopError, StopRequest):
+                raise
+            except Exception as exc:
+                if isinstance(s, CallbackStopper):      # the consumer's own code: its error is its own
+                    raise
+                raise PluginError(f"stopper {s.name!r}: check(output_tokens) raised {type(exc).__name__}: "
+                                  f"{exc}") from exc
             if reason is not None:
                 if not isinstance(reason, StopReason):
                     raise PluginError(f"stopper {s.name!r} returned {reason!r}, not a StopReason "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ except ImportError as _exc:                     # tinyloop.serve.create_app turn
 
 from .schema import (ChatChoice, ChatCompletion, ChatCompletionRequest, ChatReply, ChoiceStats, Choice,  # noqa: E402
                      Completion, CompletionRequest, ErrorResponse, FieldError, ModelCard, ModelList, Usage,
-                     generate_config, stops_of)
+                     check_text, generate_config, stops_of)
 
 
 # =============================================================================== the served model
@@ -155,7 +156,7 @@ def _prompts(served: Served, prompt) -> List[Tuple[Optional[str], List[int]]]:
         raise FieldError("prompt", "prompt is empty: give a text, a list of token ids, or a list of either")
     out = []
     for p in prompt:
-        text = p if isinstance(p, str) else None
+        text = check_text("prompt", p) if isinstance(p, str) else None
         ids = encode_text(served.model, p) if text is not None else list(p)
         if not ids:
             raise FieldError("prompt", "a prompt encodes to no tokens; give at least one character or id")
@@ -211,8 +212,13 @@ def _chat_prompt(served: Served, body) -> List[Tuple[Optional[str], List[int]]]:
     for i, m in enumerate(body.messages):
         if m.audio is not None:
             raise FieldError(f"messages.{i}.audio", "audio is not supported (a text model)")
+        if m.content is None and not (m.role == "assistant" and (m.tool_calls or m.function_call)):
+            # a template would render None as the text "None"
+            raise FieldError(f"messages.{i}.content", f"a {m.role!r} message needs content (a text or a list of "
+                                                      f"text parts); only an assistant message with tool_calls "
+                                                      f"or function_call may have none")
         d = m.model_dump(exclude_none=True, exclude={"annotations"})
-        d["content"] = m.content
+        d["content"] = m.content if not isinstance(m.content, str) else check_text(f"messages.{i}.content", m.content)
         if isinstance(m.content, list):       # OpenAI's content parts: text only, joined by newlines
             texts = []
             for j, part in enumerate(m.content):
@@ -220,7 +226,7 @@ def _chat_prompt(served: Served, body) -> List[Tuple[Optional[str], List[int]]]:
                     raise FieldError(f"messages.{i}.content.{j}", f"content part of type {part.get('type')!r}: "
                                                                    f"only {{'type': 'text', 'text': ...}} parts are "
                                                                    f"supported (a text model)")
-                texts.append(part["text"])
+                texts.append(check_text(f"messages.{i}.content.{j}", part["text"]))
             d["content"] = "\n".join(texts)
         messages.append(d)
     extra = {"tools": body.tools} if body.tools else {}
@@ -228,6 +234,27 @@ def _chat_prompt(served: Served, body) -> List[Tuple[Optional[str], List[int]]]:
     if not ids:
         raise FieldError("messages", "the chat template renders these messages to no tokens")
     return [(None, ids)]
+
+
+def _fitted(served: Served, body, config, ids: List[int], chat: bool):
+    """The config of one prompt of the request: max_tokens as the client sent it, checked against
+    what the prompt leaves of max_seq_len (a FieldError naming the field it sent), or, not sent,
+    the server's default capped to what the prompt leaves (as OpenAI's chat completions default
+    to the rest of the context), never a refusal for a value the client did not choose."""
+    limit, what = served.model.max_seq_len, "messages" if chat else "prompt"
+    room = limit - len(ids)
+    sent = ("max_tokens" if body.max_tokens is not None else
+            "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else None)
+    if room < 0 or (room == 0 and sent is None):
+        raise FieldError(what, f"the {what} is {len(ids)} tokens, which leaves no room for a completion in this "
+                               f"server's max_seq_len={limit}")
+    if sent is None:
+        return config if config.max_tokens <= room else config.replace(max_tokens=room)
+    if config.max_tokens > room:
+        raise FieldError(sent, f"{sent}={config.max_tokens} does not fit: the {what} is {len(ids)} tokens and "
+                               f"{len(ids)} + {config.max_tokens} exceeds this server's max_seq_len={limit} "
+                               f"(at most {room} here)")
+    return config
 
 
 class Request:
@@ -243,14 +270,15 @@ class Request:
         prompts = _chat_prompt(served, body) if chat else _prompts(served, body.prompt)
         self.texts = [t for t, _ in prompts]
         self.prompts = [ids for _, ids in prompts]
+        configs = [_fitted(served, body, config, ids, chat) for ids in self.prompts]
         timeout = served.cfg.deadline_s if body.timeout is None else min(body.timeout, served.cfg.deadline_s)
         loop = asyncio.get_running_loop()
         self.jobs: List[Job] = []
         self.boxes: List[EventBox] = []
         try:
-            for ids in self.prompts:
+            for ids, fitted in zip(self.prompts, configs):
                 stats = GenerateStats()
-                tokens = _token_iter(served, ids, config, stats)
+                tokens = _token_iter(served, ids, fitted, stats)
                 box = EventBox(loop)
                 job = Job(tokens, stats, box.put, stops, prompt_len=len(ids))
                 job.deadline = job.enqueued + timeout
@@ -333,23 +361,50 @@ class Request:
         return f"data: {json.dumps(c)}\n\n"
 
 
-def _error_body(message: str, type_: str, param: Optional[str] = None) -> dict:
+def _error_body(message: str, type_: str, param: Optional[str] = None, code: Optional[str] = None) -> dict:
     """The OpenAI error object (a 4xx body, or an error event of a stream)."""
-    return {"error": {"message": " ".join(message.split()), "type": type_, "param": param, "code": None}}
+    return {"error": {"message": " ".join(message.split()), "type": type_, "param": param, "code": code}}
 
 
-def _error(status: int, message: str, type_: str, param: Optional[str] = None, headers=None):
+def _error(status: int, message: str, type_: str, param: Optional[str] = None, headers=None,
+           code: Optional[str] = None):
     from fastapi.responses import JSONResponse
-    return JSONResponse(_error_body(message, type_, param), status_code=status, headers=headers)
+    return JSONResponse(_error_body(message, type_, param, code), status_code=status, headers=headers)
+
+
+def _unknown_model(model: str, served: "Served"):
+    """OpenAI's answer to a model it does not serve: 404, invalid_request_error, code model_not_found."""
+    return _error(404, f"model {model!r} is not served here (this server serves {served.name!r})",
+                  "invalid_request_error", "model", code="model_not_found")
+
+
+#: The request fields (a TinyLoopError about one names it at its start: ``loops=99 ...``,
+#: ``prompt[1]=...``), and GenerateConfig's names of those the body names otherwise.
+_REQUEST_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
+_CONFIG_NAMES = {"stop_sequences": "stop_token_ids", "sample_seed": "seed"}
+
+
+def _field_of(message: str) -> Tuple[Optional[str], str]:
+    """(param, message) of a tinyloop error: the request field its message starts with (as
+    ``name=`` or ``name[``), written as the body names it."""
+    m = re.match(r"([A-Za-z_]\w*)(?=[=\[])", message)
+    name = m.group(1) if m else None
+    if name in _CONFIG_NAMES:
+        return _CONFIG_NAMES[name], _CONFIG_NAMES[name] + message[m.end():]
+    return (name if name in _REQUEST_FIELDS else None), message
 
 
 def _tinyloop_error(exc: TinyLoopError, retry_after: int):
     if isinstance(exc, QueueFullError):
-        return _error(429, str(exc), "rate_limit_error", headers={"Retry-After": str(retry_after)})
+        return _error(429, str(exc), "rate_limit_error", headers={"Retry-After": str(retry_after)},
+                      code="rate_limit_exceeded")
     if isinstance(exc, (ShuttingDownError, ModelFreedError)):
         # the server stopped (Served.close() frees the model) or its model was freed: not the client's error
         return _error(503, str(exc), "service_unavailable", headers={"Retry-After": str(retry_after)})
-    return _error(400, str(exc), type(exc).__name__, getattr(exc, "param", None))
+    param, message = getattr(exc, "param", None), str(exc)
+    if param is None:
+        param, message = _field_of(message)
+    return _error(400, message, type(exc).__name__, param)
 
 
 #: Errors of a request's own input (a 400 even when only decoding finds them).
@@ -423,6 +478,68 @@ class _CountResponses:
             raise
 
 
+class _LimitBody:
+    """ASGI middleware: a request body over `limit` bytes (ServeConfig.max_body_bytes) is a 413 with
+    an OpenAI error object, before it is parsed or its prompt encoded: at once from its
+    Content-Length (nothing of it is read), or, sent chunked, once the bytes read pass the limit
+    (the body is read here then, and handed on whole)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or ())
+        length = headers.get(b"content-length")
+        if length is not None:
+            if length.isdigit() and int(length) > self.limit:
+                return await self._refuse(scope, receive, send, f"{int(length)} bytes")
+            return await self.app(scope, receive, send)
+        if b"chunked" not in headers.get(b"transfer-encoding", b"").lower():
+            return await self.app(scope, receive, send)
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":      # the client went away while sending
+                return
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > self.limit:
+                return await self._refuse(scope, receive, send, f"more than {self.limit} bytes")
+            if not message.get("more_body", False):
+                break
+        body, given = b"".join(parts), False
+
+        async def replay():
+            nonlocal given
+            if not given:
+                given = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send, size: str):
+        response = _error(413, f"the request body is {size}; this server takes at most {self.limit} "
+                               f"(max_body_bytes)", "invalid_request_error")
+        await response(scope, receive, send)
+
+
+#: What a request body must be (the routes' 400s for one that is not say so).
+_JSON_BODY = "a JSON object as UTF-8 text with Content-Type: application/json"
+
+
+def _is_json_type(ctype: Optional[str]) -> bool:
+    mime = (ctype or "").split(";")[0].strip().lower()
+    return mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json"))
+
+
+def _json_kind(value) -> str:
+    return ("null" if value is None else "a boolean" if isinstance(value, bool) else
+            "a number" if isinstance(value, (int, float)) else "a string" if isinstance(value, str) else
+            "a list (JSON array)" if isinstance(value, list) else type(value).__name__)
+
+
 def create_app(cfg: Optional[ServeConfig] = None, model=None):
     """The FastAPI app serving `cfg`'s model (or `model`, already loaded). The model is loaded and the
     scaffolds registered now, so a bad config fails before any socket is opened; the app outlives
@@ -446,6 +563,7 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
     app = fastapi.FastAPI(title="TinyLoop", version="0.1.0",
                           description="OpenAI-compatible completions over a weight-shared looped transformer")
     app.state.served = served
+    app.add_middleware(_LimitBody, limit=cfg.max_body_bytes)          # inside the counting: a 413 is counted
     app.add_middleware(_CountResponses, counter=served.metrics.requests)
     errors = {400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 429: {"model": ErrorResponse},
               503: {"model": ErrorResponse, "description": "The server is stopping (or its model was freed)"},
@@ -456,8 +574,18 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
     async def bad_body(request, exc):
         first = exc.errors()[0] if exc.errors() else {}
         if first.get("type") == "json_invalid":
-                return _error(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'malformed')}",
-                          "invalid_request_error")
+            return _error(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'malformed')}); "
+                               f"send {_JSON_BODY}", "invalid_request_error")
+        if tuple(first.get("loc", ())) == ("body",):          # the body as a whole
+            ctype = request.headers.get("content-type")
+            if first.get("type") == "missing":
+                return _error(400, f"the body is empty; send {_JSON_BODY}", "invalid_request_error")
+            if not _is_json_type(ctype):
+                sent = f"with Content-Type {ctype!r}" if ctype else "without a Content-Type"
+                return _error(400, f"the body was sent {sent}; send {_JSON_BODY}", "invalid_request_error")
+            if first.get("type") in ("model_attributes_type", "dict_type"):
+                return _error(400, f"the body must be a JSON object ({{...}}), got {_json_kind(first.get('input'))}",
+                              "invalid_request_error")
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
                         for e in exc.errors()[:5])
@@ -465,8 +593,10 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc):
-        """Starlette's own answers (an unknown route 404, a wrong method 405) as OpenAI error objects."""
-        return _error(exc.status_code, str(exc.detail), "invalid_request_error", headers=exc.headers)
+        """Starlette's own answers (an unknown route 404, a wrong method 405; a 400: FastAPI could not
+        read the body, e.g. bytes that are not UTF-8) as OpenAI error objects."""
+        message = str(exc.detail) if exc.status_code != 400 else f"{exc.detail}: send {_JSON_BODY}"
+        return _error(exc.status_code, message, "invalid_request_error", headers=exc.headers)
 
     @app.exception_handler(TinyLoopError)
     async def tinyloop_error(request, exc):
@@ -489,9 +619,12 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
     @app.get("/v1/models/{model}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
     async def model_card(model: str):
         if model != served.name:
-            return _error(404, f"model {model!r} is not served here (this server serves {served.name!r})",
-                          "model_not_found", "model")
+            return _unknown_model(model, served)
         return card()
+
+    # a model id with a slash ("org/name"): the client percent-encodes it, the ASGI server decodes
+    # it into two path segments, which the route above does not match
+    app.get("/v1/models/{model:path}", response_model=ModelCard, include_in_schema=False)(model_card)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
@@ -508,8 +641,7 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
         choices in a Completion (chat: a ChatCompletion). A non-streamed request whose client
         goes away is cancelled (its jobs stop within one token, or never start)."""
         if body.model != served.name:
-            return _error(404, f"model {body.model!r} is not served here (this server serves {served.name!r})",
-                          "model_not_found", "model")
+            return _unknown_model(body.model, served)
         req = Request(served, body, chat=chat)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -63,7 +63,11 @@ class ServeConfig:
     """The longest a request may run (queueing included); a request may ask for less (``timeout``).
     A request past its deadline ends with what it has, stop_reason DEADLINE."""
     max_tokens_default: int = 16
-    """max_tokens of a request that does not say (the OpenAI default)."""
+    """max_tokens of a request that does not say (the OpenAI default), or what its prompt leaves of
+    max_seq_len when that is less."""
+    max_body_bytes: int = 4 << 20
+    """The largest request body taken (4 MiB); a larger one is a 413 before it is read (its prompt
+    would be encoded on the event loop)."""
     scaffolds: Tuple[Scaffold, ...] = ()
     """Prefixes registered into the prefix pool at start-up."""
     pool_capacity: int = 8
@@ -89,6 +93,7 @@ class ServeConfig:
             raise ConfigError(f"deadline_s={self.deadline_s} must be > 0 (seconds)")
         object.__setattr__(self, "deadline_s", d)
         check_int("max_tokens_default", self.max_tokens_default, 1)
+        check_int("max_body_bytes", self.max_body_bytes, 1)
         check_int("pool_capacity", self.pool_capacity, 1)
         if self.pool_max_bytes is not None:
             check_int("pool_max_bytes", self.pool_max_bytes, 1)

@@ -15,14 +15,15 @@ from typing import Any, Dict, List, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import ConfigError
-from ..runtime.config import GenerateConfig
+from ..runtime.config import MAX_TOKENS, GenerateConfig
 
 #: OpenAI's limit on stop strings.
 MAX_STOPS = 4
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # allow_inf_nan: Python's JSON reader takes NaN and Infinity, which no field means
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -49,8 +50,8 @@ class _Generation(_Strict):
     """The fields completions and chat completions share: OpenAI's, then TinyLoop's own knobs."""
 
     model: str
-    max_tokens: Optional[int] = Field(default=None, ge=0)
-    temperature: Optional[float] = Field(default=None, ge=0.0, le=100.0)
+    max_tokens: Optional[int] = Field(default=None, ge=0, le=MAX_TOKENS)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)     # OpenAI's range
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     stop: Optional[Union[str, List[str]]] = None
     seed: Optional[int] = Field(default=None, ge=0, le=2 ** 64 - 1)
@@ -114,7 +115,7 @@ class ChatCompletionRequest(_Generation):
     (tinyloop.apply_chat_template); ``tools`` reach the template."""
 
     messages: List[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(default=None, ge=0)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=0, le=MAX_TOKENS)
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
     tools: Optional[List[Dict[str, Any]]] = None
@@ -276,13 +277,25 @@ def grammar_of(fmt: Optional[ResponseFormat]) -> Any:
     return {fmt.type: value}
 
 
+def check_text(param: str, text: str) -> str:
+    """`text` unless it holds a lone UTF-16 surrogate (JSON can escape one, "\\ud800"; it is no
+    character: no tokenizer encodes it and no decoded text contains it): a FieldError naming `param`."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise FieldError(param, f"{param} holds a lone UTF-16 surrogate ({text[exc.start]!r} at character "
+                                f"{exc.start}), which is not a character; send whole characters (a surrogate "
+                                f"pair for one beyond U+FFFF)") from None
+    return text
+
+
 def stops_of(req: _Generation) -> List[str]:
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stops) > MAX_STOPS:
         raise FieldError("stop", f"stop holds {len(stops)} strings; at most {MAX_STOPS}")
     if any(not s for s in stops):
         raise FieldError("stop", "stop strings must be non-empty")
-    return stops
+    return [check_text("stop", s) for s in stops]
 
 
 def generate_config(req: _Generation, max_tokens_default: int, vocab_size: int) -> GenerateConfig:

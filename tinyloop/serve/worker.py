@@ -59,7 +59,8 @@ class Job:
 
 class StopStrings:
     """Text pieces with stop strings applied: text that could still be the start of a stop string
-    is held back until it cannot; at a match the text before it is the end of the completion."""
+    is held back until it cannot; at a match the text before it is the end of the completion (of
+    several stop strings, the one the text completes first: the same cut whatever the pieces)."""
 
     def __init__(self, stops: Sequence[str]):
         self.stops = [s for s in stops if s]
@@ -71,10 +72,12 @@ class StopStrings:
         """The text that can be handed out after `piece` ("" while held back)."""
         self.text += piece
         if self.stops:
-            cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
-            if cut >= 0:
+            # the stop string the text completes first (earliest end, then earliest start): where
+            # the text arriving a character at a time would stop, whatever pieces the tokens make
+            found = [(i + len(s), i) for s, i in ((s, self.text.find(s)) for s in self.stops) if i >= 0]
+            if found:
                 self.hit = True
-                out, self.text = self.text[:cut], ""
+                out, self.text = self.text[:min(found)[1]], ""
                 return out
         n = len(self.text) - self.keep if self.stops else len(self.text)
         out, self.text = self.text[:max(0, n)], self.text[max(0, n):]
@@ -138,8 +141,8 @@ class ModelWorker:
             for job in jobs or ():
                 job.cancelled.set()
                 job.tokens.close()
-                job.sink(("error", ShuttingDownError("the server shut down before this request ran")))
                 self._done(job)
+                job.sink(("error", ShuttingDownError("the server shut down before this request ran")))
         self.queue.put(None)
         self._thread.join(timeout)
         if not self._thread.is_alive() and self._then is not None:     # a thread that ended without it
@@ -165,8 +168,8 @@ class ModelWorker:
                             job.tokens.close()
                         except Exception:
                             pass
-                        job.sink(("error", exc))
                         self._done(job)
+                        job.sink(("error", exc))
             finally:
                 self.running = 0
 
@@ -205,8 +208,8 @@ class ModelWorker:
                     break
         except Exception as exc:       # TinyLoopError, or a bug: the request fails, the server goes on
             job.tokens.close()
-            job.sink(("error", exc))
             self._done(job)
+            job.sink(("error", exc))
             return
         job.tokens.close()
         if not text.hit:
@@ -220,10 +223,12 @@ class ModelWorker:
 
     def _finish(self, job: Job, reason) -> None:
         job.stop_reason = reason
-        job.sink(("done", reason))
         self._done(job)
+        job.sink(("done", reason))
 
     def _done(self, job: Job) -> None:
+        """Count the finished job (on_finish: the metrics) before its last event is handed out, so a
+        client that has its answer sees it counted."""
         if self.on_finish is not None:
             try:
                 self.on_finish(job)
