@@ -36,7 +36,7 @@ def test_installed_package_entry_point(tmp_path, monkeypatch, tiny_model, prompt
     dist = site / "tl_example_plugin-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: tl-example-plugin\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[tinyloop]\nexample = tl_example_plugin\n")
+    (dist / "entry_points.txt").write_text("[tinyloop]\ntl_example = tl_example_plugin\n")
     monkeypatch.syspath_prepend(str(site))
     try:
         pm = PluginManager()
