@@ -6,11 +6,12 @@ The checkpoint's tensor names must be the logical names of :mod:`tinyloop.model.
 the family is refused with the reason (every missing / unexpected / misshaped tensor is named).
 
 Reading: tensor headers are parsed from the safetensors header (8-byte little-endian length + JSON)
-before any data is read, so every structural problem is reported up front. F32/F16/F64 tensors are
-loaded with ``safetensors.safe_open(framework="numpy")``; BF16 tensors (which numpy cannot
-represent, so safetensors' numpy API refuses them) are read as raw little-endian uint16 and widened
-exactly to float32 (``bits << 16``). Tensors are loaded one at a time while the output is written,
-and written to a temporary file that replaces the output only on success.
+before any data is read, so every structural problem is reported up front. Tensors are read from
+the file's bytes (never memory-mapped: a shard truncated under a map kills the process with SIGBUS
+when a page past its new end is touched), F32/F16/F64 as little-endian arrays and BF16 (which numpy
+cannot represent) as uint16 widened exactly to float32 (``bits << 16``). Tensors are loaded one at a
+time while the output is written, and written to a temporary file that replaces the output only on
+success.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import glob
 import json
 import math
 import os
+import stat
 import struct
 import sys
 from typing import Dict, Iterator, List, Mapping, Optional, Tuple
@@ -36,7 +38,8 @@ ALL_DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, 
                    "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 MAX_HEADER = 100 << 20
 _VERIFY_CHUNK = 1 << 22
-_INSTALL_HINT = "convert needs the 'safetensors' package: pip install tinyloop[convert]"
+#: how each float dtype's bytes are read (BF16: its bits, widened to float32 after)
+_READ_DTYPES = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "BF16": "<u2"}
 
 
 class TensorInfo:
@@ -47,11 +50,28 @@ class TensorInfo:
         self.start, self.end = start, end
 
 
+def _open_regular(path: str):
+    """`path` opened for binary reading if it is a regular file (ModelFormatError otherwise): opened
+    non-blocking, so a FIFO is refused instead of blocking the open and every read."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ModelFormatError(f"{path}: not a safetensors file (not a regular file)")
+    return os.fdopen(fd, "rb")
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 def read_safetensors_header(path: str) -> Tuple[Dict[str, TensorInfo], dict]:
-    """Parse a safetensors file's header: ({name: TensorInfo (absolute byte range)}, __metadata__)."""
+    """Parse a safetensors file's header: ({name: TensorInfo (absolute byte range)}, __metadata__).
+    Checked as the safetensors library checks it (dims and offsets are non-negative integers, each
+    byte range fits its dtype and shape, the tensors tile the data exactly to the end of the file),
+    since the tensors are read here (CheckpointWeights) rather than by the library."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        with _open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
             raw = f.read(8)
             if len(raw) < 8:
                 raise ModelFormatError(f"{path}: not a safetensors file (shorter than 8 bytes)")
@@ -64,27 +84,41 @@ def read_safetensors_header(path: str) -> Tuple[Dict[str, TensorInfo], dict]:
         raise ModelFormatError(f"{path}: cannot read: {e}") from None
     try:
         header = json.loads(text.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:   # (UnicodeDecodeError, JSONDecodeError, int digits)
         raise ModelFormatError(f"{path}: not a safetensors file (header is not JSON: {e})") from None
     if not isinstance(header, dict):
         raise ModelFormatError(f"{path}: not a safetensors file (header is not a JSON object)")
     base = 8 + n
     meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ModelFormatError(f"{path}: __metadata__ must be an object of strings, got {meta!r:.80}")
     out: Dict[str, TensorInfo] = {}
     for name, e in header.items():
         try:
-            dtype, shape, (b, end) = e["dtype"], [int(s) for s in e["shape"]], e["data_offsets"]
-            b, end = int(b), int(end)
+            dtype, shape, (b, end) = e["dtype"], list(e["shape"]), e["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise ModelFormatError(f"{path}: malformed header entry for tensor {name!r}") from None
+        if not isinstance(dtype, str) or not all(_is_count(v) for v in shape + [b, end]):
+            raise ModelFormatError(f"{path}: malformed header entry for tensor {name!r}: dtype {dtype!r} "
+                                   f"must be a name, shape {shape!r} and data_offsets {[b, end]!r} "
+                                   f"non-negative integers")
         count = 1
         for s in shape:
             count *= s
         item = ALL_DTYPE_SIZES.get(dtype)
-        if item is not None and (end - b != count * item or b < 0 or base + end > size):
+        if end < b or base + end > size or (item is not None and end - b != count * item):
             raise ModelFormatError(f"{path}: tensor {name!r} has an inconsistent byte range "
                                    f"[{b}, {end}) for {dtype} {shape} (file is truncated?)")
         out[name] = TensorInfo(name, path, dtype, shape, base + b, base + end)
+    pos = base
+    for info in sorted(out.values(), key=lambda i: (i.start, i.end)):
+        if info.start != pos:
+            raise ModelFormatError(f"{path}: tensor {info.name!r} starts at data offset {info.start - base}, "
+                                   f"expected {pos - base}: tensors overlap or leave a gap")
+        pos = info.end
+    if pos != size:
+        raise ModelFormatError(f"{path}: {size - pos} bytes after the last tensor's data (the header does "
+                               f"not cover the file)")
     return out, meta
 
 
@@ -157,17 +191,6 @@ class CheckpointWeights(Mapping):
         self.names = list(names)
         self._nameset = frozenset(self.names)
         self.error: Optional[Exception] = None
-        self._handles: Dict[str, object] = {}
-
-    def _handle(self, path: str):
-        h = self._handles.get(path)
-        if h is None:
-            try:
-                from safetensors import safe_open
-            except ImportError:
-                raise ConfigError(_INSTALL_HINT) from None
-            h = self._handles[path] = safe_open(path, framework="numpy")
-        return h
 
     def load(self, name: str) -> np.ndarray:
         if name in self.derived:
@@ -179,21 +202,26 @@ class CheckpointWeights(Mapping):
     def _read(self, info: TensorInfo, name: str) -> np.ndarray:
         """The float32 array of checkpoint tensor `info` (ModelFormatError when unreadable or
         not finite; `name` is the logical tensor it is read for)."""
+        if info.dtype not in _READ_DTYPES:      # (the callers refuse these before any read)
+            raise ModelFormatError(f"{info.file}: tensor {info.name!r} of dtype {info.dtype} is not a float tensor")
+        n = info.end - info.start
+        try:        # read, never mapped; the file may have changed since it was indexed
+            with _open_regular(info.file) as f:
+                f.seek(info.start)
+                data = f.read(n)
+        except OSError as e:
+            raise ModelFormatError(f"{info.file}: cannot read tensor {name!r}: {e.strerror or e}") from None
+        if len(data) != n:
+            raise ModelFormatError(f"{info.file}: cannot read tensor {name!r}: the file ends before its "
+                                   f"bytes {info.start}..{info.end} (changed since it was indexed?)")
+        a = np.frombuffer(data, dtype=_READ_DTYPES[info.dtype]).reshape(info.shape)
         if info.dtype == "BF16":
-            count = (info.end - info.start) // 2
-            u = np.fromfile(info.file, dtype="<u2", count=count, offset=info.start)
-            a = (u.astype(np.uint32) << 16).view(np.float32).reshape(info.shape)
+            a = (a.astype(np.uint32) << 16).view(np.float32)
         else:
-            try:
-                a = np.asarray(self._handle(info.file).get_tensor(info.name))
-            except TinyLoopError:
-                raise
-            except Exception as e:  # safetensors' own errors (truncated file, bad header)
-                raise ModelFormatError(f"{info.file}: cannot read tensor {name!r}: {e}") from None
-            a = a.astype(np.float32) if a.dtype != np.float32 else a
+            a = a.astype(np.float32)
         if a.size and not np.isfinite(a).all():
             bad = int(a.size - np.count_nonzero(np.isfinite(a)))
-            err = ModelFormatError(f"{name}: contains {bad} non-finite value(s) (NaN/Inf); "
+            err = ModelFormatError(f"{info.file}: {name}: contains {bad} non-finite value(s) (NaN/Inf); "
                                    f"the checkpoint is corrupt or was saved mid-divergence")
             self.error = err
             raise err
@@ -287,6 +315,11 @@ def convert_hf(model_dir: str, output: str, *, loop_layers=None, loops: Optional
         plan.notes.append("no tokenizer.json (or vocab.json + merges.txt) found: none embedded")
     for copy, first in plan.tied_copies:
         _check_same_bytes(index[copy], index[first])
+    if cfg.tied_embeddings and "lm_head.weight" in index and plan.names.get("embed") == "model.embed_tokens.weight":
+        _check_same_bytes(index["lm_head.weight"], index["model.embed_tokens.weight"],
+                          "tie_word_embeddings is true but the stored head is another matrix (transformers 5 "
+                          "then runs the stored head, transformers 4 the embedding): set tie_word_embeddings "
+                          "to say which")
     logical = {name: index[hf] for name, hf in plan.names.items()}
     derived = {name: (None if src is None else index[src], fn) for name, (src, fn) in plan.derived.items()}
     _check_float(list(logical.values()) + [i for i, _ in derived.values() if i is not None]
@@ -363,17 +396,19 @@ def _check_output(output: str, inputs: List[str]) -> str:
     return out_abs
 
 
-def _check_same_bytes(a: TensorInfo, b: TensorInfo) -> None:
-    """Weight-tied loop copies are stored bit-identical (ModelFormatError otherwise)."""
+def _check_same_bytes(a: TensorInfo, b: TensorInfo, why: str = "the loop layers are not weight-tied copies "
+                      "(check --loop-layers / --loops)") -> None:
+    """Weight-tied loop copies are stored bit-identical (ModelFormatError otherwise, saying `why`)."""
     n = a.end - a.start
+    if n != b.end - b.start:
+        raise ModelFormatError(f"{a.name} differs from {b.name}: {why}")
     with open(a.file, "rb") as fa, open(b.file, "rb") as fb:
         fa.seek(a.start)
         fb.seek(b.start)
         for off in range(0, n, _VERIFY_CHUNK):
             k = min(_VERIFY_CHUNK, n - off)
             if fa.read(k) != fb.read(k):
-                raise ModelFormatError(f"{a.name} differs from {b.name}: the loop layers are not "
-                                       f"weight-tied copies (check --loop-layers / --loops)")
+                raise ModelFormatError(f"{a.name} differs from {b.name}: {why}")
 
 
 def _write(cfg: ModelConfig, index: Mapping[str, TensorInfo], checkpoint: str, output: str,

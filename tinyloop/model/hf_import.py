@@ -75,7 +75,7 @@ def read_json(path: str, what: str, error=ModelFormatError) -> dict:
             d = json.load(f)
     except OSError as e:
         raise error(f"cannot read {what} {path!r}: {e}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:   # (JSONDecodeError, UnicodeDecodeError, int digits)
         raise error(f"{what} {path!r} is not valid JSON: {e}") from None
     if not isinstance(d, dict):
         raise error(f"{what} {path!r} is not a JSON object")
@@ -86,7 +86,10 @@ def read_hf_config(model_dir: str) -> dict:
     """config.json of a Hugging Face model directory (ModelFormatError when absent or invalid)."""
     if not os.path.isdir(model_dir):
         raise ModelFormatError(f"--hf {model_dir!r} is not a directory")
-    return read_json(os.path.join(model_dir, "config.json"), "config")
+    path = os.path.join(model_dir, "config.json")
+    if os.path.exists(path) and not os.path.isfile(path):   # a FIFO would block the open
+        raise ModelFormatError(f"config {path!r} is not a regular file")
+    return read_json(path, "config")
 
 
 def _token_id(v, name: str, problems: List[str], notes: List[str], key: str) -> Optional[int]:
@@ -134,11 +137,21 @@ def _rope_fields(c: dict, problems: List[str]) -> dict:
         kind = v.get("rope_type", v.get("type", "default"))
         if kind in ("default", None):
             continue
-        if kind not in ROPE_TYPES:
+        if not isinstance(kind, str) or kind not in ROPE_TYPES:
             problems.append(f"{key}.rope_type={kind!r}: only plain, linear and llama3 RoPE are built (no "
                             f"YaRN / dynamic / long-rope scaling)")
             continue
         name, fields, required = ROPE_TYPES[kind]
+        top = c.get("original_max_position_embeddings")
+        if kind == "llama3" and v.get("original_max_position_embeddings") is None:
+            # as transformers 5: the top-level key, else max_position_embeddings
+            v = dict(v, original_max_position_embeddings=top if top is not None
+                     else c.get("max_position_embeddings"))
+        elif kind == "llama3" and top is not None and top != v["original_max_position_embeddings"]:
+            problems.append(f"original_max_position_embeddings={top!r} at the top level and "
+                            f"{v['original_max_position_embeddings']!r} in {key} disagree (transformers 5 "
+                            f"reads the top level's, transformers 4 the scaling's)")
+            continue
         missing = [k for k in required if v.get(k) is None]
         if missing:
             problems.append(f"{key} of rope_type {kind!r} lacks {missing}")
@@ -198,7 +211,7 @@ def _sliding_window(arch: str, c: dict, n_layers: int, problems: List[str]) -> i
             if isinstance(mwl, bool) or not isinstance(mwl, int) or mwl < 0:
                 problems.append(f"max_window_layers={mwl!r} is not a non-negative integer")
                 return 0
-            if mwl >= n_layers:
+            if not isinstance(n_layers, int) or mwl >= n_layers:   # (a bad count: plan_hf says so)
                 return 0
             if mwl > 0:
                 problems.append(f"use_sliding_window with max_window_layers={mwl}: layers {mwl}.."
@@ -222,12 +235,12 @@ def _config_fields(arch: str, c: dict, problems: List[str], notes: List[str]) ->
         problems.append(f"config.json lacks {missing}")
         return {}
     act = c.get("hidden_act", c.get("hidden_activation", "silu"))
-    if act != "silu":
+    if act not in ("silu", "swish"):             # transformers' "swish" is SiLU too
         problems.append(f"hidden_act={act!r}: the family's MLP is SwiGLU (silu)")
     for key in _MOE_KEYS:
         if c.get(key):
             problems.append(f"{key}={c[key]!r}: mixture-of-experts layers are not part of the family")
-    if arch == "LlamaForCausalLM" or arch == "MistralForCausalLM":
+    if arch == "LlamaForCausalLM":     # Mistral's and Qwen2's layers ignore both keys, as transformers does
         if c.get("attention_bias"):
             problems.append("attention_bias=true: biases on q/k/v and o are not built (the family has "
                             "q/k/v biases only, as Qwen2)")
@@ -337,9 +350,11 @@ def plan_hf(model_dir: str, index: Mapping[str, object], *, loop_layers=None, lo
     archs = c.get("architectures")
     arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
     if arch is None:
-        raise ModelFormatError(f"config.json has no architectures entry (one of {list(ARCHITECTURES)})")
+        raise ModelFormatError(f"{model_dir!r}: config.json has no architectures entry (one of "
+                               f"{list(ARCHITECTURES)})")
     if arch not in ARCHITECTURES:
-        raise ModelFormatError(f"architecture {arch!r} is not supported; supported: {list(ARCHITECTURES)}")
+        raise ModelFormatError(f"{model_dir!r}: architecture {arch!r} is not supported; supported: "
+                               f"{list(ARCHITECTURES)}")
     problems: List[str] = []
     notes: List[str] = []
     if arch == "RavenForCausalLM":
@@ -366,7 +381,8 @@ def plan_hf(model_dir: str, index: Mapping[str, object], *, loop_layers=None, lo
     loops = 1 if loops is None else loops
     N = c["num_hidden_layers"]
     if isinstance(N, bool) or not isinstance(N, int) or N < 1:
-        raise ModelFormatError(f"num_hidden_layers={N!r} must be a positive integer")
+        raise ModelFormatError(f"{arch} checkpoint {model_dir!r}: num_hidden_layers={N!r} must be a positive "
+                               f"integer")
     a, b = _parse_layers(loop_layers, N, problems)
     n_loop = b - a
     if a + loops * n_loop > N:

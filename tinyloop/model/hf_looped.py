@@ -179,8 +179,9 @@ def plan_raven(model_dir: str, c: dict, index: Mapping[str, object], special: di
         problems.append(f"qk_bias with num_key_value_heads={Hkv} != n_heads={H}: the bias has one row per query head")
     iv = c.get("init_values") if isinstance(c.get("init_values"), dict) else {}
     scale = iv.get("embed_scale", math.sqrt(d) if d else 1.0)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        problems.append(f"init_values.embed_scale={scale!r} is not a number")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not abs(scale) < 1e6:
+        # (an integer past float's range would overflow float() below; ModelConfig checks the sign)
+        problems.append(f"init_values.embed_scale={scale!r} is not a number below 1e6")
         scale = 1.0
     std = iv.get("std", math.sqrt(2.0 / (5 * d)) if d else 0.0)
     if isinstance(std, bool) or not isinstance(std, (int, float)) or not 0 < std < 1e6:

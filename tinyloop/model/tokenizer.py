@@ -74,6 +74,11 @@ from functools import lru_cache
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..errors import TokenizerError
+from .arch import MAX_DIM
+
+#: Largest vocabulary (one more than the largest token id) a tokenizer may have: the largest
+#: vocab_size a model may have (ModelConfig), so a file's ids never size a table past it.
+MAX_VOCAB = 4 * MAX_DIM
 
 #: Environment variable naming a tokenizer directory (tokenizer.json, or vocab.json + merges.txt).
 TOKENIZER_ENV = "TINYLOOP_TOKENIZER_DIR"
@@ -315,7 +320,7 @@ class BPETokenizer(Tokenizer):
         try:
             with open(vpath, "r", encoding="utf-8") as f:
                 vocab = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (ValueError, RecursionError) as e:     # (JSONDecodeError, UnicodeDecodeError, int digits)
             raise TokenizerError(f"{vpath}: not valid JSON: {e}") from None
         except OSError as e:
             raise TokenizerError(f"{vpath}: cannot read: {e}") from None
@@ -417,8 +422,9 @@ def _validate_bpe(vocab, merges, name: str) -> Tuple[Dict[str, int], List[Tuple[
     for t, i in vocab.items():
         if not isinstance(t, str) or not t:
             raise TokenizerError(f"{name}: vocab token {t!r} must be a non-empty string")
-        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
-            raise TokenizerError(f"{name}: vocab id of {t!r} must be a non-negative integer, got {i!r}")
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < MAX_VOCAB:
+            raise TokenizerError(f"{name}: vocab id of {t!r} must be a non-negative integer below {MAX_VOCAB} "
+                                 f"(a model's largest vocabulary), got {i!r}")
         if i in seen:
             raise TokenizerError(f"{name}: tokens {seen[i]!r} and {t!r} share id {i}")
         seen[i] = t
@@ -581,7 +587,7 @@ class HFTokenizer(Tokenizer):
                                  f"{type(tokenizer_json).__name__}")
         try:
             spec = json.loads(tokenizer_json)
-        except json.JSONDecodeError as e:
+        except ValueError as e:             # JSONDecodeError, or a number past Python's digit limit
             raise TokenizerError(f"{name}: not valid JSON: {e}") from None
         except RecursionError:
             raise TokenizerError(f"{name}: not valid JSON: nested too deeply") from None
@@ -604,6 +610,11 @@ class HFTokenizer(Tokenizer):
         if not ids:
             raise TokenizerError(f"{name}: the vocabulary is empty")
         size = max(ids) + 1
+        if size > MAX_VOCAB:                # (the table below has one entry per id up to the largest)
+            token = added[size - 1].content if size - 1 in added else \
+                next(t for t, i in vocab.items() if i == size - 1)
+            raise TokenizerError(f"{name}: token {token!r} has id {size - 1}, past the largest vocabulary "
+                                 f"a model can have ({MAX_VOCAB} ids)")
         table: List[bytes] = [b""] * size
         for token, i in vocab.items():
             table[i] = rule(token)
@@ -736,7 +747,8 @@ def read_chat_template(path: str) -> Optional[str]:
         raise TokenizerError(f"{cfg}: not a readable JSON file: {e}") from None
     t = d.get("chat_template") if isinstance(d, dict) else None
     if isinstance(t, list):
-        named = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}
+        named = {x.get("name"): x.get("template") for x in t
+                 if isinstance(x, dict) and isinstance(x.get("name"), str)}
         if "default" not in named:
             raise TokenizerError(f"{cfg}: chat_template lists templates {sorted(map(str, named))} but none "
                                  f"named 'default'")

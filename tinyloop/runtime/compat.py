@@ -108,7 +108,7 @@ def _parse(data: Any, source: str) -> CompatMatrix:
 
     if not isinstance(data, dict) or set(data) - {"version", "contexts", "modes", "pairs"}:
         raise bad("top level must be a mapping with keys version, contexts, modes, pairs")
-    if data.get("version") != 1:
+    if data.get("version") != 1 or isinstance(data.get("version"), bool):
         raise bad(f"version {data.get('version')!r} is not supported (expected 1)")
     for key, kind in (("contexts", dict), ("modes", dict), ("pairs", list)):
         if not isinstance(data.get(key) or kind(), kind):
@@ -126,7 +126,7 @@ def _parse(data: Any, source: str) -> CompatMatrix:
         if m.get("status") not in STATUSES:
             raise bad(f"modes.{name}.status must be one of {STATUSES}")
         when = m.get("when")
-        if not (isinstance(when, list) and len(when) == 3 and when[1] in _OPS):
+        if not (isinstance(when, list) and len(when) == 3 and isinstance(when[1], str) and when[1] in _OPS):
             raise bad(f"modes.{name}.when must be [field, op, value] with op in {sorted(_OPS)}")
         if not isinstance(when[0], str) or when[0] not in fields:
             # an unknown field would leave the mode switched off for every request, silently
@@ -180,7 +180,9 @@ def _strict_loader():
         seen = set()
         for key_node, _ in node.value:
             key = loader.construct_object(key_node, deep=deep)
-            if isinstance(key, (str, int, float, bool, type(None))) and key in seen:
+            if not isinstance(key, (str, int, float, bool, type(None))):
+                continue            # (construct_mapping refuses an unhashable key)
+            if key in seen:
                 raise yaml.constructor.ConstructorError(
                     "while constructing a mapping", node.start_mark,
                     f"found the key {key!r} twice", key_node.start_mark)
@@ -198,8 +200,10 @@ def _load(path: str) -> CompatMatrix:
     try:
         with open(path, "r", encoding="utf-8") as fh:
             data = yaml.load(fh, Loader=_strict_loader())
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, ValueError, yaml.YAMLError) as exc:   # (ValueError: not UTF-8, 5000-digit numbers)
         raise ConfigError(f"cannot load the compat matrix {path}: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"cannot load the compat matrix {path}: nested too deeply") from None
     # the shipped matrix (source tree or installed copy) by its documented name; any other file
     # (TINYLOOP_COMPAT, a test's) by its own path, so an error points at the file to edit
     here = Path(__file__).resolve()

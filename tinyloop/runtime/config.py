@@ -722,6 +722,8 @@ def load_run_config(path: str) -> RunConfig:
         raise ConfigError(f"{path} is not valid YAML: {what}") from None
     except RecursionError:
         raise ConfigError(f"{path}: the YAML is nested too deeply to read") from None
+    except ValueError as exc:           # a value PyYAML cannot build (2001-13-01, 5000-digit numbers)
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
     try:
         _grammar_files(data, os.path.dirname(os.path.abspath(path)))
         return from_mapping(RunConfig, data, "run config")
@@ -750,7 +752,7 @@ def _grammar_files(data: Any, base: str) -> None:
     if kind == "json_schema":
         try:
             value = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:    # (JSONDecodeError, int digits, nesting)
             raise ConfigError(f"grammar json_schema file {path!r} is not JSON: {exc}") from None
     else:
         value = text
