@@ -99,6 +99,21 @@ def fifo_watchdog(fifo: str, seconds: float = 5.0):
         t.join()
 
 
+def edited(base, edits):
+    """A deep copy of the JSON-like `base` with each (path, value) of `edits` set where its path
+    exists (a path through a missing key or a non-container is skipped)."""
+    out = copy.deepcopy(base)
+    for slot, value in edits:
+        o = out
+        try:
+            for k in slot[:-1]:
+                o = o[k]
+            o[slot[-1]] = value
+        except (KeyError, IndexError, TypeError):
+            pass
+    return out
+
+
 def typed(fn, *args, **kwargs):
     """fn(...) -> (result, None), or (None, the TinyLoopError it raised). Any other exception
     propagates: it is what these tests look for."""
@@ -323,15 +338,7 @@ def test_tokenizer_json_mutations(tmp_path):
     @given(st.sampled_from([byte_level, sp]), st.lists(st.tuples(st.sampled_from(slots), json_values | odd),
                                                        min_size=1, max_size=3))
     def run(base, edits):
-        j = copy.deepcopy(base)
-        for slot, value in edits:
-            o = j
-            try:
-                for k in slot[:-1]:
-                    o = o[k]
-                o[slot[-1]] = value
-            except (KeyError, IndexError, TypeError):
-                pass
+        j = edited(base, edits)
         with bounded_memory():
             typed(HFTokenizer, json.dumps(j))
 
@@ -1011,15 +1018,7 @@ def test_compat_override_mutations(compat_override):
     @settings(max_examples=80, **FUZZ)
     @given(st.lists(st.tuples(st.sampled_from(every), values), min_size=1, max_size=3))
     def run(edits):
-        d = copy.deepcopy(base)
-        for slot, value in edits:
-            o = d
-            try:
-                for k in slot[:-1]:
-                    o = o[k]
-                o[slot[-1]] = value
-            except (KeyError, IndexError, TypeError):
-                pass
+        d = edited(base, edits)
         compat._load.cache_clear()
         compat_override(yaml.safe_dump(d))
         matrix, err = typed(compat.load_matrix)

@@ -86,8 +86,15 @@ class LogitProcessor:
         raise NotImplementedError(f"processor {self.name} cannot be cloned")
 
 
-def _failed(p: LogitProcessor, hook: str, exc: Exception) -> PluginError:
-    return PluginError(f"processor {p.name!r}: {hook} raised {type(exc).__name__}: {exc}")
+def _call(p: LogitProcessor, hook: str, fn, *args):
+    """A member's hook while decoding: what it raises but a TinyLoopError or StopRequest is a
+    PluginError naming it and the hook."""
+    try:
+        return fn(*args)
+    except (TinyLoopError, _StopRequest):
+        raise
+    except Exception as exc:
+        raise PluginError(f"processor {p.name!r}: {hook} raised {type(exc).__name__}: {exc}") from exc
 
 
 class ProcessorChain(LogitProcessor):
@@ -115,12 +122,7 @@ class ProcessorChain(LogitProcessor):
         out = None
         for p in self.processors:
             if p.mask_only:
-                try:
-                    w = p.allowed_words()
-                except (TinyLoopError, _StopRequest):
-                    raise
-                except Exception as exc:
-                    raise _failed(p, "allowed_words()", exc) from exc
+                w = _call(p, "allowed_words()", p.allowed_words)
                 if not (isinstance(w, np.ndarray) and w.ndim == 1 and w.dtype == np.int32):
                     raise PluginError(f"processor {p.name!r}: allowed_words() returned {type(w).__name__} "
                                       f"{getattr(w, 'dtype', '')}, not a 1-D int32 numpy array of mask words")
@@ -140,33 +142,18 @@ class ProcessorChain(LogitProcessor):
 
     def reset(self, prompt: Sequence[int]) -> None:
         for p in self.processors:
-            try:
-                p.reset(prompt)
-            except TinyLoopError:
-                raise
-            except Exception as exc:
-                raise _failed(p, "reset(prompt)", exc) from exc
+            _call(p, "reset(prompt)", p.reset, prompt)
 
     def apply(self, logits: np.ndarray) -> None:
         for p in self.processors:
-            try:
-                r = p.apply(logits)
-            except (TinyLoopError, _StopRequest):
-                raise
-            except Exception as exc:
-                raise _failed(p, "apply(logits)", exc) from exc
+            r = _call(p, "apply(logits)", p.apply, logits)
             if r is not None and r is not logits:
                 raise PluginError(f"processor {p.name!r}: apply(logits) returned {type(r).__name__}, which would be "
                                   f"dropped: it must change the row in place (and return None)")
 
     def accept(self, token: int) -> None:
         for p in self.processors:
-            try:
-                p.accept(token)
-            except TinyLoopError:
-                raise
-            except Exception as exc:
-                raise _failed(p, "accept(token)", exc) from exc
+            _call(p, "accept(token)", p.accept, token)
 
     def clone(self) -> "ProcessorChain":
         return ProcessorChain([p.clone() for p in self.processors])
