@@ -92,14 +92,12 @@ class CPUCache:
     the K and V storage (tinyloop.cpu.kv_codecs.CPUStorage)."""
 
     def __init__(self, spec, n_kv: int, D: int):
-        from ..runtime.plugins import get_plugin_manager
-        pm = get_plugin_manager()
         self.spec = spec
         self.n_layers, self.n_slots = spec.n_layers, spec.n_slots
         self.lane_path = self.lane_of = None        # a lanes cache's tables (lane_positions)
         self.groups = []
         for g in spec.groups:
-            codec = pm.codec(g.codec)
+            codec = spec.codec_class(g.codec)
             impl = codec.impl("cpu")
             self.groups.append((codec, impl, impl.alloc(codec, g.n_layers, spec.n_slots, n_kv, D),
                                 impl.alloc(codec, g.n_layers, spec.n_slots, n_kv, D)))
@@ -219,8 +217,7 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
         return ws
 
     def alloc_cache(self, spec) -> CPUCache:
-        from ..runtime.plugins import get_plugin_manager
-        need = spec.nbytes(self.cfg.n_kv_heads, self.cfg.head_dim, get_plugin_manager().kv_codecs())
+        need = spec.nbytes(self.cfg.n_kv_heads, self.cfg.head_dim, spec.codec_classes())
         check_host_memory(need, f"a KV cache of {spec.n_layers} layers x {spec.n_slots} slots")
         return CPUCache(spec, self.cfg.n_kv_heads, self.cfg.head_dim)
 

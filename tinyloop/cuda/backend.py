@@ -129,10 +129,12 @@ def _codec_class(name: str):
     return get_plugin_manager().codec(name)
 
 
-def resolve_codec(name: str):
-    """(KVCodec class, its CUDA implementation) of codec `name`; PluginError for an unknown codec,
-    one without a cuda implementation, or an implementation that does not store its format."""
-    codec = _codec_class(name)
+def resolve_codec(name: str, spec=None):
+    """(KVCodec class, its CUDA implementation) of codec `name` (the class `spec` resolved, else
+    the registered one); PluginError for an unknown codec, one without a cuda implementation, or
+    an implementation that does not store its format."""
+    codecs = getattr(spec, "codecs", None) or {}
+    codec = codecs[name] if name in codecs else _codec_class(name)
     impl = codec.impl("cuda")
     if not isinstance(impl, CUDAKVCodec):
         raise PluginError(f"KV codec {name!r}: its cuda implementation {impl!r} is not a "
@@ -531,7 +533,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         group's codec is resolved first (PluginError before anything is allocated)."""
         if not isinstance(spec, CacheSpec):
             raise BackendError(f"alloc_cache takes a tinyloop.runtime.cache.CacheSpec, got {type(spec).__name__}")
-        impls = [resolve_codec(g.codec) for g in spec.groups]
+        impls = [resolve_codec(g.codec, spec) for g in spec.groups]
         key = _spec_key(spec)
         fits = [c for c in self._spares if c.key == key and c.n_slots >= spec.n_slots]
         if fits:
@@ -545,7 +547,8 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         """A new zeroed cache for `spec` with its slots rounded up (`round_slots`); under memory
         pressure the spares are dropped and the allocation retried."""
         window, lanes = spec.slots.window, spec.slots.lanes
-        spec = CacheSpec(spec.groups, SlotMap(self.cache_slots(spec.n_slots, window), window, lanes), spec.n_loop)
+        spec = CacheSpec(spec.groups, SlotMap(self.cache_slots(spec.n_slots, window), window, lanes), spec.n_loop,
+                         spec.codecs)
         try:
             cache = self._new_cache(spec, impls)
         except OutOfMemoryError:
@@ -655,7 +658,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
     def alloc_kept_cache(self, spec: CacheSpec) -> CUDACache:
         if not isinstance(spec, CacheSpec):
             raise BackendError(f"alloc_kept_cache takes a CacheSpec, got {type(spec).__name__}")
-        return self._fresh_cache(spec, [resolve_codec(g.codec) for g in spec.groups])
+        return self._fresh_cache(spec, [resolve_codec(g.codec, spec) for g in spec.groups])
 
     def move_cache_slots(self, cache: CUDACache, moves) -> None:
         ws = self._ws

@@ -23,7 +23,7 @@ each group's codec to store/load code inside its own kernels (``KVCodec.backend_
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Optional, Tuple
 
 import numpy as np
@@ -209,6 +209,20 @@ class CacheSpec:
     groups: Tuple[LayerGroup, ...]
     slots: SlotMap
     n_loop: int
+    codecs: Optional[Mapping[str, type]] = field(default=None, compare=False, repr=False)
+    """The groups' KVCodec classes by name, as the request resolved them (its plugin snapshot: a
+    codec unregistered after the request was validated still serves it); None: the registered ones."""
+
+    def codec_class(self, name: str) -> type:
+        """The KVCodec class of codec `name` (PluginError when it is neither the spec's nor registered)."""
+        if self.codecs is not None and name in self.codecs:
+            return self.codecs[name]
+        from .plugins import get_plugin_manager
+        return get_plugin_manager().codec(name)
+
+    def codec_classes(self) -> Mapping[str, type]:
+        """{codec name: KVCodec class} of the spec's groups (for nbytes)."""
+        return {g.codec: self.codec_class(g.codec) for g in self.groups}
 
     @property
     def n_layers(self) -> int:
@@ -260,7 +274,7 @@ class CacheSpec:
         """The same spec with the loop group sized for `loops` iterations."""
         g = self.groups[-1]
         return CacheSpec(self.groups[:-1] + (LayerGroup(g.name, loops * self.n_loop, g.codec),),
-                         self.slots, self.n_loop)
+                         self.slots, self.n_loop, self.codecs)
 
     def nbytes(self, n_kv_heads: int, head_dim: int, codecs: Mapping[str, type]) -> int:
         """Bytes the K and V storage of this spec takes."""
@@ -268,14 +282,15 @@ class CacheSpec:
         return sum(2 * g.n_layers * rows * codecs[g.codec].row_bytes(head_dim) for g in self.groups)
 
 
-def build_spec(cfg, loops: int, mode: type, slots: SlotMap, extra_groups: Tuple[str, ...] = ()) -> CacheSpec:
+def build_spec(cfg, loops: int, mode: type, slots: SlotMap, extra_groups: Tuple[str, ...] = (),
+               codecs: Optional[Mapping[str, type]] = None) -> CacheSpec:
     """The spec of a cache for `loops` iterations of model `cfg` under cache mode `mode`.
     `extra_groups` are groups of n_post layers after the post group (a speculative draft's post
-    layers: ``draft_post``)."""
+    layers: ``draft_post``); `codecs`: the request's KVCodec classes by name (Plan.codecs)."""
     parts = [("pre", cfg.n_pre), ("post", cfg.n_post)] + [(g, cfg.n_post) for g in extra_groups]
     parts.append(("loop", loops * cfg.n_loop))
     groups = tuple(LayerGroup(name, n, mode.group_codec(name)) for name, n in parts)
-    return CacheSpec(groups, slots, cfg.n_loop)
+    return CacheSpec(groups, slots, cfg.n_loop, codecs)
 
 
 def shared_layers(dst: CacheSpec, src: CacheSpec, n_slots: int) -> Tuple[Tuple[int, int, int], ...]:

@@ -212,6 +212,21 @@ def is_token(tok, vocab_size: int) -> bool:
             and 0 <= int(tok) < vocab_size)
 
 
+def raised_by_plugin_code(exc: BaseException) -> bool:
+    """Whether `exc`, caught around a call of a decoder's ``decode`` / ``pick``, was raised by
+    that plugin's own code: no frame of a tinyloop module (the engine, a backend, a built-in
+    decoder) lies between the catching frame and the raise. An error tinyloop raised under the
+    decoder (a MemoryError of a forward, a backend failure) is not the plugin's."""
+    tb = exc.__traceback__
+    tb = tb.tb_next if tb is not None else None        # (the catching frame itself)
+    while tb is not None:
+        module = tb.tb_frame.f_globals.get("__name__", "")
+        if module == "tinyloop" or module.startswith("tinyloop."):
+            return False
+        tb = tb.tb_next
+    return True
+
+
 # --------------------------------------------------------------------------- per-request checks
 def parse_options(decoder: type, raw: Any, registry: Mapping[str, type]) -> Any:
     """GenerateConfig.options parsed into ``decoder.options_class`` (None when it has none).

@@ -44,7 +44,7 @@ from ..model.format import open_model
 from ..model.tokenizer import Tokenizer, resolve_tokenizer
 from ..models import model_path
 from .forward import Forward
-from .decoding import check_honoured, is_token, parse_options
+from .decoding import check_honoured, is_token, parse_options, raised_by_plugin_code
 from .early_exit import ExitStep, resolve_exit
 from .lockstep import LockstepBatch, lane_seed
 from .plugins import get_plugin_manager
@@ -386,9 +386,12 @@ class Plan:
     def _check_codecs(self, model: Model, pm) -> None:
         """Every layer group's codec is registered and implemented by the model's backend, and the
         slot map fits the model (before anything is allocated)."""
+        #: the request's KVCodec classes by name (its caches are allocated with these: CacheSpec.codecs)
+        self.codecs = {}
         for group in ("pre", "post", "draft_post", "loop"):
             codec = pm.codec(self.cache_mode.group_codec(group))
             codec.impl(model.backend.codec_key)
+            self.codecs[codec.name] = codec
         if self.slot_mode is not None:
             self.slot_mode.validate(model.max_seq_len)
 
@@ -471,7 +474,7 @@ class Session:
             slots = plan.slot_mode.slot_map(n_positions, max(self.launch_rows, extra_slots))
         else:
             slots = linear_slots(n_positions)
-        self.spec = build_spec(model.cfg, self.loops, plan.cache_mode, slots, extra_groups)
+        self.spec = build_spec(model.cfg, self.loops, plan.cache_mode, slots, extra_groups, plan.codecs)
         self.cache = model.backend.alloc_cache(self.spec)
         model._live_cache_bytes += self.cache_bytes
         self._buf = np.zeros(self.vocab_size, np.float32)
@@ -876,8 +879,8 @@ def _decode(model: Model, prompt: List[int], plan: Plan, stats: GenerateStats,
 
 def _until_stop_request(tokens: Iterator[int], stats: GenerateStats, decoder: str = "") -> Iterator[int]:
     """The decoder's tokens until it (or a processor it ran) raises StopRequest: that ends the
-    request with the request's reason. Anything else it raises but a TinyLoopError is a
-    PluginError naming the decoder."""
+    request with the request's reason. Anything else its own code raises but a TinyLoopError is
+    a PluginError naming the decoder (what tinyloop raises under it comes out as it is)."""
     while True:
         try:
             tok = next(tokens)
@@ -889,6 +892,8 @@ def _until_stop_request(tokens: Iterator[int], stats: GenerateStats, decoder: st
         except TinyLoopError:
             raise
         except Exception as exc:
+            if not raised_by_plugin_code(exc):      # the engine's own failure under the decoder
+                raise
             raise PluginError(f"decoder {decoder!r}: decode(session) raised {type(exc).__name__}: {exc}") from exc
         yield tok
 

@@ -40,7 +40,7 @@ import numpy as np
 from .cache import SlotMap, build_spec
 from .config import MAX_SEED, GenerateStats, StopReason, env_switch
 from ..errors import InvalidInputError, ModelFreedError, PluginError, TinyLoopError
-from .decoding import is_token
+from .decoding import is_token, raised_by_plugin_code
 from .stopping import StopRequest
 
 
@@ -134,7 +134,8 @@ class LockstepBatch:
                       for i, (p, pl, st) in enumerate(zip(prompts, plans, stats))]
         n = len(self.lanes)
         lane_slots = max(len(p) for p in prompts) + self.max_tokens
-        self.spec = build_spec(model.cfg, self.loops, plan.cache_mode, SlotMap(n * lane_slots, lanes=n))
+        self.spec = build_spec(model.cfg, self.loops, plan.cache_mode, SlotMap(n * lane_slots, lanes=n),
+                               codecs=plan.codecs)
         self.cache = None               # max_tokens=0 decodes nothing: no cache (as generate)
         if self.max_tokens:
             self.cache = model.backend.alloc_cache(self.spec)
@@ -288,6 +289,8 @@ class LockstepBatch:
         except TinyLoopError:
             raise
         except Exception as exc:
+            if not raised_by_plugin_code(exc):      # the engine's own failure under the decoder
+                raise
             raise PluginError(f"decoder {lane.plan.decoder_cls.name!r}: pick(lane) of lane {lane.index} raised "
                               f"{type(exc).__name__}: {exc}") from exc
         if not is_token(tok, V):

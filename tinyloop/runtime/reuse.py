@@ -50,7 +50,6 @@ from .cache import build_spec, linear_slots
 from .config import GenerateConfig, GenerateStats
 from .engine import (Model, Plan, _as_ids, _decode, _let_go, _locked, check_call, check_model_window, check_vocab,
                      resolve_loops, validate_request)
-from .plugins import get_plugin_manager
 from .stopping import CallbackStopper
 
 #: Environment: the process-wide cap on live handle bytes (an integer; unset or 0: no cap).
@@ -314,7 +313,7 @@ def _cache_bytes(model: Model, spec) -> int:
     be = model.backend
     slots = type(be).cache_slots(spec.n_slots, spec.slots.window)
     sized = dataclasses.replace(spec, slots=dataclasses.replace(spec.slots, n_slots=slots))
-    return sized.nbytes(model.cfg.n_kv_heads, model.cfg.head_dim, get_plugin_manager().kv_codecs())
+    return sized.nbytes(model.cfg.n_kv_heads, model.cfg.head_dim, sized.codec_classes())
 
 
 def _rows_bytes(model: Model, n: int) -> int:
@@ -446,7 +445,7 @@ class _PrefixSeed:
 
 def _new_prefix_cache(model: Model, ids: List[int], plan: Plan) -> PrefixCache:
     """Allocate and prefill (the caller holds the model's lock and has validated everything)."""
-    spec = build_spec(model.cfg, plan.loops, plan.cache_mode, linear_slots(len(ids)))
+    spec = build_spec(model.cfg, plan.loops, plan.cache_mode, linear_slots(len(ids)), codecs=plan.codecs)
     pc = PrefixCache(model, ids, plan.loops, plan.config.cache_mode)
     _BUDGET.admit(_cache_bytes(model, spec), f"a prefix cache of {len(ids)} tokens", model)
     cache = model.backend.alloc_kept_cache(spec)
@@ -649,7 +648,7 @@ def register_prefix(pool: PrefixPool, model: Model, ids: Sequence[int], loops: O
             pool._lru.move_to_end(id(old))
             _BUDGET.touch(old)
             return old
-        spec = build_spec(model.cfg, plan.loops, plan.cache_mode, linear_slots(len(ids)))
+        spec = build_spec(model.cfg, plan.loops, plan.cache_mode, linear_slots(len(ids)), codecs=plan.codecs)
         need = _cache_bytes(model, spec)
         if pool.max_bytes is not None and need > pool.max_bytes:
             raise HandleBudgetError(f"a prefix of {len(ids)} tokens needs {need} bytes, more than the pool's "
@@ -909,7 +908,7 @@ def _build_resume_handle(model: Model, ids: Sequence[int], loops_used: int, conf
     if given:
         validate_request(model, prompt, dataclasses.replace(config, loops=loops_used))
     L, P = loops_used, len(prompt)
-    spec = build_spec(model.cfg, L, plan.cache_mode, linear_slots(P))
+    spec = build_spec(model.cfg, L, plan.cache_mode, linear_slots(P), codecs=plan.codecs)
     inject = model.cfg.keeps_loop_input
     rows_bytes = _rows_bytes(model, P) * (2 if inject else 1)          # the residual (+ the inject copy)
     need = _cache_bytes(model, spec) + rows_bytes
