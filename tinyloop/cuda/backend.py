@@ -64,6 +64,7 @@ import numpy as np
 from numba import cuda
 from numba.cuda.cudadrv.driver import device_memset
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..runtime.backend import (Backend, CacheReuse, DeviceAcceptance, DeviceChaining, DeviceSampling, GuardedSteps,
@@ -547,8 +548,7 @@ class CUDABackend(Backend, TreeOps, DeviceChaining, DeviceAcceptance, CacheReuse
         """A new zeroed cache for `spec` with its slots rounded up (`round_slots`); under memory
         pressure the spares are dropped and the allocation retried."""
         window, lanes = spec.slots.window, spec.slots.lanes
-        spec = CacheSpec(spec.groups, SlotMap(self.cache_slots(spec.n_slots, window), window, lanes), spec.n_loop,
-                         spec.codecs)
+        spec = dataclasses.replace(spec, slots=SlotMap(self.cache_slots(spec.n_slots, window), window, lanes))
         try:
             cache = self._new_cache(spec, impls)
         except OutOfMemoryError:

@@ -22,6 +22,7 @@ each group's codec to store/load code inside its own kernels (``KVCodec.backend_
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Optional, Tuple
@@ -273,8 +274,8 @@ class CacheSpec:
     def with_loops(self, loops: int) -> "CacheSpec":
         """The same spec with the loop group sized for `loops` iterations."""
         g = self.groups[-1]
-        return CacheSpec(self.groups[:-1] + (LayerGroup(g.name, loops * self.n_loop, g.codec),),
-                         self.slots, self.n_loop, self.codecs)
+        loop = LayerGroup(g.name, loops * self.n_loop, g.codec)
+        return dataclasses.replace(self, groups=self.groups[:-1] + (loop,))
 
     def nbytes(self, n_kv_heads: int, head_dim: int, codecs: Mapping[str, type]) -> int:
         """Bytes the K and V storage of this spec takes."""

@@ -40,6 +40,7 @@ from typing import ClassVar, Mapping, Optional, Tuple
 import numpy as np
 
 from ..errors import BackendError, ConfigError, IncompatibleModesError, PluginError, TinyLoopError
+from .stopping import plugin_call
 
 
 def _log_softmax(z: np.ndarray) -> np.ndarray:
@@ -165,14 +166,9 @@ class ExitCriterion:
 
 
 def _call(crit: ExitCriterion, what: str, fn, *args):
-    """A criterion's hook while decoding: what it raises (but a TinyLoopError) is a PluginError
-    naming it."""
-    try:
-        return fn(*args)
-    except TinyLoopError:
-        raise
-    except Exception as exc:
-        raise PluginError(f"exit criterion {crit.name!r}: {what} raised {type(exc).__name__}: {exc}") from exc
+    """A criterion's hook while decoding (stopping.plugin_call, naming the criterion; only
+    tinyloop's own errors pass as they are)."""
+    return plugin_call(f"exit criterion {crit.name!r}", what, fn, *args, passes=TinyLoopError)
 
 
 def _probe_stable(crit: ExitCriterion, cur: np.ndarray, prev: Optional[np.ndarray]) -> bool:

@@ -29,7 +29,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -383,6 +383,11 @@ class Plan:
         self.session_factory = dec.session_class or Session
         self._pm = pm
 
+    def cache_spec(self, loops: int, slots, extra_groups: Tuple[str, ...] = ()):
+        """The spec of a cache of this request (`loops` iterations, slot map `slots`): its cache
+        mode's groups, allocated with the KV codec classes the request resolved (``codecs``)."""
+        return build_spec(self.model.cfg, loops, self.cache_mode, slots, extra_groups, self.codecs)
+
     def _check_codecs(self, model: Model, pm) -> None:
         """Every layer group's codec is registered and implemented by the model's backend, and the
         slot map fits the model (before anything is allocated)."""
@@ -474,7 +479,7 @@ class Session:
             slots = plan.slot_mode.slot_map(n_positions, max(self.launch_rows, extra_slots))
         else:
             slots = linear_slots(n_positions)
-        self.spec = build_spec(model.cfg, self.loops, plan.cache_mode, slots, extra_groups, plan.codecs)
+        self.spec = plan.cache_spec(self.loops, slots, extra_groups)
         self.cache = model.backend.alloc_cache(self.spec)
         model._live_cache_bytes += self.cache_bytes
         self._buf = np.zeros(self.vocab_size, np.float32)

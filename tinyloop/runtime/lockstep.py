@@ -37,7 +37,7 @@ from typing import List, Sequence
 
 import numpy as np
 
-from .cache import SlotMap, build_spec
+from .cache import SlotMap
 from .config import MAX_SEED, GenerateStats, StopReason, env_switch
 from ..errors import InvalidInputError, ModelFreedError, PluginError, TinyLoopError
 from .decoding import is_token, raised_by_plugin_code
@@ -134,8 +134,7 @@ class LockstepBatch:
                       for i, (p, pl, st) in enumerate(zip(prompts, plans, stats))]
         n = len(self.lanes)
         lane_slots = max(len(p) for p in prompts) + self.max_tokens
-        self.spec = build_spec(model.cfg, self.loops, plan.cache_mode, SlotMap(n * lane_slots, lanes=n),
-                               codecs=plan.codecs)
+        self.spec = plan.cache_spec(self.loops, SlotMap(n * lane_slots, lanes=n))
         self.cache = None               # max_tokens=0 decodes nothing: no cache (as generate)
         if self.max_tokens:
             self.cache = model.backend.alloc_cache(self.spec)

@@ -27,8 +27,8 @@ from typing import ClassVar, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ..errors import PluginError, TinyLoopError
-from .stopping import StopRequest as _StopRequest
+from ..errors import PluginError
+from .stopping import plugin_call
 
 
 class Stage(enum.IntEnum):
@@ -87,14 +87,8 @@ class LogitProcessor:
 
 
 def _call(p: LogitProcessor, hook: str, fn, *args):
-    """A member's hook while decoding: what it raises but a TinyLoopError or StopRequest is a
-    PluginError naming it and the hook."""
-    try:
-        return fn(*args)
-    except (TinyLoopError, _StopRequest):
-        raise
-    except Exception as exc:
-        raise PluginError(f"processor {p.name!r}: {hook} raised {type(exc).__name__}: {exc}") from exc
+    """A member's hook while decoding (stopping.plugin_call, naming the processor)."""
+    return plugin_call(f"processor {p.name!r}", hook, fn, *args)
 
 
 class ProcessorChain(LogitProcessor):

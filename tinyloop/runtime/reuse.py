@@ -46,7 +46,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 
 from ..errors import ConfigError, HandleBudgetError, HandleFreedError, InvalidInputError
-from .cache import build_spec, linear_slots
+from .cache import linear_slots
 from .config import GenerateConfig, GenerateStats
 from .engine import (Model, Plan, _as_ids, _decode, _let_go, _locked, check_call, check_model_window, check_vocab,
                      resolve_loops, validate_request)
@@ -445,7 +445,7 @@ class _PrefixSeed:
 
 def _new_prefix_cache(model: Model, ids: List[int], plan: Plan) -> PrefixCache:
     """Allocate and prefill (the caller holds the model's lock and has validated everything)."""
-    spec = build_spec(model.cfg, plan.loops, plan.cache_mode, linear_slots(len(ids)), codecs=plan.codecs)
+    spec = plan.cache_spec(plan.loops, linear_slots(len(ids)))
     pc = PrefixCache(model, ids, plan.loops, plan.config.cache_mode)
     _BUDGET.admit(_cache_bytes(model, spec), f"a prefix cache of {len(ids)} tokens", model)
     cache = model.backend.alloc_kept_cache(spec)
@@ -648,7 +648,7 @@ def register_prefix(pool: PrefixPool, model: Model, ids: Sequence[int], loops: O
             pool._lru.move_to_end(id(old))
             _BUDGET.touch(old)
             return old
-        spec = build_spec(model.cfg, plan.loops, plan.cache_mode, linear_slots(len(ids)), codecs=plan.codecs)
+        spec = plan.cache_spec(plan.loops, linear_slots(len(ids)))
         need = _cache_bytes(model, spec)
         if pool.max_bytes is not None and need > pool.max_bytes:
             raise HandleBudgetError(f"a prefix of {len(ids)} tokens needs {need} bytes, more than the pool's "
@@ -908,7 +908,7 @@ def _build_resume_handle(model: Model, ids: Sequence[int], loops_used: int, conf
     if given:
         validate_request(model, prompt, dataclasses.replace(config, loops=loops_used))
     L, P = loops_used, len(prompt)
-    spec = build_spec(model.cfg, L, plan.cache_mode, linear_slots(P), codecs=plan.codecs)
+    spec = plan.cache_spec(L, linear_slots(P))
     inject = model.cfg.keeps_loop_input
     rows_bytes = _rows_bytes(model, P) * (2 if inject else 1)          # the residual (+ the inject copy)
     need = _cache_bytes(model, spec) + rows_bytes

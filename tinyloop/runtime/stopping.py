@@ -45,6 +45,18 @@ class StopRequest(Exception):
         self.reason = StopReason(reason)
 
 
+def plugin_call(label: str, hook: str, fn, *args, passes=(TinyLoopError, StopRequest)):
+    """``fn(*args)``, a plugin's hook called while decoding: what it raises is a PluginError naming
+    `label` and `hook`, but the `passes` exceptions (tinyloop's own errors, and StopRequest, which
+    ends the request) come out as they are."""
+    try:
+        return fn(*args)
+    except passes:
+        raise
+    except Exception as exc:
+        raise PluginError(f"{label}: {hook} raised {type(exc).__name__}: {exc}") from exc
+
+
 class StopOrder(enum.IntEnum):
     """Where a stopper runs in the chain (see the module docstring)."""
 
@@ -118,15 +130,10 @@ class StopperChain(Stopper):
 
     def check(self, output_tokens: Sequence[int]) -> Optional[StopReason]:
         for s in self.stoppers:
-            try:
+            if isinstance(s, CallbackStopper):          # the consumer's own code: its error is its own
                 reason = s.check(output_tokens)
-            except (TinyLoopError, StopRequest):
-                raise
-            except Exception as exc:
-                if isinstance(s, CallbackStopper):      # the consumer's own code: its error is its own
-                    raise
-                raise PluginError(f"stopper {s.name!r}: check(output_tokens) raised {type(exc).__name__}: "
-                                  f"{exc}") from exc
+            else:
+                reason = plugin_call(f"stopper {s.name!r}", "check(output_tokens)", s.check, output_tokens)
             if reason is not None:
                 if not isinstance(reason, StopReason):
                     raise PluginError(f"stopper {s.name!r} returned {reason!r}, not a StopReason "
