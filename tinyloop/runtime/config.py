@@ -473,7 +473,9 @@ class GenerateStats:
     prefill_ms: float = 0.0
     """Wall-clock time of the prefill (prompt -> first-token logits ready)."""
     first_token_ms: float = 0.0
-    """Wall-clock time from call entry to the first emitted token."""
+    """Wall-clock time from call entry to the first emitted token: the request's set-up (checks,
+    plan, a grammar's compile) included. A generate_iter consumer's wait before its first
+    ``next()`` is not counted; a generate_batch lane counts from the start of its batch's decode."""
     decode_ms: float = 0.0
     """Wall-clock time of the decode loop after the first token (a decoder that emits its tokens
     only after its search, beam, counts the search: from the end of the prefill)."""

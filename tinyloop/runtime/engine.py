@@ -333,6 +333,9 @@ class Plan:
     def __init__(self, model: Model, config: GenerateConfig, context: str, reuse: Optional[str] = None):
         model._check_live()
         self.model, self.context = model, context
+        #: milliseconds the entry point spent on the request before decoding (checks, this plan, a
+        #: grammar's compile): GenerateStats.first_token_ms counts from the call's entry (set_up)
+        self.setup_ms = 0.0
         #: the compat column of the state the request starts from (prefix_reuse, warm_start), checked
         #: besides the decoder's; `seed` fills the cache from that state (Session.start)
         self.reuse, self.seed = reuse, None
@@ -342,9 +345,10 @@ class Plan:
         model, context = self.model, self.context
         pm = get_plugin_manager().snapshot()     # the request runs with the plugins it is checked against
         dec = pm.decoder_for(config)
-        check_request(dec.compat_context or context, config)
+        # the decoder's column and the kept state's, both before any `partial` warning
+        check_request((dec.compat_context or context,) + ((self.reuse,) if self.reuse is not None else ()),
+                      config)
         if self.reuse is not None:
-            check_request(self.reuse, config)
             if not model.backend.supports("cache_reuse"):
                 raise BackendError(f"{self.reuse} needs the backend capability 'cache_reuse', which the "
                                    f"{model.backend.name} backend does not provide")
@@ -852,7 +856,7 @@ def _decode(model: Model, prompt: List[int], plan: Plan, stats: GenerateStats,
             stats.tokens_emitted = len(out)
             if t_first is None:
                 t_first = time.perf_counter()
-                stats.first_token_ms = (t_first - t0) * 1e3
+                stats.first_token_ms = plan.setup_ms + (t_first - t0) * 1e3   # from the call's entry
             reason = stoppers.check(out)
             if model._free_pending:
                 stats.stop_reason = StopReason.CALLBACK_ABORT
@@ -974,15 +978,25 @@ def check_call(model: Any, config: Any = None, stats: Any = None, on_token: Any 
                                         f"{name}{sig} cannot take those two arguments ({exc})") from None
 
 
+def set_up(plan: Plan, t_entry: float) -> Plan:
+    """Record on `plan` the time its entry point has spent since `t_entry` (its call's entry, a
+    time.perf_counter()) on the request's set-up: the spec's first_token_ms runs "from call entry
+    to first token emitted", so _decode adds it. A generate_iter consumer's wait before its first
+    next() is not set-up and is not counted."""
+    plan.setup_ms = (time.perf_counter() - t_entry) * 1e3
+    return plan
+
+
 def _prepare(model: Model, prompt: Sequence[int], config: Optional[GenerateConfig], context: str,
              stats: Any = None, on_token: Any = None):
     """Every check of a single request, before any work: (validated ids, plan)."""
+    t_entry = time.perf_counter()
     check_call(model, config, stats, on_token)
     config = config or GenerateConfig()
     plan = Plan(model, config, context)
     ids = validate_request(model, prompt, config)
     plan.delegate()
-    return ids, plan
+    return ids, set_up(plan, t_entry)
 
 
 def generate_iter(model: Model, prompt: Sequence[int], config: Optional[GenerateConfig] = None,

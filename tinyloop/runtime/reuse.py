@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -49,7 +50,7 @@ from ..errors import ConfigError, HandleBudgetError, HandleFreedError, InvalidIn
 from .cache import linear_slots
 from .config import GenerateConfig, GenerateStats
 from .engine import (Model, Plan, _as_ids, _decode, _let_go, _locked, check_call, check_model_window, check_vocab,
-                     resolve_loops, validate_request)
+                     resolve_loops, set_up, validate_request)
 from .stopping import CallbackStopper
 
 #: Environment: the process-wide cap on live handle bytes (an integer; unset or 0: no cap).
@@ -472,6 +473,7 @@ def build_prefix_cache(model: Model, prefix_ids: Sequence[int], loops: Optional[
 
 
 def _prepare_prefix(model, pc, suffix_ids, config, stats, on_token=None):
+    t_entry = time.perf_counter()
     check_call(model, config, stats, on_token)
     if not isinstance(pc, PrefixCache):
         raise InvalidInputError(f"pc must be a PrefixCache from build_prefix_cache, got {type(pc).__name__}")
@@ -484,7 +486,7 @@ def _prepare_prefix(model, pc, suffix_ids, config, stats, on_token=None):
     plan.delegate()
     _check_depth(plan, pc.loops, "prefix cache")
     plan.seed = _PrefixSeed(pc, min(len(pc.prefix_ids), len(ids) - 1))
-    return ids, plan, pc._check
+    return ids, set_up(plan, t_entry), pc._check
 
 
 def generate_from_prefix_cache(model: Model, pc: PrefixCache, suffix_ids: Sequence[int],
@@ -674,6 +676,7 @@ def register_prefix(pool: PrefixPool, model: Model, ids: Sequence[int], loops: O
 
 
 def _prepare_pool(model, pool, ids, config, stats, on_token=None):
+    t_entry = time.perf_counter()
     check_call(model, config, stats, on_token)
     if not isinstance(pool, PrefixPool):
         raise InvalidInputError(f"pool must be a PrefixPool from create_prefix_pool, got {type(pool).__name__}")
@@ -696,7 +699,7 @@ def _prepare_pool(model, pool, ids, config, stats, on_token=None):
         else:
             pool.misses += 1
             plan.seed = None
-    return prompt, plan, lookup
+    return prompt, set_up(plan, t_entry), lookup
 
 
 def generate_with_pool(model: Model, pool: PrefixPool, ids: Sequence[int], config: Optional[GenerateConfig] = None,
@@ -935,6 +938,7 @@ def _build_resume_handle(model: Model, ids: Sequence[int], loops_used: int, conf
 
 
 def _prepare_resume(handle, loops_new, config, stats, on_token=None):
+    t_entry = time.perf_counter()
     if not isinstance(handle, ResumeHandle):
         raise InvalidInputError(f"handle must be a ResumeHandle from build_resume_handle, got "
                                 f"{type(handle).__name__}")
@@ -958,7 +962,7 @@ def _prepare_resume(handle, loops_new, config, stats, on_token=None):
     def admit() -> None:
         handle._check()
         _BUDGET.admit(handle.growth_bytes(L), f"resuming at loops={L}", model, keep=(handle,))
-    return model, ids, plan, admit
+    return model, ids, set_up(plan, t_entry), admit
 
 
 def resume_generate(handle: ResumeHandle, loops_new: int, config: Optional[GenerateConfig] = None,
