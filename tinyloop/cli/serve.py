@@ -34,14 +34,16 @@ def config_of(args) -> ServeConfig:
 def run(args) -> int:
     cfg = config_of(args)
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError:
         raise ConfigError("the server needs the serve extra: pip install 'tinyloop[serve]'") from None
     from ..serve import create_app
+    from ..serve.app import uvicorn_server
     app = create_app(cfg)
     print(f"[tinyloop] serving {app.state.served.name} on http://{cfg.host}:{cfg.port}", file=sys.stderr)
     try:
-        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
+        # its shutdown fails the queued requests (503) before waiting on the open connections
+        uvicorn_server(app, host=cfg.host, port=cfg.port, log_level="warning").run()
     finally:
         app.state.served.close()
     return 0

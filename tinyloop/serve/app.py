@@ -111,11 +111,38 @@ class Metrics:
             self.token_latency.observe(g)
 
 
+def _check_scaffolds(cfg: ServeConfig, model=None) -> None:
+    """The scaffolds' values that depend on the plugins and the model file, checked before the model
+    is loaded (docs/SERVING.md): each cache mode registered, each depth within the model's
+    max_loops (read from the file's header; a ConfigError naming ``scaffolds[i].FIELD``)."""
+    from ..runtime.plugins import get_plugin_manager
+    if not cfg.scaffolds:
+        return
+    modes = get_plugin_manager().cache_modes()
+    for i, s in enumerate(cfg.scaffolds):
+        if s.cache_mode not in modes:
+            raise ConfigError(f"scaffolds[{i}].cache_mode={s.cache_mode!r} is not a registered cache mode; "
+                              f"available: {sorted(modes)}")
+    if all(s.loops is None for s in cfg.scaffolds):
+        return
+    if model is not None:
+        max_loops = model.cfg.max_loops
+    else:
+        from ..model.format import read_header
+        from ..models import model_path
+        max_loops = read_header(model_path(cfg.model)).config.max_loops
+    for i, s in enumerate(cfg.scaffolds):
+        if s.loops is not None and s.loops > max_loops:
+            raise ConfigError(f"scaffolds[{i}].loops={s.loops} is outside the allowed range [1, {max_loops}] "
+                              f"(the model's max_loops)")
+
+
 def load_served(cfg: ServeConfig, model=None) -> Served:
     """Load the model (unless given), register the scaffolds, start the worker."""
     from ..runtime.engine import free_model, load_model
     from ..runtime.reuse import create_prefix_pool, free_prefix_pool, register_prefix
     own = model is None
+    _check_scaffolds(cfg, model)
     if own:
         model = load_model(cfg.model, max_seq_len=cfg.max_seq_len, backend=cfg.backend)
     pool = None
@@ -275,6 +302,7 @@ class Request:
         loop = asyncio.get_running_loop()
         self.jobs: List[Job] = []
         self.boxes: List[EventBox] = []
+        self.queued = False
         try:
             for ids, fitted in zip(self.prompts, configs):
                 stats = GenerateStats()
@@ -285,6 +313,7 @@ class Request:
                 self.jobs.append(job)
                 self.boxes.append(box)
             served.worker.submit(self.jobs)
+            self.queued = True
         except BaseException:
             self.cancel()
             raise
@@ -292,6 +321,8 @@ class Request:
     def cancel(self) -> None:
         for job in self.jobs:
             job.cancelled.set()
+        if self.queued:               # still queued: its slot is freed now, not when the worker reaches it
+            self.served.worker.discard(self.jobs)
 
     def choice_stats(self, i: int):
         job = self.jobs[i]
@@ -681,6 +712,7 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
 
     async def _sse(req: Request, include_usage: bool):
         chunk = req.chunk
+        failed = False
         try:
             for i, box in enumerate(req.boxes):
                 if req.chat:
@@ -695,12 +727,17 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
                             out.append(chunk(i, ev[1]))      # one chunk per token, "" while a character is incomplete
                         elif ev[0] == "error":
                             out.append(f"data: {json.dumps(_error_body(str(ev[1]), type(ev[1]).__name__))}\n\n")
-                            ended = True
+                            ended = failed = True
                         else:
                             out.append(chunk(i, None, _finish_reason(ev[1]), req.choice_stats(i)))
                             ended = True
                     yield "".join(out)
-            if include_usage:
+                if failed:
+                    # the request failed (a non-streamed one is a 5xx): its other prompts are not
+                    # decoded, and neither they nor a usage chunk follow the error event
+                    req.cancel()
+                    break
+            if include_usage and not failed:
                 u = {"id": req.id, "object": "chat.completion.chunk" if req.chat else "text_completion",
                      "created": req.created, "model": served.name, "choices": [], "usage": req.usage().model_dump()}
                 yield f"data: {json.dumps(u)}\n\n"
@@ -709,3 +746,26 @@ def create_app(cfg: Optional[ServeConfig] = None, model=None):
             req.cancel()              # the client went away (or the stream ended): stop decoding
 
     return app
+
+
+def uvicorn_server(app, host: str = "127.0.0.1", port: int = 8000, **config):
+    """A uvicorn.Server for `app` (create_app's) whose shutdown (SIGINT / SIGTERM, or
+    ``should_exit``) stops the served worker first: the requests still queued fail with a 503 (an
+    error event when streamed) and the running one is let finish, as Served.close() documents,
+    instead of uvicorn waiting for every open connection, so for every queued request to be
+    decoded in full, before anything is closed. ``python -m tinyloop serve`` runs this."""
+    import uvicorn
+
+    served = app.state.served
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            # close() blocks (it waits a while for the running request): off the event loop, which
+            # must go on streaming that request and answering the 503s
+            closing = asyncio.get_running_loop().run_in_executor(None, served.close)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                await closing
+
+    return Server(uvicorn.Config(app, host=host, port=port, **config))

@@ -55,6 +55,7 @@ class Job:
     token_gaps: List[float] = field(default_factory=list)
     stop_reason: Optional[StopReason] = None
     started: bool = False          # the worker took it from the queue (set before it looks at the deadline)
+    failed: bool = False           # it ended with an error event
 
 
 class StopStrings:
@@ -122,6 +123,25 @@ class ModelWorker:
             job.tokens.close()
         raise ShuttingDownError("the server is shutting down")
 
+    def discard(self, jobs: Sequence[Job]) -> bool:
+        """Take the queue entry of a request that was cancelled (its client went away, or it was
+        answered at its deadline) out of the queue, if the worker has not taken it yet: its slot is
+        free for the next request at once (not held until the requests ahead of it are done, 429s
+        meanwhile), and its jobs end now as the worker would have ended them (counted once)."""
+        jobs = list(jobs)
+        if not jobs or jobs[0].started:
+            return False
+        with self.queue.mutex:
+            entries = self.queue.queue
+            at = next((k for k, entry in enumerate(entries) if entry and entry[0] is jobs[0]), None)
+            if at is None:
+                return False          # the worker took it (or stop() failed it)
+            del entries[at]
+            self.queue.not_full.notify()
+        for job in jobs:
+            self._skip(job)
+        return True
+
     def stop(self, timeout: float = 10.0, then: Optional[Callable[[], None]] = None) -> None:
         """Fail what is queued (ShuttingDownError: those requests never ran, so they must not look
         like finished completions), let the running request end, stop the thread (waiting at most
@@ -160,7 +180,7 @@ class ModelWorker:
                 return
             self.running = 1
             try:
-                for job in jobs:
+                for k, job in enumerate(jobs):
                     try:
                         self._run(job)
                     except Exception as exc:    # outside the decode loop: that request fails, the worker goes on
@@ -168,8 +188,14 @@ class ModelWorker:
                             job.tokens.close()
                         except Exception:
                             pass
+                        job.failed = True
                         self._done(job)
                         job.sink(("error", exc))
+                    if job.failed:
+                        # the request failed as a whole (a 5xx, or a stream ending at its error event):
+                        # its other prompts are not decoded for a client that never gets them (CANCELLED, untouched)
+                        for rest in jobs[k + 1:]:
+                            rest.cancelled.set()
             finally:
                 self.running = 0
 
@@ -179,9 +205,7 @@ class ModelWorker:
             # DEADLINE when the request was answered at its deadline (Request.events, which cancels
             # it afterwards as every answered request) or is past it with its client still there; a
             # client that went away first ended it (CANCELLED, counted as a 499)
-            job.tokens.close()
-            expired = job.stop_reason == DEADLINE or not job.cancelled.is_set()
-            self._finish(job, DEADLINE if expired else CANCELLED)
+            self._skip(job)
             return
         decoder = self.model.tokenizer.stream_decoder(continuation=True)
         eos = self.model.cfg.eos_ids
@@ -208,6 +232,7 @@ class ModelWorker:
                     break
         except Exception as exc:       # TinyLoopError, or a bug: the request fails, the server goes on
             job.tokens.close()
+            job.failed = True
             self._done(job)
             job.sink(("error", exc))
             return
@@ -220,6 +245,12 @@ class ModelWorker:
             if tail:
                 job.sink(("text", tail))
         self._finish(job, reason or job.stats.stop_reason)
+
+    def _skip(self, job: Job) -> None:
+        """End a job that never runs: DEADLINE, or CANCELLED when its client went away first."""
+        job.tokens.close()
+        expired = job.stop_reason == DEADLINE or not job.cancelled.is_set()
+        self._finish(job, DEADLINE if expired else CANCELLED)
 
     def _finish(self, job: Job, reason) -> None:
         job.stop_reason = reason
