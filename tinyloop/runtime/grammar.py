@@ -184,8 +184,12 @@ class Grammar:
         if not isinstance(schema, (dict, bool)):
             raise ConfigError(f"a JSON schema must be an object (a dict or its JSON text), got "
                               f"{type(schema).__name__}")
+        schema = _plain_json(schema)
+        if schema is False:                   # llguidance applies a whitespace style to objects only
+            raise ConfigError("invalid json_schema grammar: Unsatisfiable schema: schema is false")
         try:
-            ll = llguidance().LLMatcher.grammar_from_json_schema(schema, overrides=options)
+            ll = llguidance().LLMatcher.grammar_from_json_schema({} if schema is True else schema,
+                                                                 overrides=options)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"invalid JSON schema: {_one_line(exc)}") from None
         return cls._make("json_schema", schema, ll, whitespace)
@@ -230,6 +234,26 @@ class Grammar:
                                       f"{_one_line(tpl.get_error())}")
                 self._templates[serial] = tpl
         return tpl.deep_copy()
+
+
+def _numpy_value(value: Any) -> Any:
+    """json.dumps' ``default``: a numpy scalar or array as the Python value it holds."""
+    tolist = getattr(value, "tolist", None)
+    if tolist is not None and type(value).__module__ == "numpy":
+        return tolist()
+    raise TypeError(f"{type(value).__name__} {value!r:.40}")
+
+
+def _plain_json(schema: Any) -> Any:
+    """`schema` as plain JSON data (dicts with string keys, lists, str, int, float, bool, None;
+    numpy values as the numbers they hold), or a ConfigError: llguidance turns NaN and Infinity
+    into null (a {"const": Infinity} grammar writes null) and crashes the process on a dict that
+    contains itself."""
+    try:
+        return json.loads(json.dumps(schema, allow_nan=False, default=_numpy_value))
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise ConfigError(f"the JSON schema is not valid JSON data: {_one_line(exc)} (JSON has no NaN "
+                          f"or Infinity, and a schema cannot contain itself: use $defs and $ref)") from None
 
 
 def _rebuild(kind: str, source: Any, *whitespace: str) -> Grammar:

@@ -15,9 +15,10 @@ so are the model's extra_eos_ids (llguidance sees them as tokens with bytes, but
 dead end). Ends: a mask that allows nothing ends the request with GRAMMAR_DEAD_END (raised as a
 StopRequest from ``allowed_words`` / ``apply``, or from ``check`` when the matcher has entered its
 error state); for a model without an EOS id, a complete grammar (only the virtual EOS allowed) ends
-it with GRAMMAR_COMPLETE. When llguidance itself failed (its error state with a message other than
-its "no extension" dead end: a size limit met as the text grows, a tokenizer that raised) the end is
-GRAMMAR_ERROR, with llguidance's message as a RuntimeWarning.
+it with GRAMMAR_COMPLETE, at max_tokens too (``check`` looks at the next mask there, ahead of
+MAX_TOKENS, which would say the output was cut). When llguidance itself failed (its error state
+with a message other than its "no extension" dead end: a size limit met as the text grows, a
+tokenizer that raised) the end is GRAMMAR_ERROR, with llguidance's message as a RuntimeWarning.
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ class GrammarMask(LogitProcessor, Stopper):
     mask_only = True
     ending_tokens = None
 
-    def __init__(self, grammar) -> None:
+    def __init__(self, grammar, max_tokens: Optional[int] = None) -> None:
         self.grammar = grammar
+        self.max_tokens = max_tokens          # the request's: a complete grammar at it is no cut
         self.matcher = None
         self._future = None
         self._words = None
@@ -78,7 +80,7 @@ class GrammarMask(LogitProcessor, Stopper):
 
     @classmethod
     def from_config(cls, config):
-        return cls(config.grammar) if config.grammar is not None else None
+        return cls(config.grammar, config.max_tokens) if config.grammar is not None else None
 
     def prepare(self, model) -> None:
         """Compile (once per tokenizer) and take this sequence's matcher: a ConfigError for a
@@ -163,14 +165,27 @@ class GrammarMask(LogitProcessor, Stopper):
         return StopReason.GRAMMAR_ERROR
 
     def check(self, output_tokens) -> Optional[StopReason]:
-        # never touches the matcher: the next mask job may hold it (llguidance objects are not
-        # shareable across threads while in use)
-        return self._error or None
+        # touches the matcher only once the next mask job has finished with it (llguidance objects
+        # are not shareable across threads while in use)
+        if self._error:
+            return self._error
+        if (self._eos == self._V and self.max_tokens is not None and self._future is not None
+                and len(output_tokens) >= self.max_tokens):
+            # no EOS id: GRAMMAR_COMPLETE is the only sign of a finished output, which the next
+            # step's mask would give; at max_tokens there is no next step, so look at it now
+            # (ahead of MAX_TOKENS, which would say the output was cut)
+            bits = self._future.result().view(np.uint32)
+            V = self._V
+            full, rest = divmod(V, 32)
+            others = bits[:full].any() or (rest and bits[full] & np.uint32((1 << rest) - 1))
+            if bits[V >> 5] & np.uint32(1 << (V & 31)) and not others and self.matcher.is_accepting():
+                return StopReason.GRAMMAR_COMPLETE
+        return None
 
     def clone(self) -> "GrammarMask":
         if self._future is not None:
             self._future.result()
-        c = GrammarMask(self.grammar)
+        c = GrammarMask(self.grammar, self.max_tokens)
         c.matcher = self.matcher.deep_copy()
         c._V, c._eos, c._extra_eos = self._V, self._eos, self._extra_eos
         c._words = np.zeros_like(self._words)
