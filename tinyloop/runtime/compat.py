@@ -6,7 +6,9 @@ modes the request switches on (each row's ``when`` rule), then raises
 * NotImplementedModeError when the context or an active mode is ``planned``;
 * IncompatibleModesError when a cell is ``rejected`` or a ``pairs`` rule matches;
 
-and emits a ``CompatWarning`` for ``partial`` cells. It returns the list of active modes.
+and, once nothing is refused, emits a ``CompatWarning`` for ``partial`` cells. It returns the list
+of active modes. ``context`` may list several columns (a decoder's and a reuse entry point's):
+all of them are checked before any warning.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import warnings
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..errors import ConfigError, IncompatibleModesError, NotImplementedModeError
 
@@ -63,35 +65,46 @@ class CompatMatrix:
     def active_modes(self, config: Any) -> List[ModeRule]:
         return [m for m in self.modes.values() if m.active(config)]
 
-    def check(self, context: str, config: Any) -> List[str]:
-        """Check one request; see the module docstring. Returns the names of its active modes."""
-        if context not in self.contexts:
-            raise IncompatibleModesError(
-                f"unknown decode context {context!r}; {self.source} lists {sorted(self.contexts)}")
-        if self.contexts[context] == "planned":
-            raise NotImplementedModeError(
-                f"{context} decoding is not implemented yet ({self.source}: contexts.{context} is planned)")
+    def check(self, context: Union[str, Sequence[str]], config: Any) -> List[str]:
+        """Check one request; see the module docstring. `context`: its column, or every column it
+        is checked against (a decoder's and a reuse entry point's: prefix_reuse, warm_start), in
+        order. Every column is checked before any ``partial`` warning is given: a refused request
+        warns of nothing. Returns the names of its active modes."""
+        contexts = (context,) if isinstance(context, str) else tuple(context)
         active = self.active_modes(config)
-        for m in active:
-            if m.status == "planned":
-                raise NotImplementedModeError(
-                    f"mode {m.describe(config)} is not implemented yet ({self.source}: modes.{m.name} "
-                    f"is planned)")
-        for m in active:
-            cell = m.cells[context]
-            if cell == "rejected":
-                raise IncompatibleModesError(
-                    f"mode {m.describe(config)} is rejected in {context} decoding "
-                    f"({self.source}: modes.{m.name}.{context} = rejected)")
-            if cell == "partial":
-                warnings.warn(f"mode {m.name} in {context} decoding is partial: it works but is not "
-                              f"exhaustively tested ({self.source})", CompatWarning, stacklevel=3)
         names = {m.name for m in active}
-        for pair, reason in self.pairs:
-            if pair <= names:
-                a, b = sorted(pair)
+        partial = []
+        for i, ctx in enumerate(contexts):
+            if ctx not in self.contexts:
                 raise IncompatibleModesError(
-                    f"modes {a} and {b} cannot be combined: {reason} ({self.source}: pairs)")
+                    f"unknown decode context {ctx!r}; {self.source} lists {sorted(self.contexts)}")
+            if self.contexts[ctx] == "planned":
+                raise NotImplementedModeError(
+                    f"{ctx} decoding is not implemented yet ({self.source}: contexts.{ctx} is planned)")
+            for m in active:
+                if m.status == "planned":
+                    raise NotImplementedModeError(
+                        f"mode {m.describe(config)} is not implemented yet ({self.source}: modes.{m.name} "
+                        f"is planned)")
+            for m in active:
+                cell = m.cells[ctx]
+                if cell == "rejected":
+                    raise IncompatibleModesError(
+                        f"mode {m.describe(config)} is rejected in {ctx} decoding "
+                        f"({self.source}: modes.{m.name}.{ctx} = rejected)")
+                if cell == "partial":
+                    partial.append((m.name, ctx))
+            if i == 0:
+                for pair, reason in self.pairs:
+                    if pair <= names:
+                        a, b = sorted(pair)
+                        raise IncompatibleModesError(
+                            f"modes {a} and {b} cannot be combined: {reason} ({self.source}: pairs)")
+        # only now, with nothing refused: a warning before a refusal would say "it works" of a
+        # request that does not run (and use up the default filter's one showing of the message)
+        for name, ctx in partial:
+            warnings.warn(f"mode {name} in {ctx} decoding is partial: it works but is not "
+                          f"exhaustively tested ({self.source})", CompatWarning, stacklevel=3)
         return sorted(names)
 
 
@@ -217,6 +230,7 @@ def load_matrix(path: Optional[str] = None) -> CompatMatrix:
     return _load(path or compat_path())
 
 
-def check_request(context: str, config: Any) -> List[str]:
-    """Check a request against configs/compat.yaml before any work; see the module docstring."""
+def check_request(context: Union[str, Sequence[str]], config: Any) -> List[str]:
+    """Check a request against configs/compat.yaml before any work (every column in `context`
+    before any warning); see the module docstring."""
     return load_matrix().check(context, config)
