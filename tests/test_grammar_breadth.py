@@ -21,6 +21,7 @@ pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
 from conftest import write_tiny  # noqa: E402
+from test_grammar_whitespace import accepts  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +29,6 @@ def demo():
     m = tl.load_model(None, backend="cpu", max_seq_len=256)
     yield m
     tl.free_model(m)
-
-
-def accepts(grammar, m, text):
-    """llguidance's matcher for `grammar` takes the whole of `text`'s tokens and may stop there."""
-    mt = grammar.matcher(m.tokenizer, m.cfg.vocab_size, m.cfg.eos_id)
-    ids = list(m.tokenizer.encode(text))
-    return mt.try_consume_tokens(ids) == len(ids) and not mt.is_error() and mt.is_accepting()
 
 
 # =============================================================================== boolean schemas
