@@ -12,7 +12,7 @@ from typing import Dict, Optional
 
 from ..models import model_path
 from ..model.arch import TensorQuant, required_tensors
-from ..errors import ModelFormatError
+from ..errors import ConfigError, ModelFormatError
 from ..model.format import read_header
 from .memory import estimate_memory, parameter_count
 from ..runtime.plugins import get_plugin_manager
@@ -69,6 +69,8 @@ def inspect(path=None, max_seq_len: int = 2048, loops: Optional[int] = None, mea
     ``measure=True`` is the exception: it also loads the model on the CPU backend and runs it to add
     "loop_gain" (:func:`tinyloop.analysis.loopgain.measure_file` with its defaults: the sample text, 4
     windows of 256 tokens, depths 1 .. min(2 x default_loops, max_loops)); seconds to minutes."""
+    if not isinstance(measure, bool) and type(measure).__name__ != "bool_":      # (numpy's bool too)
+        raise ConfigError(f"measure must be True or False, got {measure!r:.40}")
     path = model_path(path)
     if not os.path.exists(path):
         raise ModelFormatError(f"no such file: {path}")

@@ -260,10 +260,17 @@ def score_with_consistency_escalation(model: Model, tokens: Sequence[int], loops
     `threshold` has no default value: criteria "entropy" (nats) and "margin" (a probability) need
     one (None is a ConfigError saying so); "disagreement" takes none (it must stay None)."""
     check_call(model)
-    lo, hi = resolve_loops(model, loops_low), resolve_loops(model, loops_high)
+    try:
+        lo = resolve_loops(model, loops_low)
+    except ConfigError as exc:          # named as this call's argument
+        raise ConfigError(f"loops_low: {exc}") from None
+    try:
+        hi = resolve_loops(model, loops_high)
+    except ConfigError as exc:
+        raise ConfigError(f"loops_high: {exc}") from None
     if lo >= hi:
         raise ConfigError(f"loops_low={lo} must be below loops_high={hi}")
-    if criterion not in CRITERIA:
+    if not isinstance(criterion, str) or criterion not in CRITERIA:
         raise ConfigError(f"criterion={criterion!r} is not one of {', '.join(CRITERIA)}")
     if criterion == "disagreement":
         if threshold is not None:

@@ -73,6 +73,8 @@ import re
 from functools import lru_cache
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from ..errors import TokenizerError
 from .arch import MAX_DIM
 
@@ -122,8 +124,8 @@ def unicode_to_byte() -> Dict[str, int]:
 def _check_id(i) -> int:
     """`i` as a token id: an integer >= 0 (Python's or numpy's; not a bool, a float or a str)."""
     try:
-        v = None if isinstance(i, bool) else operator.index(i)
-    except TypeError:
+        v = None if isinstance(i, (bool, np.timedelta64)) else operator.index(i)
+    except Exception:                       # TypeError, or what a caller's own __index__ raised
         v = None
     if v is None or v < 0:
         raise TokenizerError(f"token id {i!r} is not a token id: token ids are integers >= 0")
@@ -131,10 +133,22 @@ def _check_id(i) -> int:
 
 
 def _check_ids(ids: Iterable[int]) -> List[int]:
-    if isinstance(ids, (str, bytes, bytearray)) or not hasattr(ids, "__iter__"):
+    if (isinstance(ids, (str, bytes, bytearray)) or not hasattr(ids, "__iter__")
+            or (isinstance(ids, np.ndarray) and ids.ndim == 0)):
         raise TokenizerError(f"decode needs a sequence of token ids (integers >= 0), got "
                              f"{type(ids).__name__} {ids!r:.40}")
-    return [_check_id(i) for i in ids]
+    try:
+        items = list(ids)
+    except Exception as exc:                # a caller's object whose iteration fails
+        raise TokenizerError(f"decode needs a sequence of token ids (integers >= 0); reading the "
+                             f"{type(ids).__name__} given failed: {type(exc).__name__}: {exc}") from None
+    return [_check_id(i) for i in items]
+
+
+def _check_continuation(continuation: Any) -> bool:
+    if not isinstance(continuation, (bool, np.bool_)):
+        raise TokenizerError(f"continuation must be True or False, got {continuation!r:.40}")
+    return bool(continuation)
 
 
 def _utf8(text: str, name: str) -> bytes:
@@ -225,6 +239,7 @@ class Tokenizer:
         completion), so the tokenizer's leading-space strip, which only a text's start gets,
         does not apply."""
         ids = _check_ids(ids)
+        continuation = _check_continuation(continuation)
         text = b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
         if self.strip_leading_spaces and not continuation:
             return _strip_spaces(text, self.strip_leading_spaces)
@@ -233,7 +248,7 @@ class Tokenizer:
     def stream_decoder(self, continuation: bool = False) -> StreamDecoder:
         """An incremental decoder; ``continuation=True`` for a completion streamed after its
         prompt (as :meth:`decode`)."""
-        return StreamDecoder(self, 0 if continuation else None)
+        return StreamDecoder(self, 0 if _check_continuation(continuation) else None)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} vocab_size={self.vocab_size}>"
@@ -403,6 +418,7 @@ class BPETokenizer(Tokenizer):
         # ids without a token decode to nothing (the library skips those it can take, and takes
         # no id past 2**32 - 1)
         ids = [i for i in _check_ids(ids) if i < self._vocab_size]
+        _check_continuation(continuation)
         try:
             return self._tok.decode(ids, skip_special_tokens=False)
         except Exception as e:

@@ -94,10 +94,17 @@ def typed_init(cls):
     return cls
 
 
+def numpy_int(v: Any) -> bool:
+    """`v` is a numpy integer scalar. numpy counts np.timedelta64 (a duration) among its integers
+    (np.signedinteger); it is no count, and int() of one fails or gives a unit-dependent number."""
+    return isinstance(v, np.integer) and not isinstance(v, np.timedelta64)
+
+
 def plain_number(v: Any) -> Any:
     """A numpy integer or floating scalar as the Python int / float it holds (numpy's bool is left
-    as it is, so it is refused where a number is expected, like bool); anything else unchanged."""
-    if isinstance(v, np.integer):
+    as it is, so it is refused where a number is expected, like bool; np.timedelta64 too, a
+    duration: numpy_int); anything else unchanged."""
+    if numpy_int(v):
         return int(v)
     if isinstance(v, np.floating):
         return float(v)
@@ -118,9 +125,9 @@ def _stop_sequences(v: Any) -> Tuple[Tuple[int, ...], ...]:
         if isinstance(seq, (str, bytes)) or not isinstance(seq, Sequence) or len(seq) == 0:
             raise ConfigError(f"stop_sequences[{i}] must be a non-empty list of token ids, got {seq!r}")
         for t in seq:
-            if isinstance(t, bool) or not isinstance(plain_number(t), int) or t < 0:
+            if isinstance(t, bool) or not isinstance(plain_number(t), int) or plain_number(t) < 0:
                 raise ConfigError(f"stop_sequences[{i}] holds {t!r}; token ids are integers >= 0")
-        out.append(tuple(int(t) for t in seq))
+        out.append(tuple(int(plain_number(t)) for t in seq))
     return tuple(out)
 
 
@@ -283,7 +290,7 @@ class GenerateConfig:
             raise ConfigError(f"early_exit_threshold={th} is outside the allowed range [0, {MAX_PENALTY:g}] "
                               f"(0: the criterion's default)")
         object.__setattr__(self, "early_exit_threshold", th)
-        if self.early_exit_kv not in EXIT_KV_POLICIES:
+        if not isinstance(self.early_exit_kv, str) or self.early_exit_kv not in EXIT_KV_POLICIES:
             raise ConfigError(f"early_exit_kv={self.early_exit_kv!r} is not one of {', '.join(EXIT_KV_POLICIES)}")
         _int("sample_seed", self.sample_seed, 0, MAX_SEED)
         if not isinstance(self.cache_mode, str) or not self.cache_mode:
@@ -525,6 +532,30 @@ class GenerateStats:
     """generate_batch: the lanes of the lockstep batch this prompt decoded in (its own included);
     0 when it decoded alone (any other entry point, or a batch decoded one prompt after another)."""
 
+    _FLOATS: ClassVar[Tuple[str, ...]] = ("prefill_ms", "first_token_ms", "decode_ms", "loops_used", "acceptance_rate",
+                                          "mean_accepted_length")
+
+    def __post_init__(self) -> None:
+        """The fields a caller may set (a run resets them all) hold what a run writes there."""
+        for f in dataclasses.fields(self):
+            name, v = f.name, plain_number(getattr(self, f.name))
+            if name == "stop_reason":
+                if v is not None:
+                    try:
+                        v = StopReason(v)
+                    except ConfigError as exc:
+                        raise ConfigError(f"stop_reason: {exc}") from None
+            elif name == "token_loops":
+                if not isinstance(v, list):
+                    raise ConfigError(f"token_loops must be a list (of loop depths), got {type(v).__name__}")
+            elif name == "decoder":
+                if not isinstance(v, str):
+                    raise ConfigError(f"decoder must be a decoder name (str), got {v!r:.40}")
+            elif isinstance(v, bool) or not isinstance(v, (int, float) if name in self._FLOATS else int):
+                raise ConfigError(f"{name} must be {'a number' if name in self._FLOATS else 'an integer'}, "
+                                  f"got {v!r:.40}")
+            object.__setattr__(self, name, v)
+
     def finalize(self) -> None:
         """Derive the ratio fields from the counters once a call has ended."""
         if self.verify_forwards:
@@ -535,7 +566,7 @@ class GenerateStats:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d["stop_reason"] = self.stop_reason.value if self.stop_reason else None
+        d["stop_reason"] = None if self.stop_reason is None else str.__str__(self.stop_reason)
         return d
 
 
@@ -647,7 +678,7 @@ class RunConfig:
             if not isinstance(p, str):
                 raise ConfigError(f"prompts must be strings, got {p!r}")
         object.__setattr__(self, "prompts", tuple(self.prompts))
-        if self.mode not in RUN_MODES:
+        if not isinstance(self.mode, str) or self.mode not in RUN_MODES:
             raise ConfigError(f"mode={self.mode!r} is not one of {', '.join(RUN_MODES)}")
         spec_mode = self.mode in ("speculative", "tree_speculative")
         cls = TreeSpeculativeConfig if self.mode == "tree_speculative" else SpeculativeConfig

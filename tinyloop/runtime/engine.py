@@ -37,7 +37,7 @@ from ..model.arch import ModelConfig
 from .backend import Backend
 from .cache import build_spec, linear_slots
 from .compat import check_request
-from .config import GenerateConfig, GenerateStats, StopReason, env_switch
+from .config import GenerateConfig, GenerateStats, StopReason, env_switch, numpy_int
 from ..errors import (BackendError, ConfigError, IncompatibleModesError, InvalidInputError, ModelBusyError,
                       ModelFreedError, PluginError, TinyLoopError, TokenizerError)
 from ..model.format import open_model
@@ -72,8 +72,8 @@ class Model:
     def __init__(self, path, max_seq_len: int, backend: str, prefill_chunk: int, tokenizer=None):
         path = model_path(path)
         # numpy integers are integers (np.bool_, like bool, is not one)
-        max_seq_len = int(max_seq_len) if isinstance(max_seq_len, np.integer) else max_seq_len
-        prefill_chunk = int(prefill_chunk) if isinstance(prefill_chunk, np.integer) else prefill_chunk
+        max_seq_len = int(max_seq_len) if numpy_int(max_seq_len) else max_seq_len
+        prefill_chunk = int(prefill_chunk) if numpy_int(prefill_chunk) else prefill_chunk
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int):
             raise ConfigError(f"max_seq_len must be an integer in [1, 1048576], got {max_seq_len!r}")
         if not 1 <= max_seq_len <= 1 << 20:
@@ -303,7 +303,7 @@ def validate_request(model: Model, prompt: Any, config: GenerateConfig, what: st
 
 def resolve_loops(model: Model, loops: Optional[int]) -> int:
     L = model.cfg.default_loops if loops is None else loops
-    if isinstance(L, np.integer):
+    if numpy_int(L):
         L = int(L)                      # a numpy integer is an integer (np.bool_ is not one)
     if isinstance(L, bool) or not isinstance(L, int):
         raise ConfigError(f"loops={L!r} must be an integer in [1, {model.cfg.max_loops}] (model.max_loops)")

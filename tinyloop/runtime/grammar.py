@@ -221,6 +221,7 @@ class Grammar:
         """A fresh llguidance matcher of this grammar for the model's tokenizer (copied from a
         template compiled once per tokenizer). ConfigError when the grammar cannot be compiled for
         this tokenizer (llguidance's message)."""
+        vocab_size, eos_id = _matcher_arguments(tokenizer, vocab_size, eos_id)
         serial, lt = _ll_entry(tokenizer, vocab_size, eos_id)
         with self._lock:
             for gone in _FREED.intersection(self._templates):   # templates of freed tokenizers
@@ -234,6 +235,26 @@ class Grammar:
                                       f"{_one_line(tpl.get_error())}")
                 self._templates[serial] = tpl
         return tpl.deep_copy()
+
+
+def _matcher_arguments(tokenizer: Any, vocab_size: Any, eos_id: Any) -> Tuple[int, Optional[int]]:
+    """Grammar.matcher's arguments checked (ConfigError naming the one that is wrong): a tinyloop
+    Tokenizer, the model's vocabulary size (at least the tokenizer's) and its EOS id (None or an id
+    inside the vocabulary); numpy integers as the ints they hold."""
+    from ..model.tokenizer import Tokenizer
+    from .config import numpy_int
+    if not isinstance(tokenizer, Tokenizer):
+        raise ConfigError(f"tokenizer must be a tinyloop Tokenizer (model.tokenizer), got "
+                          f"{type(tokenizer).__name__} {tokenizer!r:.40}")
+    V = int(vocab_size) if numpy_int(vocab_size) else vocab_size
+    if isinstance(V, bool) or not isinstance(V, int) or not 1 <= V < 1 << 31:
+        raise ConfigError(f"vocab_size={vocab_size!r:.40} must be an integer in [1, {(1 << 31) - 1}] (the model's)")
+    if tokenizer.vocab_size > V:
+        raise ConfigError(f"vocab_size={V} is below the tokenizer's {tokenizer.vocab_size} ids")
+    eos = int(eos_id) if numpy_int(eos_id) else eos_id
+    if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < V):
+        raise ConfigError(f"eos_id={eos_id!r:.40} must be None or a token id in [0, {V})")
+    return V, eos
 
 
 def _numpy_value(value: Any) -> Any:

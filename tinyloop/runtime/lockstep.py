@@ -38,7 +38,7 @@ from typing import List, Sequence
 import numpy as np
 
 from .cache import SlotMap
-from .config import MAX_SEED, GenerateStats, StopReason, env_switch
+from .config import MAX_SEED, GenerateStats, StopReason, env_switch, numpy_int
 from ..errors import InvalidInputError, ModelFreedError, PluginError, TinyLoopError
 from .decoding import is_token, raised_by_plugin_code
 from .stopping import StopRequest
@@ -50,9 +50,9 @@ def lane_seed(seed: int, lane: int) -> int:
     ``numpy.random.SeedSequence(seed, spawn_key=(lane,)).generate_state(1, numpy.uint64)``
     (independent streams for equal prompts; a one-lane batch samples exactly as generate).
     InvalidInputError for a seed outside [0, 2^64) or a lane below 0 (or not an int)."""
-    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or not 0 <= seed <= MAX_SEED:
+    if isinstance(seed, (bool, np.bool_)) or not (isinstance(seed, int) or numpy_int(seed)) or not 0 <= seed <= MAX_SEED:
         raise InvalidInputError(f"seed={seed!r} must be an integer in [0, {MAX_SEED}] (a sample_seed)")
-    if isinstance(lane, (bool, np.bool_)) or not isinstance(lane, (int, np.integer)) or lane < 0:
+    if isinstance(lane, (bool, np.bool_)) or not (isinstance(lane, int) or numpy_int(lane)) or lane < 0:
         raise InvalidInputError(f"lane={lane!r} must be an integer >= 0 (a lane's place in its batch)")
     if lane == 0:
         return int(seed)

@@ -48,7 +48,7 @@ import numpy as np
 
 from ..errors import ConfigError, HandleBudgetError, HandleFreedError, InvalidInputError
 from .cache import linear_slots
-from .config import GenerateConfig, GenerateStats
+from .config import GenerateConfig, GenerateStats, numpy_int
 from .engine import (Model, Plan, _as_ids, _decode, _let_go, _locked, check_call, check_model_window, check_vocab,
                      resolve_loops, set_up, validate_request)
 from .stopping import CallbackStopper
@@ -59,7 +59,7 @@ MAX_HANDLE_BYTES_ENV = "TINYLOOP_MAX_HANDLE_BYTES"
 
 def _count(v: Any) -> Any:
     """A numpy integer as the int it is (np.bool_ is not one); anything else unchanged."""
-    return int(v) if isinstance(v, np.integer) else v
+    return int(v) if numpy_int(v) else v
 
 
 # --------------------------------------------------------------------------- the live-handle cap
@@ -262,11 +262,15 @@ class _Kept:
         if delta > 0:
             _BUDGET.charged(self.model, delta)
 
-    def _check(self, model: Optional[Model] = None) -> None:
+    def _check_state(self) -> None:
+        """The handle holds its state: not freed, evicted or released, and made by its builder."""
         if self._gone == _UNBUILT:
             raise self._unbuilt()
         if self._gone is not None:
             raise HandleFreedError(f"this {self.kind} was {self._gone}; build a new one")
+
+    def _check(self, model: Optional[Model] = None) -> None:
+        self._check_state()
         if model is not None and model is not self.model:
             raise InvalidInputError(f"this {self.kind} was built with model {self.model.path!r} (another Model "
                                     f"object); a {self.kind} serves only the model that built it")
@@ -408,7 +412,7 @@ class PrefixCache(_Kept):
 
     def __init__(self, model: Model, ids: List[int], loops: int, cache_mode: str) -> None:
         super().__init__(model)
-        self.prefix_ids: Tuple[int, ...] = tuple(ids)
+        self.prefix_ids: Tuple[int, ...] = tuple(_as_ids(ids, "ids"))
         self.loops, self.cache_mode = loops, cache_mode
         self.pool: Optional["PrefixPool"] = None
         self.cache = None
@@ -753,7 +757,7 @@ class ResumeHandle(_Kept):
 
     def __init__(self, model: Model, ids: List[int], loops: int, cache_mode: str) -> None:
         super().__init__(model)
-        self.prompt_ids: Tuple[int, ...] = tuple(ids)
+        self.prompt_ids: Tuple[int, ...] = tuple(_as_ids(ids, "ids"))
         self.loops_used, self.cache_mode = loops, cache_mode
         #: the config resume_generate decodes with when it is given none (build_resume_handle's,
         #: its loops left to each request's depth)
@@ -774,8 +778,21 @@ class ResumeHandle(_Kept):
         answered from it exactly)."""
         return sorted(self.snaps)
 
+    def _depth(self, loops: Any, name: str = "loops", lo: int = 1, hi: Optional[int] = None) -> int:
+        """`loops` (named `name`) as a loop depth in [lo, hi] (hi: the model's max_loops), on a handle
+        that holds its state: the methods below check their arguments before any work."""
+        self._check_state()
+        top = self.model.cfg.max_loops if hi is None else hi
+        L = _count(loops)
+        if isinstance(L, bool) or not isinstance(L, int):
+            raise ConfigError(f"{name}={loops!r} must be an integer in [{lo}, {top}]")
+        if not lo <= L <= top:
+            raise ConfigError(f"{name}={L} is outside the allowed range [{lo}, {top}]")
+        return L
+
     def base_depth(self, loops: int) -> int:
         """The deepest kept depth <= loops (ConfigError when there is none)."""
+        loops = self._depth(loops)
         below = [d for d in self.snaps if d <= loops]
         if not below:
             raise ConfigError(f"loops_new={loops} is below the handle's shallowest kept depth {min(self.snaps)}: the "
@@ -786,6 +803,7 @@ class ResumeHandle(_Kept):
     def growth_bytes(self, loops: int) -> int:
         """Bytes serving depth `loops` adds (a new kept residual, a cache grown to more iterations;
         the old cache is released after the copy, but both exist during it)."""
+        loops = self._depth(loops)
         extra = 0 if loops in self.snaps else _rows_bytes(self.model, len(self.prompt_ids))
         if loops > self.cache.spec.loops:
             extra += _cache_bytes(self.model, self.cache.spec.with_loops(loops))
@@ -801,6 +819,7 @@ class ResumeHandle(_Kept):
     def reserve(self, loops: int) -> None:
         """Make the cache hold `loops` iterations (the caller holds the model's lock): a larger
         cache, admitted under the live handle cap, takes a copy of the kept layers."""
+        loops = self._depth(loops)
         be, old = self.model.backend, self.cache
         if loops <= old.spec.loops:
             return
@@ -820,6 +839,16 @@ class ResumeHandle(_Kept):
         after them into `keep` (a row buffer) when given, then with `post` the post blocks at
         that depth and, with `logits`, the head: returns the host logits (n, vocab) float32.
         The caller holds the model's lock and has reserved `loops` iterations."""
+        self._check_state()
+        b = _count(base)
+        if isinstance(b, bool) or not isinstance(b, int) or b not in self.snaps:
+            raise ConfigError(f"base={base!r} is not a depth this handle keeps (depths {self.depths})")
+        base = b
+        loops = self._depth(loops, "loops", base, self.cache.spec.loops)
+        n = self._depth(n, "n", 1, len(self.prompt_ids))           # (rows, checked as a depth is)
+        for flag, v in (("post", post), ("logits", logits)):
+            if not isinstance(v, bool):
+                raise ConfigError(f"{flag}={v!r} must be True or False")
         model = self.model
         be, ws, fwd = model.backend, model.ws, model.fwd
         src = self.snaps[base]
@@ -844,6 +873,7 @@ class ResumeHandle(_Kept):
         """Bring the kept state to depth `loops` (the caller holds the model's lock and admitted the
         growth): iterations base .. loops - 1 over the prompt from the kept residual, the residual
         kept, the post blocks recomputed at that depth. Returns the base depth."""
+        loops = self._depth(loops)
         model = self.model
         P = len(self.prompt_ids)
         base = self.base_depth(loops)

@@ -20,7 +20,7 @@ from typing import Iterable, List, Optional, Sequence
 import numpy as np
 
 from ...progress import bar
-from ...runtime.config import GenerateConfig, GenerateStats, SpeculativeConfig, TreeSpeculativeConfig
+from ...runtime.config import GenerateConfig, GenerateStats, SpeculativeConfig, TreeSpeculativeConfig, numpy_int
 from ...runtime.engine import Plan, _as_ids, check_call, generate_stream, resolve_loops
 from ...errors import ConfigError, TinyLoopError
 from .spec_session import speculative_request
@@ -108,7 +108,7 @@ def calibrate(model, loops: Optional[int] = None, prompts: Optional[Sequence[Seq
     a given one is the error of its request, naming it."""
     check_call(model)
     model._check_live()
-    L = resolve_loops(model, int(loops) if isinstance(loops, np.integer) else loops)
+    L = resolve_loops(model, int(loops) if numpy_int(loops) else loops)
     if (isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float))
             or not 0 < min_speedup < float("inf")):
         raise ConfigError(f"min_speedup={min_speedup!r} must be a finite number > 0")
@@ -132,15 +132,20 @@ def calibrate(model, loops: Optional[int] = None, prompts: Optional[Sequence[Seq
         if max_tokens < 2:
             raise ConfigError(f"max_seq_len={model.max_seq_len} leaves no room for a calibration run "
                               f"(prompts of {model.max_seq_len - room} tokens + at least 2 new ones)")
-    if isinstance(max_tokens, np.integer):
+    if numpy_int(max_tokens):
         max_tokens = int(max_tokens)         # a numpy integer is an integer (np.bool_ is not one)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
         raise ConfigError(f"max_tokens={max_tokens!r} must be an integer >= 2 for a calibration run")
     if candidates is not None and (isinstance(candidates, (str, bytes, SpeculativeConfig))
-                                   or not isinstance(candidates, Iterable)):
+                                   or not isinstance(candidates, Iterable)
+                                   or (isinstance(candidates, np.ndarray) and candidates.ndim == 0)):
         raise ConfigError(f"candidates must be a list of SpeculativeConfig / TreeSpeculativeConfig (or None for "
                           f"the defaults), got {type(candidates).__name__} {candidates!r:.80}")
-    cands = list(default_candidates(L) if candidates is None else candidates)
+    try:
+        cands = default_candidates(L) if candidates is None else list(candidates)
+    except Exception as exc:            # a caller's iterable whose iteration fails
+        raise ConfigError(f"candidates must be a list of SpeculativeConfig / TreeSpeculativeConfig: reading the "
+                          f"{type(candidates).__name__} given failed ({type(exc).__name__}: {exc})") from None
     for c in cands:
         if not isinstance(c, SpeculativeConfig) or c.verify_loops != L:
             raise ConfigError(f"calibration candidates must be SpeculativeConfig / TreeSpeculativeConfig with "
