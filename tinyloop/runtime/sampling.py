@@ -7,7 +7,9 @@ on-device sampler, tinyloop/cuda/kernels/sample.py, runs the same operations):
 2. top-k: keep the k = min(top_k, vocab) largest z, ordered by descending z and, among equal
    values, ascending token id (a strict total order).
 3. weights w_j = exp(z_j - z_0) (z_0 the largest) and their running sums c_j = w_0 + ... + w_j,
-   accumulated sequentially in float64 in that order (``np.cumsum``).
+   accumulated sequentially in float64 in that order (``np.cumsum``). Where z_0 is +inf (a
+   float32 overflow) the weights are their limit instead: 1 for the +inf tokens, 0 for the rest.
+   (Host rule only: the CUDA kernel, used only without logit processors, does not apply it.)
 4. top-p: if top_p < 1, keep the first n candidates, n = 1 + the first j with
    c_j >= top_p * c_(k-1) (k if none); otherwise n = k.
 5. draw: with u uniform in [0, 1), the first candidate j < n with c_j > u * c_(n-1) (n - 1 if
@@ -50,8 +52,14 @@ def _ranked(logits: np.ndarray, temperature: float, top_k: int):
     k = min(int(top_k), n)
     if k < n:
         order = top_order(z, k)
-        return z, order, z[order]
-    return z, None, -np.sort(-z)
+        zs = z[order]
+    else:
+        order, zs = None, -np.sort(-z)
+    if zs[0] == np.inf:
+        # a +inf logit (a float32 overflow) would make every weight exp(inf - inf) = NaN: take
+        # the softmax's limit instead, the +inf tokens sharing the mass (the first is greedy's)
+        return _ranked(np.where(z == np.inf, 0.0, -np.inf), 1.0, top_k)
+    return z, order, zs
 
 
 def _kept(logits: np.ndarray, temperature: float, top_k: int, top_p: float):
