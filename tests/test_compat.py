@@ -172,3 +172,35 @@ def test_malformed_matrix_is_config_error(tmp_path):
     p.write_text("version: 1\ncontexts: {single: {status: implemented}}\nmodes:\n  x: {status: done, when: [a, '==', 1], cells: {single: ok}}\n")
     with pytest.raises(tl.ConfigError, match="modes.x.status"):
         lm(str(p))
+
+
+def test_every_rejected_cell_names_its_rationale(tiny_model, prompt):
+    """Each rejected cell of the shipped matrix carries a `why`, and the refusal names it: the
+    batched rejections with the spec's own rationale (its Batching and Integration page)."""
+    m = load_matrix()
+    missing = [f"{r.name}.{c}" for r in m.modes.values() for c, v in r.cells.items()
+               if v == "rejected" and not (r.why or {}).get(c)]
+    assert not missing, missing
+    with pytest.raises(tl.IncompatibleModesError, match=r"rejected in batched decoding: ring-buffer semantics"):
+        tl.generate_batch(tiny_model, [prompt], tl.GenerateConfig(cache_window=8))
+    with pytest.raises(tl.IncompatibleModesError, match=r"rejected in batched decoding: beams times lanes would "
+                                                         r"multiply cache memory"):
+        tl.generate_batch(tiny_model, [prompt], tl.GenerateConfig(beam_size=2))
+    with pytest.raises(tl.IncompatibleModesError, match=r"rejected in speculative decoding: the grammar's matcher"):
+        m.check("speculative", tl.GenerateConfig(grammar=tl.Grammar.regex("a+")))
+
+
+@pytest.mark.parametrize("why, what", [
+    ("{single: 'x'}", "single is ok, not rejected"),
+    ("{batched: ''}", "an empty rationale"),
+    ("[batched]", "not a mapping"),
+    ("{nowhere: 'x'}", "an unknown context"),
+])
+def test_a_why_must_explain_a_rejected_cell(tmp_path, why, what):
+    from tinyloop.runtime.compat import load_matrix as lm
+    p = tmp_path / "compat.yaml"
+    p.write_text("version: 1\ncontexts: {single: {status: implemented}, batched: {status: implemented}}\n"
+                 "modes:\n  x: {status: implemented, when: [beam_size, '>=', 2], "
+                 f"cells: {{single: ok, batched: rejected}}, why: {why}}}\n")
+    with pytest.raises(tl.ConfigError, match=r"modes.x.why must map rejected contexts"):
+        lm(str(p))

@@ -43,6 +43,7 @@ class ModeRule:
     op: str
     value: Any
     cells: Mapping[str, str]
+    why: Mapping[str, str] = None      # context -> the rationale of a rejected cell (the row's ``why``)
 
     def active(self, config: Any) -> bool:
         v = getattr(config, self.field, None)
@@ -89,9 +90,10 @@ class CompatMatrix:
             for m in active:
                 cell = m.cells[ctx]
                 if cell == "rejected":
+                    why = (m.why or {}).get(ctx)
                     raise IncompatibleModesError(
-                        f"mode {m.describe(config)} is rejected in {ctx} decoding "
-                        f"({self.source}: modes.{m.name}.{ctx} = rejected)")
+                        f"mode {m.describe(config)} is rejected in {ctx} decoding"
+                        f"{': ' + why if why else ''} ({self.source}: modes.{m.name}.{ctx} = rejected)")
                 if cell == "partial":
                     partial.append((m.name, ctx))
             if i == 0:
@@ -134,8 +136,8 @@ def _parse(data: Any, source: str) -> CompatMatrix:
         contexts[name] = c["status"]
     modes: Dict[str, ModeRule] = {}
     for name, m in (data.get("modes") or {}).items():
-        if not isinstance(m, dict) or set(m) - {"status", "when", "cells", "doc"}:
-            raise bad(f"modes.{name} must have keys status, when, cells")
+        if not isinstance(m, dict) or set(m) - {"status", "when", "cells", "why", "doc"}:
+            raise bad(f"modes.{name} must have keys status, when, cells (and optionally why, doc)")
         if m.get("status") not in STATUSES:
             raise bad(f"modes.{name}.status must be one of {STATUSES}")
         when = m.get("when")
@@ -156,7 +158,13 @@ def _parse(data: Any, source: str) -> CompatMatrix:
         if (not isinstance(cells, dict) or set(cells) != set(contexts)
                 or any(v not in CELLS for v in cells.values())):
             raise bad(f"modes.{name}.cells must give one of {CELLS} for each context {sorted(contexts)}")
-        modes[name] = ModeRule(name, m["status"], when[0], when[1], when[2], dict(cells))
+        why = m.get("why") or {}
+        if not isinstance(why, dict) or any(
+                cells.get(ctx) != "rejected" or not (isinstance(text, str) and text.strip())
+                for ctx, text in why.items()):
+            raise bad(f"modes.{name}.why must map rejected contexts (of "
+                      f"{sorted(c for c, v in cells.items() if v == 'rejected')}) to their rationale, got {why!r:.120}")
+        modes[name] = ModeRule(name, m["status"], when[0], when[1], when[2], dict(cells), dict(why))
     pairs = []
     for i, p in enumerate(data.get("pairs") or []):
         ms = p.get("modes") if isinstance(p, dict) else None
