@@ -96,8 +96,11 @@ def apply_chat_template(model: Model, messages: Sequence[Mapping[str, Any]], add
         raise TokenizerError(f"the model's tokenizer ({tok.name}) has no chat template: convert from a Hugging "
                              f"Face directory whose tokenizer_config.json (or chat_template.jinja) has one, or "
                              f"load the model with tokenizer=DIR of such a directory")
-    c = model.cfg
-    text = render(tok.chat_template, messages, add_generation_prompt,
-                  bos_token="" if c.bos_id is None else tok.token_text(c.bos_id),
-                  eos_token="" if c.eos_id is None else tok.token_text(c.eos_id), extra=template_kwargs)
+    c, special = model.cfg, tok.special_tokens
+    # the checkpoint's special-token texts (tokenizer_config.json's, as transformers renders them),
+    # else those of the model's BOS / EOS ids
+    bos = special.get("bos_token", "" if c.bos_id is None else tok.token_text(c.bos_id))
+    eos = special.get("eos_token", "" if c.eos_id is None else tok.token_text(c.eos_id))
+    text = render(tok.chat_template, messages, add_generation_prompt, bos_token=bos, eos_token=eos,
+                  extra=template_kwargs, special=special)
     return tok.encode(text) if tokenize else text

@@ -119,10 +119,21 @@ def _physical_layout(config: ModelConfig, quant: Mapping[str, TensorQuant]) -> D
     return layout
 
 
+#: What an embedded tokenizer of either type may carry besides its own keys.
+TOKENIZER_EXTRAS = ("chat_template", "special_tokens")
+#: The special-token texts a chat template names (tokenizer_config.json's keys).
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
 def _check_chat_template(tok: dict) -> None:
     t = tok.get("chat_template")
     if t is not None and (not isinstance(t, str) or not t.strip()):
         raise ConfigError("tokenizer 'chat_template' must be the non-empty text of a Jinja template")
+    sp = tok.get("special_tokens")
+    if sp is not None and (not isinstance(sp, dict) or set(sp) - set(SPECIAL_TOKEN_KEYS)
+                           or not all(isinstance(v, str) and v for v in sp.values())):
+        raise ConfigError(f"tokenizer 'special_tokens' must map some of {', '.join(SPECIAL_TOKEN_KEYS)} to "
+                          f"non-empty token texts")
 
 
 def _check_tokenizer(tok, vocab_size: int) -> Optional[dict]:
@@ -135,17 +146,17 @@ def _check_tokenizer(tok, vocab_size: int) -> Optional[dict]:
         # a Hugging Face tokenizer.json kept verbatim; the tokenizers library parses it when the
         # model is loaded (tinyloop.model.tokenizer.HFTokenizer), so only its form is checked here
         keys = sorted(tok, key=str)
-        if not {"json", "type"} <= set(keys) <= {"json", "type", "chat_template"}:
+        if not {"json", "type"} <= set(keys) <= {"json", "type", *TOKENIZER_EXTRAS}:
             raise ConfigError(f"tokenizer keys are {keys}; an 'hf' tokenizer has 'json', 'type' and "
-                              f"optionally 'chat_template'")
+                              f"optionally 'chat_template', 'special_tokens'")
         if not isinstance(tok["json"], str) or not tok["json"].lstrip().startswith("{"):
             raise ConfigError("tokenizer 'json' must be the text of a tokenizer.json object")
         _check_chat_template(tok)
         return tok
-    keys = set(tok) - {"chat_template"}
+    keys = set(tok) - set(TOKENIZER_EXTRAS)
     if sorted(keys, key=str) != sorted(TOKENIZER_KEYS):
         raise ConfigError(f"tokenizer keys are {sorted(tok, key=str)}; expected {sorted(TOKENIZER_KEYS)} and "
-                          f"optionally 'chat_template'")
+                          f"optionally 'chat_template', 'special_tokens'")
     _check_chat_template(tok)
     if tok["type"] != "bpe":
         raise ConfigError(f"tokenizer type {tok['type']!r} is not supported; 'bpe' and 'hf' are")

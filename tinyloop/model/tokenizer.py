@@ -216,6 +216,9 @@ class Tokenizer:
     strip_leading_spaces: int = 0
     #: The model's chat template (Jinja text, tinyloop.apply_chat_template), None without one.
     chat_template: Optional[str] = None
+    #: The checkpoint's special-token texts a chat template names (``bos_token``, ``eos_token``,
+    #: ``pad_token``, ``unk_token``: tokenizer_config.json's), empty when the directory gave none.
+    special_tokens: Dict[str, str] = {}
 
     def token_text(self, token_id: int) -> str:
         """The token's text as a chat template names it (an added token's content, e.g.
@@ -365,7 +368,7 @@ class BPETokenizer(Tokenizer):
         if d.get("type") != "bpe":
             raise TokenizerError(f"embedded tokenizer type {d.get('type')!r} is not supported "
                                  f"(only 'bpe')")
-        unknown = sorted(set(d) - {"type", "vocab", "merges", "chat_template"}, key=str)
+        unknown = sorted(set(d) - {"type", "vocab", "merges", "chat_template", "special_tokens"}, key=str)
         if unknown:
             raise TokenizerError(f"embedded tokenizer has unknown key(s) {unknown}")
         if "vocab" not in d or "merges" not in d:
@@ -385,14 +388,12 @@ class BPETokenizer(Tokenizer):
                 raise TokenizerError(f"embedded tokenizer merge #{n} must be \"a b\", got {m!r}")
             merges.append((parts[0], parts[1]))
         tok = cls(d["vocab"], merges, name="bpe:embedded")
-        tok.chat_template = _check_template(d.get("chat_template"), "embedded 'chat_template'")
+        _embedded_extras(tok, d)
         return tok
 
     def to_embedded(self) -> dict:
-        out = {"type": "bpe", "vocab": dict(self._vocab), "merges": [f"{a} {b}" for a, b in self._merges]}
-        if self.chat_template is not None:
-            out["chat_template"] = self.chat_template
-        return out
+        return _with_extras(self, {"type": "bpe", "vocab": dict(self._vocab),
+                                   "merges": [f"{a} {b}" for a, b in self._merges]})
 
     # ------------------------------------------------------------------ protocol
     @property
@@ -683,21 +684,18 @@ class HFTokenizer(Tokenizer):
             raise TokenizerError(f"embedded tokenizer must be a mapping, got {type(d).__name__}")
         if d.get("type") != "hf":
             raise TokenizerError(f"embedded tokenizer type {d.get('type')!r} is not 'hf'")
-        unknown = sorted(set(d) - {"type", "json", "chat_template"}, key=str)
+        unknown = sorted(set(d) - {"type", "json", "chat_template", "special_tokens"}, key=str)
         if unknown:
             raise TokenizerError(f"embedded tokenizer has unknown key(s) {unknown} (expected "
-                                 f"'type', 'json' and optionally 'chat_template')")
+                                 f"'type', 'json' and optionally 'chat_template', 'special_tokens')")
         if not isinstance(d.get("json"), str):
             raise TokenizerError("embedded 'hf' tokenizer needs 'json': the tokenizer.json text")
         tok = cls(d["json"], name="hf:embedded")
-        tok.chat_template = _check_template(d.get("chat_template"), "embedded 'chat_template'")
+        _embedded_extras(tok, d)
         return tok
 
     def to_embedded(self) -> dict:
-        out = {"type": "hf", "json": self._json}
-        if self.chat_template is not None:
-            out["chat_template"] = self.chat_template
-        return out
+        return _with_extras(self, {"type": "hf", "json": self._json})
 
     def token_text(self, token_id: int) -> str:
         token_id = _check_id(token_id)
@@ -734,6 +732,60 @@ def tokenizer_from_embedded(d: dict) -> Tokenizer:
         return HFTokenizer.from_embedded(d)
     raise TokenizerError(f"embedded tokenizer type {kind!r} is not supported (allowed: "
                          f"{', '.join(repr(t) for t in EMBEDDED_TYPES)})")
+
+
+#: The special-token texts a chat template may name, as tokenizer_config.json spells them.
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def _embedded_extras(tok: Tokenizer, d: dict) -> None:
+    """The optional keys every embedded form may carry: "chat_template" (its Jinja text) and
+    "special_tokens" ({"bos_token": text, ...}, a subset of SPECIAL_TOKENS)."""
+    tok.chat_template = _check_template(d.get("chat_template"), "embedded 'chat_template'")
+    tok.special_tokens = _check_special(d.get("special_tokens"), "embedded 'special_tokens'")
+
+
+def _with_extras(tok: Tokenizer, out: dict) -> dict:
+    if tok.chat_template is not None:
+        out["chat_template"] = tok.chat_template
+    if tok.special_tokens:
+        out["special_tokens"] = dict(tok.special_tokens)
+    return out
+
+
+def _check_special(v, what: str) -> Dict[str, str]:
+    if v is None:
+        return {}
+    if (not isinstance(v, dict) or set(v) - set(SPECIAL_TOKENS)
+            or not all(isinstance(t, str) and t for t in v.values())):
+        raise TokenizerError(f"{what} must map some of {', '.join(SPECIAL_TOKENS)} to non-empty token texts, "
+                             f"got {v!r:.120}")
+    return dict(v)
+
+
+def read_special_tokens(path: str) -> Dict[str, str]:
+    """The special-token texts of a Hugging Face tokenizer directory that a chat template names
+    (SPECIAL_TOKENS): tokenizer_config.json's, else special_tokens_map.json's; a value is the
+    token's text or an AddedToken mapping with its "content". Empty when neither file has them."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        f = os.path.join(path, name)
+        if not os.path.isfile(f):
+            continue
+        try:
+            with open(f, "r", encoding="utf-8") as fh:
+                d = json.load(fh)
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise TokenizerError(f"{f}: not a readable JSON file: {e}") from None
+        out = {}
+        for key in SPECIAL_TOKENS:
+            v = d.get(key) if isinstance(d, dict) else None
+            if isinstance(v, dict):
+                v = v.get("content")
+            if isinstance(v, str) and v:
+                out[key] = v
+        if out:
+            return out
+    return {}
 
 
 def _check_template(t, what: str) -> Optional[str]:
@@ -775,7 +827,8 @@ def read_chat_template(path: str) -> Optional[str]:
 def load_tokenizer_dir(path: str) -> Tokenizer:
     """Load a tokenizer directory: ``tokenizer.json`` (:class:`HFTokenizer`) when it has one, else
     GPT-2's ``vocab.json`` + ``merges.txt`` (:class:`BPETokenizer`); either with the directory's
-    chat template when it has one (:func:`read_chat_template`)."""
+    chat template when it has one (:func:`read_chat_template`) and its special-token texts
+    (:func:`read_special_tokens`)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise TokenizerError(f"tokenizer directory {path!r} does not exist or is not a directory")
@@ -783,12 +836,14 @@ def load_tokenizer_dir(path: str) -> Tokenizer:
     if os.path.isfile(tj):
         tok = HFTokenizer.from_file(tj)
         tok.chat_template = read_chat_template(path)
+        tok.special_tokens = read_special_tokens(path)
         return tok
     if not any(os.path.isfile(os.path.join(path, f)) for f in ("vocab.json", "merges.txt")):
         raise TokenizerError(f"tokenizer directory {path!r} has no tokenizer.json (Hugging Face) "
                              f"and no vocab.json + merges.txt (GPT-2)")
     tok = BPETokenizer.from_dir(path)
     tok.chat_template = read_chat_template(path)
+    tok.special_tokens = read_special_tokens(path)
     return tok
 
 

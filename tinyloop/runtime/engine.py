@@ -208,11 +208,13 @@ def vram_usage_bytes(model: Model) -> int:
 def encode_text(model: Model, text: str, start: bool = True) -> List[int]:
     """Token ids of a text prompt: ``model.tokenizer.encode(text)``, after the model's BOS id when
     it has one and the text starts a sequence (`start`; a continuation, such as the suffix after a
-    prefix cache, gets none). The convention of `tinyloop run`, of transformers' tokenizers and of
-    OpenAI-compatible servers; token-id prompts are always used as given."""
+    prefix cache, gets none) and does not begin with the BOS token itself (a chat rendered by
+    apply_chat_template(..., tokenize=False) writes it: one BOS, not two). The convention of
+    `tinyloop run`, of transformers' tokenizers and of OpenAI-compatible servers; token-id prompts
+    are always used as given."""
     ids = model.tokenizer.encode(text)
     bos = model.cfg.bos_id
-    return [bos] + ids if start and bos is not None else ids
+    return [bos] + ids if start and bos is not None and ids[:1] != [bos] else ids
 
 
 def _as_ids(tokens: Any, what: str, model: Optional[Model] = None, start: bool = True) -> List[int]:
