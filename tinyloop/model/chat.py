@@ -41,7 +41,7 @@ RESERVED = ("messages", "add_generation_prompt", "bos_token", "eos_token", "pad_
 NOT_TEMPLATE_VARIABLES = ("chat_template", "sanitize_control_tokens", "return_assistant_tokens_mask", "padding",
                           "truncation", "max_length", "return_tensors", "return_dict", "tokenizer_kwargs")
 
-#: The names a message's reasoning goes by (transformers' _REASONING_FIELDS; templates read the first).
+#: The names a message's reasoning goes by in transformers' renderer (templates read the first).
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
@@ -131,7 +131,7 @@ def _environment():
 
 
 def _plain(value: Any) -> Any:
-    """`value` rebuilt from plain JSON types, as transformers' _plain_template_data: what a template
+    """`value` rebuilt from plain JSON types, as transformers hands template data over: what a template
     sees holds no method of a caller's object."""
     if value is None or type(value) in (str, int, float, bool):
         return value
