@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 from ..runtime.config import GenerateConfig
-from ..runtime.engine import Plan, free_model, load_model, resolve_loops
+from ..runtime.engine import Plan, encode_text, free_model, load_model, resolve_loops
 from ..errors import ConfigError
 from ..runtime.config import read_text
 from ..runtime.plugins import get_plugin_manager
@@ -50,8 +51,7 @@ def run(args) -> int:
     model = load_model(args.model, max_seq_len=max(args.window, 2), backend=args.backend,
                        tokenizer=args.tokenizer or None)
     try:
-        tok = model.tokenizer
-        ids = tok.encode(text)
+        ids = encode_text(model, text)      # after the model's BOS id, as every text entry point does
         results = []
         modes = [m.strip() for m in args.cache_mode.split(",") if m.strip()]
         if not modes:
@@ -68,8 +68,10 @@ def run(args) -> int:
                 print(f"{r['loops']:>5} {mode:>6} {r['ppl']:>10.3f} {r['nll']:>8.4f} {r['tokens']:>8}")
                 sys.stdout.flush()
         if args.json:
+            finite = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
+                      for r in results]        # strict JSON: a ppl past the float range is null
             Path(args.json).write_text(json.dumps({"model": args.model, "text": args.text,
-                                                   "window": args.window, "results": results}, indent=2))
+                                                   "window": args.window, "results": finite}, indent=2))
     finally:
         free_model(model)
     return 0
