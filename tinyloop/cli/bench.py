@@ -36,4 +36,7 @@ def run(args) -> int:
     if mod is None:
         raise ConfigError(f"the benchmarks live in the source tree ({BENCH_DIR} is missing); "
                           f"run from a checkout of the repository")
+    if getattr(args, "json", None) is not None:     # written after each section: checked before any work
+        from .run import _check_writable
+        _check_writable(args.json, "--json", inputs=(getattr(args, "model", None),))
     return mod.run(args)

@@ -131,6 +131,8 @@ def index_checkpoint(path: str) -> Dict[str, TensorInfo]:
             raise ModelFormatError(f"checkpoint directory {path!r} contains no *.safetensors files")
     elif os.path.isfile(path):
         files = [path]
+    elif os.path.exists(path):
+        raise ModelFormatError(f"checkpoint {path!r} is not a regular file or a directory")
     else:
         raise ModelFormatError(f"checkpoint {path!r} does not exist")
     return _index_files(files)
@@ -388,6 +390,8 @@ def _check_output(output: str, inputs: List[str]) -> str:
     if os.path.isdir(out_abs):
         raise ConfigError(f"output {os.fspath(output)!r} is a directory: give a file path such as "
                           f"{os.path.join(os.fspath(output), 'model.tinyloop')!r}")
+    if not os.path.isdir(os.path.dirname(out_abs)):
+        raise ConfigError(f"output {os.fspath(output)!r}: the folder {os.path.dirname(out_abs)!r} does not exist")
     if os.path.exists(out_abs):
         for f in inputs:
             if os.path.exists(f) and os.path.samefile(f, out_abs):
@@ -528,6 +532,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args) -> int:
     try:
+        for flag, value in (("--output", args.output), ("--tokenizer", args.tokenizer)):
+            if value is not None and not value:     # (an unset shell variable: not "not given")
+                raise ConfigError(f"{flag} '' is empty: give a path")
         meta = parse_metadata(args.metadata)
         common = dict(quant=args.quant, group_size=args.group_size, embed_quant=args.embed_quant,
                       head_quant=args.head_quant, tokenizer_dir=args.tokenizer, metadata=meta)

@@ -108,10 +108,11 @@ def run(args) -> int:
         d = inspect(args.file, args.max_seq_len, args.loops)
         if args.measure:
             from ..analysis.loopgain import measure_file
-            text = None
-            if args.text is not None:
-                with open(args.text, encoding="utf-8") as f:
-                    text = f.read()
+            from ..runtime.config import read_text
+            top = d["config"]["max_loops"]
+            if args.loops_max is not None and not 1 <= args.loops_max <= top:
+                raise TinyLoopError(f"--loops-max={args.loops_max} must be in [1, {top}] (the model's max_loops)")
+            text = None if args.text is None else read_text(args.text, "--text")
             d["loop_gain"] = measure_file(args.file, text, args.loops_max, args.window, args.max_windows,
                                           text_label=args.text)
         elif args.text is not None or args.loops_max is not None:

@@ -4,6 +4,7 @@ with ``--uncertainty`` the per-token entropy / settled-depth strip (matplotlib: 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..analysis import plots
@@ -32,8 +33,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    if not args.output.lower().endswith((".png", ".svg", ".pdf")):
-        raise ConfigError(f"--output {args.output!r} must end in .png, .svg or .pdf")
+    # (a suffix of a file name: matplotlib saves "-o .png" as ".png.png")
+    if os.path.splitext(os.path.basename(args.output))[1].lower() not in (".png", ".svg", ".pdf"):
+        raise ConfigError(f"--output {args.output!r} must end in .png, .svg or .pdf (after a file name)")
     _check_writable(args.output, "--output")
     plots._pyplot()                                    # the extra is there before any work
     if not args.text:

@@ -24,8 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)   # (imports every subcommand: Ctrl-C may land here)
         return int(args._run(args) or 0)
     except TinyLoopError as exc:
         print(f"error: {' '.join(str(exc).splitlines())}", file=sys.stderr)

@@ -6,14 +6,13 @@ import argparse
 import json
 import math
 import sys
-from pathlib import Path
 
 from ..runtime.config import GenerateConfig
 from ..runtime.engine import Plan, encode_text, free_model, load_model, resolve_loops
 from ..errors import ConfigError
 from ..runtime.config import read_text
 from ..runtime.plugins import get_plugin_manager
-from .run import _check_writable
+from .run import _check_nonempty, _check_writable, _write_output
 from ..analysis.evaluate import perplexity
 
 
@@ -41,8 +40,9 @@ def run(args) -> int:
         raise ConfigError(f"--window={args.window} must be at least 2 (tokens per scored window)")
     if args.max_windows is not None and args.max_windows < 1:
         raise ConfigError(f"--max-windows={args.max_windows} must be at least 1")
-    if args.json:
-        _check_writable(args.json, "--json")
+    _check_nonempty(args.tokenizer, "--tokenizer")
+    if args.json is not None:
+        _check_writable(args.json, "--json", inputs=(args.model, args.text))
     text = read_text(args.text, "--text")
     try:
         loops = [int(x) for x in args.loops.split(",") if x.strip()]
@@ -70,8 +70,8 @@ def run(args) -> int:
         if args.json:
             finite = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
                       for r in results]        # strict JSON: a ppl past the float range is null
-            Path(args.json).write_text(json.dumps({"model": args.model, "text": args.text,
-                                                   "window": args.window, "results": finite}, indent=2))
+            _write_output(args.json, json.dumps({"model": args.model, "text": args.text,
+                                                 "window": args.window, "results": finite}, indent=2))
     finally:
         free_model(model)
     return 0

@@ -14,7 +14,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from ..runtime.config import GenerateStats, RunConfig, load_run_config, read_text
 from ..runtime.engine import (Plan, encode_text, free_model, generate_batch, generate_iter, load_model,
@@ -65,8 +65,11 @@ def read_prompts(cfg: RunConfig, base: Path) -> List[str]:
     return prompts
 
 
-def _check_writable(path: str, what: str) -> None:
-    """ConfigError, before any work, unless `path` can be written as a file."""
+def _check_writable(path: str, what: str, inputs: Sequence[Optional[str]] = ()) -> None:
+    """ConfigError, before any work, unless `path` can be written as a file that is none of the
+    command's `inputs` (writing it would destroy the input)."""
+    if not path:
+        raise ConfigError(f"{what} '' is empty: give a file path")
     p = Path(path)
     if p.is_dir():
         raise ConfigError(f"{what} {path!r} is a directory; give a file path")
@@ -75,6 +78,42 @@ def _check_writable(path: str, what: str) -> None:
         raise ConfigError(f"{what} {path!r}: the folder {str(parent)!r} does not exist")
     if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
         raise ConfigError(f"{what} {path!r} is not writable")
+    for f in inputs:
+        try:
+            same = bool(f) and p.exists() and os.path.samefile(f, p)
+        except (OSError, ValueError):
+            same = False
+        if same:
+            raise ConfigError(f"{what} {path!r} is one of the command's input files ({f}): give another path")
+
+
+def _check_nonempty(value: Optional[str], flag: str) -> None:
+    """A flag given as '' (an unset shell variable) is refused rather than read as 'not given'."""
+    if value is not None and not value:
+        raise ConfigError(f"{flag} '' is empty: give a path (or leave the option out)")
+
+
+def _write_output(path: str, text: str) -> None:
+    """Write `text` to `path` whole or not at all: a regular (or new) file is written to a temporary
+    file beside it that replaces it when complete, so a Ctrl-C or a full disk part way leaves no
+    truncated output looking finished; anything else (a FIFO, /dev/stdout) is written in place."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        return
+    d, base = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(d, f".{base}.{os.getpid()}.partial")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def _print_stats(st: GenerateStats, label: str = "") -> None:
@@ -168,15 +207,17 @@ def run(args) -> int:
                               "the config's output_jsonl)")
         over["output_jsonl"] = args.output_jsonl
     cfg = dataclasses.replace(cfg, **over)
+    _check_nonempty(args.tokenizer, "--tokenizer")
     base = Path(args.config).resolve().parent
     prompts = read_prompts(cfg, base)
-    out_path = None
-    if cfg.output_jsonl:
-        out_path = _resolve(base, cfg.output_jsonl) if not args.output_jsonl else args.output_jsonl
-        _check_writable(out_path, "output_jsonl")
     # a shipped model's name ("demo", "demo-exit") names it here as in load_model and inspect
     model_path = (shipped_model_path(cfg.model) if cfg.model in SHIPPED else
                   _resolve(base, cfg.model) if cfg.model else demo_model_path())
+    out_path = None
+    if cfg.output_jsonl:
+        out_path = _resolve(base, cfg.output_jsonl) if not args.output_jsonl else args.output_jsonl
+        _check_writable(out_path, "output_jsonl",
+                        inputs=(args.config, _resolve(base, cfg.prompts_file), model_path))
     tokenizer_dir = args.tokenizer or _resolve(base, cfg.tokenizer)
     # (a malformed file's ModelFormatError names the file itself: tinyloop.model.format.open_model)
     model = load_model(model_path, max_seq_len=cfg.max_seq_len, backend=cfg.backend,
@@ -251,14 +292,13 @@ def run(args) -> int:
             finally:
                 serve.close()
         if out_path:
+            lines = "".join(json.dumps({"prompt": prompt, "completion": text, "prompt_ids": ids,
+                                        "output_ids": gen, "stats": st.to_dict()}) + "\n"
+                            for prompt, ids, gen, text, st in records)
             try:
-                fh = open(out_path, "w", encoding="utf-8")
+                _write_output(out_path, lines)
             except OSError as exc:
                 raise ConfigError(f"cannot write output_jsonl {out_path!r}: {exc.strerror or exc}") from None
-            with fh:
-                for prompt, ids, gen, text, st in records:
-                    fh.write(json.dumps({"prompt": prompt, "completion": text, "prompt_ids": ids,
-                                         "output_ids": gen, "stats": st.to_dict()}) + "\n")
     finally:
         free_model(model)
     return 0

@@ -26,9 +26,26 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def config_of(args) -> ServeConfig:
-    cfg = load_serve_config(args.config) if args.config else ServeConfig()
+    from .run import _check_nonempty
+    _check_nonempty(args.config, "--config")
+    cfg = load_serve_config(args.config) if args.config is not None else ServeConfig()
     changes = {k: getattr(args, k) for k in ("model", "host", "port", "backend") if getattr(args, k) is not None}
     return cfg.replace(**changes) if changes else cfg
+
+
+def _check_listen(host: str, port: int) -> None:
+    """ConfigError unless a server can listen on host:port now (bound as uvicorn binds it, then
+    closed): a port in use or an unknown host is one error line, not uvicorn's log line and exit 3."""
+    import asyncio
+
+    async def probe():
+        server = await asyncio.get_running_loop().create_server(asyncio.Protocol, host=host, port=port)
+        server.close()
+        await server.wait_closed()
+    try:
+        asyncio.run(probe())
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def run(args) -> int:
@@ -37,6 +54,7 @@ def run(args) -> int:
         import uvicorn  # noqa: F401
     except ImportError:
         raise ConfigError("the server needs the serve extra: pip install 'tinyloop[serve]'") from None
+    _check_listen(cfg.host, cfg.port)         # before the model loads; uvicorn's own failure is exit 3
     from ..serve import create_app
     from ..serve.app import uvicorn_server
     app = create_app(cfg)
