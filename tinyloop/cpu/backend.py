@@ -310,6 +310,7 @@ class CPUBackend(Backend, TreeOps, CacheReuse, TokenMasks, KVLayerCopy, GuardedS
 
     def free(self) -> None:
         self._scores = None
+        self.cos = self.sin = self._exit_prev = None
         self._blocks.clear()
         self._held = 0
 

@@ -151,6 +151,9 @@ class Model:
     def _release(self) -> None:
         for handle in list(getattr(self, "_handles", ())):
             handle._drop("released with its model (free_model)")
+        # the weights and buffers go now, not with the last reference to this object (a caller's
+        # list, a closed server that a framework cache keeps): every entry point refuses it anyway
+        self.fwd = self.ws = self.weights = None
         be = getattr(self, "backend", None)
         if be is not None:
             be.free()

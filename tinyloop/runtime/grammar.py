@@ -81,8 +81,9 @@ _LLTOK_LOCK = threading.Lock()
 #: grammars' compiled templates (an id() of a freed llguidance tokenizer could be reused)
 _LLTOKS: "weakref.WeakKeyDictionary[Any, Dict[Tuple[int, int], Tuple[int, Any]]]" = weakref.WeakKeyDictionary()
 _SERIALS = itertools.count()
-#: serials whose tokenizer was freed: the grammars drop their templates for them
-_FREED: set = set()
+#: serials whose tokenizer is alive (bounded by the live tokenizers: a freed one's serial leaves as
+#: its tokenizer goes); the grammars drop their templates of any other serial
+_LIVE: set = set()
 
 
 def ll_vocab(vocab_size: int, eos_id: Optional[int]) -> Tuple[int, int]:
@@ -106,7 +107,8 @@ def _ll_entry(tokenizer, vocab_size: int, eos_id: Optional[int]) -> Tuple[int, A
             except Exception as exc:          # llguidance's own message, typed
                 raise ConfigError(f"llguidance cannot use the tokenizer {tokenizer!r}: {_one_line(exc)}") from None
             entry = per[(n, eos)] = (next(_SERIALS), lt)
-            weakref.finalize(tokenizer, _FREED.add, entry[0])
+            _LIVE.add(entry[0])
+            weakref.finalize(tokenizer, _LIVE.discard, entry[0])
     return entry
 
 
@@ -224,7 +226,7 @@ class Grammar:
         vocab_size, eos_id = _matcher_arguments(tokenizer, vocab_size, eos_id)
         serial, lt = _ll_entry(tokenizer, vocab_size, eos_id)
         with self._lock:
-            for gone in _FREED.intersection(self._templates):   # templates of freed tokenizers
+            for gone in [s for s in self._templates if s not in _LIVE]:   # templates of freed tokenizers
                 del self._templates[gone]
             tpl = self._templates.get(serial)
             if tpl is None:
