@@ -205,7 +205,8 @@ class GenerateConfig:
     beam_size: int = 0
     """0 or 1: ordinary decoding; >= 2: deterministic beam search."""
     length_penalty: float = 1.0
-    """Beam search only (elsewhere an error): beams rank by log_prob / max(1, len) ** length_penalty."""
+    """Beam search only (elsewhere an error): beams rank by log_prob / max(1, len) ** length_penalty,
+    len the beam's generated tokens (its EOS / stop-sequence token included, the prompt not)."""
     early_exit_patience: int = 0
     """0 disables adaptive-depth early exit; > 0 exits after that many stable probes past min_L."""
     early_exit_min_L: int = 2
