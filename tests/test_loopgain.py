@@ -159,7 +159,7 @@ def test_cli_measure_json_and_text(tiny, capsys):
 def test_cli_measure_errors(tiny, tmp_path, capsys):
     path = tiny[0]
     rc, _, err = run_cli(capsys, path, "--measure", "--loops-max", "99")
-    assert rc == 2 and "loops=99" in err
+    assert rc == 2 and "--loops-max=99" in err
     rc, _, err = run_cli(capsys, path, "--loops-max", "3")
     assert rc == 2 and "--measure" in err
     text = tmp_path / "t.txt"
