@@ -204,3 +204,13 @@ def test_ctrl_c_while_writing_output_jsonl_leaves_no_partial_file(tmp_path, caps
     rc, _, err = _cli(capsys, "run", cfg)
     assert rc == 130 and err.splitlines()[-1] == "interrupted"
     assert sorted(os.listdir(tmp_path)) == ["cfg.yaml"]
+
+
+def test_ppl_loops_that_name_no_depth_are_refused(tmp_path, capsys):
+    """`ppl --loops ",,"` names no depth: an error, not the model's default depth silently."""
+    from tinyloop.cli.main import main
+    text = tmp_path / "t.txt"
+    text.write_text("def f(x):\n    return x\n" * 8)
+    rc = main(["ppl", "demo", "--text", str(text), "--loops", ",,", "--window", "16", "--backend", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--loops=',,' names no loop count" in err, err

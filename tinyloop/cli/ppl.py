@@ -48,6 +48,9 @@ def run(args) -> int:
         loops = [int(x) for x in args.loops.split(",") if x.strip()]
     except ValueError:
         raise ConfigError(f"--loops={args.loops!r} must be comma-separated integers") from None
+    if args.loops.strip() and not loops:
+        # given but naming no depth (",,"): not the model's default silently
+        raise ConfigError(f"--loops={args.loops!r} names no loop count; leave it out for the model's default")
     model = load_model(args.model, max_seq_len=max(args.window, 2), backend=args.backend,
                        tokenizer=args.tokenizer or None)
     try:
