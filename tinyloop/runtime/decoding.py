@@ -273,6 +273,11 @@ def check_honoured(decoder: type, config) -> None:
         if name not in honoured:
             own = sorted(honoured - ENGINE_FIELDS)
             default = GenerateConfig.__dataclass_fields__[name].default
+            if name in EXIT_FIELDS and decoder.adaptive_depth and not config.early_exit_patience:
+                raise IncompatibleModesError(
+                    f"{name}={getattr(config, name)!r} is set, but early exit is off "
+                    f"(early_exit_patience=0): set early_exit_patience > 0 to decode with early exit, "
+                    f"or leave {name} at its default ({default!r})")
             raise IncompatibleModesError(
                 f"{name}={getattr(config, name)!r} is set, but decoder {decoder.name!r} ignores it "
                 f"(it honours {', '.join(own) if own else 'no fields'} besides the engine's "
