@@ -905,7 +905,9 @@ class _ResumeSeed:
         _BUDGET.settle(h.model)                 # what the request was admitted for is charged now
         n = len(h.prompt_ids) - 1
         session.model.backend.copy_cache_layers(session.cache, h.cache, n)
-        session.stats.warm_start_iters_saved = base * len(h.prompt_ids)
+        # the copied rows skip iterations 0 .. base - 1; the last prompt row is computed in full
+        # by the request (and its upgrade serves the handle), so it spares nothing
+        session.stats.warm_start_iters_saved = base * n
         _BUDGET.touch(h)
         return n
 
