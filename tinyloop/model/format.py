@@ -37,6 +37,7 @@ import numpy as np
 from .arch import ModelConfig, TensorQuant, is_matrix, required_tensors
 from ..errors import ConfigError, ModelFormatError, ModelFreedError, OutOfMemoryError
 from .quant import dequantize_tensor, quantize_tensor
+from .tokenizer import SPECIAL_TOKENS
 
 MAGIC = b"TINYLOOP"
 VERSION = 1
@@ -121,8 +122,6 @@ def _physical_layout(config: ModelConfig, quant: Mapping[str, TensorQuant]) -> D
 
 #: What an embedded tokenizer of either type may carry besides its own keys.
 TOKENIZER_EXTRAS = ("chat_template", "special_tokens")
-#: The special-token texts a chat template names (tokenizer_config.json's keys).
-SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
 def _check_chat_template(tok: dict) -> None:
@@ -130,9 +129,9 @@ def _check_chat_template(tok: dict) -> None:
     if t is not None and (not isinstance(t, str) or not t.strip()):
         raise ConfigError("tokenizer 'chat_template' must be the non-empty text of a Jinja template")
     sp = tok.get("special_tokens")
-    if sp is not None and (not isinstance(sp, dict) or set(sp) - set(SPECIAL_TOKEN_KEYS)
+    if sp is not None and (not isinstance(sp, dict) or set(sp) - set(SPECIAL_TOKENS)
                            or not all(isinstance(v, str) and v for v in sp.values())):
-        raise ConfigError(f"tokenizer 'special_tokens' must map some of {', '.join(SPECIAL_TOKEN_KEYS)} to "
+        raise ConfigError(f"tokenizer 'special_tokens' must map some of {', '.join(SPECIAL_TOKENS)} to "
                           f"non-empty token texts")
 
 
